@@ -1,0 +1,3 @@
+"""helexa.admission."""
+
+__all__: list[str] = []

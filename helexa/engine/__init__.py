@@ -1,0 +1,3 @@
+"""helexa.engine."""
+
+__all__: list[str] = []

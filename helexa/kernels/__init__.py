@@ -1,0 +1,3 @@
+"""helexa.kernels."""
+
+__all__: list[str] = []

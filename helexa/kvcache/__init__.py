@@ -1,0 +1,3 @@
+"""helexa.kvcache."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""helexa.model."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""helexa.server."""
+
+__all__: list[str] = []
