@@ -27,21 +27,31 @@ __all__ = [
     "AttentionBackend",
     "get_attention_backend",
     "paged_attention",
+    "paged_attention_triton",
     "reference",
     "write_kv",
+    "write_kv_triton",
 ]
 
 
-def _write_kv_triton_pending(*args, **kwargs) -> None:
-    raise NotImplementedError("the Triton write_kv kernel is not built yet; use backend 'torch'")
+try:
+    # Import the kernel modules before the dispatchers below are defined: importing a submodule
+    # binds its name on this package, and the public functions `write_kv`/`paged_attention` must
+    # win. (Use `from helexa.kernels.paged_attention import ...` to reach the module.)
+    from helexa.kernels.paged_attention import paged_attention_triton
+    from helexa.kernels.write_kv import write_kv_triton
+except ModuleNotFoundError as exc:  # triton is a Linux-only dependency
+    if exc.name != "triton":
+        raise
+    _TRITON_MISSING = f"the Triton kernels need the `triton` package ({exc}); use attention backend 'torch'"
 
+    def write_kv_triton(*args, **kwargs) -> None:  # type: ignore[misc]
+        """Stand-in when triton is not installed: raises RuntimeError."""
+        raise RuntimeError(_TRITON_MISSING)
 
-def _paged_attention_triton_pending(*args, **kwargs) -> torch.Tensor:
-    raise NotImplementedError("the Triton paged_attention kernel is not built yet; use backend 'torch'")
-
-
-write_kv_triton = _write_kv_triton_pending
-paged_attention_triton = _paged_attention_triton_pending
+    def paged_attention_triton(*args, **kwargs) -> torch.Tensor:  # type: ignore[misc]
+        """Stand-in when triton is not installed: raises RuntimeError."""
+        raise RuntimeError(_TRITON_MISSING)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
