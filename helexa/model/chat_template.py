@@ -1,0 +1,347 @@
+"""Chat templates: Hugging Face Jinja templates rendered in a sandbox, with per-request errors.
+
+A chat template is untrusted code shipped with a model. `ChatTemplate` compiles it once in a
+jinja2 `ImmutableSandboxedEnvironment` configured as Hugging Face's `apply_chat_template` does
+(`trim_blocks`, `lstrip_blocks`, `loopcontrols`, a no-op `{% generation %}` tag, the helpers
+`raise_exception`, `tojson`, `strftime_now`, `dict`, `namespace`), so its output matches
+transformers' for the same inputs. Every failure — a compile error, `raise_exception`, an undefined
+attribute, a type error, a sandbox violation, a runaway loop — is a `ChatTemplateError` (a
+`ValueError`), which the server turns into a 400 for that request only.
+
+Two deliberate differences from transformers, both only visible to hostile templates:
+- reaching for an unsafe attribute (`__class__`, `__globals__`, `__subclasses__`, any `_name`) raises
+  at once; transformers' sandbox renders it as an empty string and raises only on further use;
+- rendering is bounded: `range()` yields at most `MAX_RANGE` (100 000, jinja2's own sandbox cap)
+  items per call, `*` and `**` cannot build values over `_MAX_VALUE_LEN`, output is capped at
+  `max_output_chars`, and a render that runs past `max_render_seconds` is stopped (the clock is
+  checked on every loop step over a `range`, every call and every output chunk).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
+
+__all__ = ["ChatTemplate", "ChatTemplateError", "validate_messages"]
+
+_MAX_VALUE_LEN = 1_000_000  # items/chars a template may build with `*`; digits with `**`
+
+
+class ChatTemplateError(ValueError):
+    """A chat template failed to compile or render (the template's fault or the request's)."""
+
+
+# --------------------------------------------------------------------------- message validation
+
+
+def _plain(value: Any, where: str) -> Any:
+    """A copy of `value` made only of JSON types (dict with str keys, list, str, int, float, bool, None)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where} has a non-string key {key!r}")
+            out[key] = _plain(item, f"{where}.{key}")
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    raise ValueError(f"{where} has unsupported type {type(value).__name__} (expected JSON data)")
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check an OpenAI-style message list and return a plain-data copy of it.
+
+    Each message is a dict with a non-empty string `role` and a `content` that is a string, a list
+    of `{"type": "text", "text": str}` parts, or (only for a message carrying `tool_calls`) absent or
+    None. Keys whose value is None are dropped, as transformers does, so templates test them with
+    `is defined`. Raises `ValueError` naming the first offending message and field.
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
+    if len(messages) == 0:
+        raise ValueError("messages must contain at least one message")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise ValueError(f"{where} must be an object with 'role' and 'content', got {type(message).__name__}")
+        message = {key: item for key, item in _plain(message, where).items() if item is not None}
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"{where}.role must be a non-empty string, got {role!r}")
+        if "content" not in message:
+            if "tool_calls" not in message:
+                raise ValueError(f"{where}.content is required (only a message with tool_calls may omit it)")
+        else:
+            content = message["content"]
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    if not isinstance(part, dict) or part.get("type") != "text":
+                        raise ValueError(f"{where}.content[{j}] must be a {{'type': 'text', 'text': ...}} part")
+                    if not isinstance(part.get("text"), str):
+                        raise ValueError(f"{where}.content[{j}].text must be a string")
+            elif not isinstance(content, str):
+                raise ValueError(
+                    f"{where}.content must be a string or a list of text parts, got {type(content).__name__}"
+                )
+        out.append(message)
+    return out
+
+
+# --------------------------------------------------------------------------- the sandbox
+
+
+class _RenderBudget:
+    """The wall-clock deadline of one render; checked from loops, calls and output chunks."""
+
+    __slots__ = ("deadline", "seconds")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+
+    def check(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise SecurityError(f"chat template rendering exceeded {self.seconds:g} s")
+
+
+_budget: contextvars.ContextVar[_RenderBudget | None] = contextvars.ContextVar("helexa_template_budget", default=None)
+
+
+def _check_budget() -> None:
+    budget = _budget.get()
+    if budget is not None:
+        budget.check()
+
+
+class _BoundedRange(Sequence):
+    """`range()` for templates: at most MAX_RANGE items, and iteration checks the render deadline."""
+
+    def __init__(self, *args: int) -> None:
+        self._range = range(*args)
+        if len(self._range) > MAX_RANGE:
+            raise SecurityError(f"range of {len(self._range)} items exceeds the sandbox limit of {MAX_RANGE}")
+
+    def __len__(self) -> int:
+        return len(self._range)
+
+    def __getitem__(self, index: Any) -> Any:
+        item = self._range[index]
+        return list(item) if isinstance(item, range) else item
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._range
+
+    def _checked(self, items: range) -> Iterator[int]:
+        for n, value in enumerate(items):
+            if n % 256 == 0:
+                _check_budget()
+            yield value
+
+    def __iter__(self) -> Iterator[int]:
+        return self._checked(self._range)
+
+    def __reversed__(self) -> Iterator[int]:
+        return self._checked(self._range[::-1])
+
+    def __repr__(self) -> str:
+        return repr(self._range)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses underscore-prefixed names (no reaching into Python internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 — mirrors jinja2's Namespace signature
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"a template namespace cannot hold the underscore-prefixed name {name!r}")
+
+
+class _TemplateDict:
+    """`dict(...)` for templates without exposing the `dict` type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _raise_exception(message: Any) -> None:
+    raise jinja2.exceptions.TemplateError(str(message))
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    # Hugging Face semantics: plain json.dumps, no HTML escaping, non-ASCII kept.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _too_big(value: Any) -> bool:
+    return isinstance(value, (str, list, tuple, bytes)) and len(value) > _MAX_VALUE_LEN
+
+
+class _ChatSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox with unsafe attribute access as an immediate error and bounded `*`, `**` and calls."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__} is not allowed")
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
+                    if len(seq) * max(times, 0) > _MAX_VALUE_LEN:
+                        raise SecurityError(f"'*' would build a value of {len(seq) * times} items")
+        if operator == "**" and isinstance(left, int) and isinstance(right, int):
+            if abs(left) > 1 and right * max(abs(left).bit_length(), 1) > 4 * _MAX_VALUE_LEN:
+                raise SecurityError(f"'{left} ** {right}' is too large")
+        result = super().call_binop(context, operator, left, right)
+        if _too_big(result):
+            raise SecurityError(f"'{operator}' built a value of {len(result)} items")
+        return result
+
+    def call(__self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        _check_budget()
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _make_environment() -> _ChatSandbox:
+    env = _ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["range"] = _BoundedRange
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _Namespace
+    return env
+
+
+def _iterates_content(ast: jinja2.nodes.Template) -> bool:
+    """True when the template loops over a message's `content` (it expects OpenAI content parts)."""
+    for loop in ast.find_all(jinja2.nodes.For):
+        for node in [loop.iter, *loop.iter.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem))]:
+            if isinstance(node, jinja2.nodes.Getattr) and node.attr == "content":
+                return True
+            if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
+                if node.arg.value == "content":
+                    return True
+    return False
+
+
+# --------------------------------------------------------------------------- the template
+
+
+class ChatTemplate:
+    """A compiled chat template. Thread-safe: `render` keeps no state between calls.
+
+    `special_tokens` (e.g. `{"bos_token": "<s>", "eos_token": "</s>"}`) are template variables, as
+    transformers passes its `special_tokens_map`; keyword arguments to `render` override them.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        special_tokens: Mapping[str, str] | None = None,
+        *,
+        max_render_seconds: float = 5.0,
+        max_output_chars: int = 16_000_000,
+    ) -> None:
+        if not isinstance(source, str) or not source:
+            raise ChatTemplateError("a chat template must be a non-empty string")
+        self.source = source
+        self.special_tokens: dict[str, str] = dict(special_tokens or {})
+        self.max_render_seconds = max_render_seconds
+        self.max_output_chars = max_output_chars
+        env = _make_environment()
+        try:
+            ast = env.parse(source)
+            self._template = env.from_string(ast)
+        except Exception as exc:  # noqa: BLE001 — any compile failure is the template's fault
+            raise ChatTemplateError(f"chat template does not compile: {type(exc).__name__}: {exc}") from exc
+        # Templates that loop over `message.content` get the parts list; the rest get a string.
+        self.content_format: str = "parts" if _iterates_content(ast) else "string"
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate({len(self.source)} chars, content_format={self.content_format!r})"
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **extra: Any,
+    ) -> str:
+        """Render `messages` (validated by `validate_messages`) to the prompt text.
+
+        Content given as text parts is joined with "\\n" into one string unless the template loops
+        over `content` itself. Raises `ValueError` for malformed messages or tools, and
+        `ChatTemplateError` (a `ValueError`) for anything that goes wrong inside the template.
+        """
+        messages = validate_messages(messages)
+        if self.content_format == "string":
+            for message in messages:
+                if isinstance(message.get("content"), list):
+                    message["content"] = "\n".join(part["text"] for part in message["content"])
+        if tools is not None:
+            if not isinstance(tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in tools):
+                raise ValueError("tools must be a list of objects (JSON schemas)")
+            tools = _plain(list(tools), "tools")
+        variables = {**self.special_tokens, **_plain(extra, "chat template argument")}
+        variables.update(messages=messages, add_generation_prompt=bool(add_generation_prompt), tools=tools)
+        token = _budget.set(_RenderBudget(self.max_render_seconds))
+        try:
+            chunks: list[str] = []
+            size = 0
+            for chunk in self._template.generate(**variables):
+                size += len(chunk)
+                if size > self.max_output_chars:
+                    raise SecurityError(f"chat template output exceeds {self.max_output_chars} characters")
+                chunks.append(chunk)
+                _check_budget()
+            return "".join(chunks)
+        except Exception as exc:  # noqa: BLE001 — a template failure is an error for this request only
+            raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            _budget.reset(token)
