@@ -1,0 +1,55 @@
+"""Which tokens run in the next step: decode tokens first, then prefill chunks, under a token budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+class Schedulable(Protocol):
+    """What the scheduler needs to know about a running sequence."""
+
+    @property
+    def num_tokens(self) -> int: ...  # prompt + output tokens known so far
+
+    @property
+    def num_computed(self) -> int: ...  # tokens whose K/V are in the cache
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_new` tokens of `seq` (from position `seq.num_computed`) run this step; `samples` says
+    whether the step ends at the sequence's last known token and so samples its next one."""
+
+    seq: Schedulable
+    num_new: int
+    samples: bool
+
+
+def schedule(running: Sequence[Schedulable], max_num_batched_tokens: int) -> list[ScheduledChunk]:
+    """Pick this step's work under `max_num_batched_tokens`.
+
+    Guarantees: every sequence that only needs its next token (a decode) is scheduled before any
+    prefill, so running decodes keep flowing while a long prompt is split across steps (chunked
+    prefill); prefills are served in `running` order (admission order), each taking as much of the
+    remaining budget as it needs; the total of `num_new` never exceeds the budget; a sequence
+    appears at most once; sequences with nothing to compute are skipped.
+    """
+    budget = max_num_batched_tokens
+    chunks: list[ScheduledChunk] = []
+    prefills: list[Schedulable] = []
+    for seq in running:
+        pending = seq.num_tokens - seq.num_computed
+        if pending == 1 and budget > 0:
+            chunks.append(ScheduledChunk(seq, 1, True))
+            budget -= 1
+        elif pending > 1:
+            prefills.append(seq)
+    for seq in prefills:
+        if budget <= 0:
+            break
+        pending = seq.num_tokens - seq.num_computed
+        take = min(pending, budget)
+        chunks.append(ScheduledChunk(seq, take, take == pending))
+        budget -= take
+    return chunks

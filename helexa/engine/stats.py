@@ -1,0 +1,56 @@
+"""Live engine rates that admission uses to estimate waits: moving averages of step costs."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineRates:
+    """Exponential moving averages of measured step costs, safe to read from any thread.
+
+    `decode_step_seconds` is the wall time of one engine step that decodes (every running
+    sequence advances one token per step, so a sequence with R tokens left needs about
+    R × decode_step_seconds). `prefill_token_seconds` is the cost of one prompt token. Before the
+    first measurement both hold documented priors (50 ms per decode step, 1 ms per prefill token:
+    pessimistic for a GPU, about right for a small model on a laptop CPU).
+    """
+
+    decode_step_seconds: float = 0.05
+    prefill_token_seconds: float = 0.001
+    alpha: float = 0.2
+    decode_samples: int = 0
+    prefill_samples: int = 0
+    python_overhead_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def observe_step(self, seconds: float, num_decode_tokens: int, num_prefill_tokens: int,
+                     overhead_seconds: float = 0.0) -> None:
+        """Fold one step's wall time into the averages, splitting it between decode and prefill.
+
+        A mixed step is attributed by the current estimates' shares so neither average absorbs
+        the other's cost.
+        """
+        if seconds <= 0 or (num_decode_tokens == 0 and num_prefill_tokens == 0):
+            return
+        with self._lock:
+            prefill_est = num_prefill_tokens * self.prefill_token_seconds
+            decode_est = self.decode_step_seconds if num_decode_tokens else 0.0
+            total_est = prefill_est + decode_est
+            if num_decode_tokens:
+                share = seconds * (decode_est / total_est) if total_est > 0 else seconds
+                self.decode_step_seconds = self._ema(self.decode_step_seconds, share, self.decode_samples)
+                self.decode_samples += 1
+            if num_prefill_tokens:
+                share = seconds * (prefill_est / total_est) if total_est > 0 else seconds
+                per_token = share / num_prefill_tokens
+                self.prefill_token_seconds = self._ema(self.prefill_token_seconds, per_token, self.prefill_samples)
+                self.prefill_samples += 1
+            self.python_overhead_seconds = self._ema(self.python_overhead_seconds, overhead_seconds,
+                                                     self.decode_samples + self.prefill_samples - 1)
+
+    def _ema(self, old: float, new: float, samples: int) -> float:
+        return new if samples == 0 else (1 - self.alpha) * old + self.alpha * new

@@ -1,0 +1,117 @@
+"""Per-request token streams: the engine thread produces, a thread or an asyncio task consumes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of one token, with the top alternatives when they were asked for."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step's output for one request.
+
+    `token_ids` are the tokens sampled this step (one, or none for a final event that only
+    carries a finish reason or an error); `text` is the newly completed text (may be empty while
+    a multi-byte character or a possible stop string is held back). A final event has
+    `finish_reason` set (`"stop"`, `"length"`, `"abort"` or `"error"`); an `"error"` event
+    carries `error` (the exception the consumer should surface).
+    """
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestStream:
+    """A thread-safe, unbounded, single-consumer queue of `TokenEvent`s ending with a final event.
+
+    Guarantees: events arrive in the order they were put; after the final event nothing more is
+    delivered; `put` never blocks the producer (the engine thread) and, for an async consumer,
+    wakes its event loop with `call_soon_threadsafe`.
+    """
+
+    request_id: str
+    _events: deque = field(default_factory=deque, repr=False)
+    _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+    _async_ready: asyncio.Event | None = field(default=None, repr=False)
+    _closed: bool = False
+
+    def put(self, event: TokenEvent) -> None:
+        """Deliver `event`; events after the final one are dropped."""
+        with self._cond:
+            if self._closed:
+                return
+            self._events.append(event)
+            if event.finished:
+                self._closed = True
+            self._cond.notify_all()
+            loop, ready = self._loop, self._async_ready
+        if loop is not None and ready is not None:
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+                pass
+
+    @property
+    def closed(self) -> bool:
+        """True once the final event has been put."""
+        return self._closed
+
+    def get(self, timeout: float | None = None) -> TokenEvent | None:
+        """The next event, blocking up to `timeout` seconds; None on timeout."""
+        with self._cond:
+            if not self._events:
+                self._cond.wait(timeout)
+            return self._events.popleft() if self._events else None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            event = self.get()
+            if event is None:
+                continue
+            yield event
+            if event.finished:
+                return
+
+    async def aget(self) -> TokenEvent:
+        """The next event, awaiting it on the caller's event loop without blocking the loop."""
+        with self._cond:
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+                self._async_ready = asyncio.Event()
+        assert self._async_ready is not None
+        while True:
+            with self._cond:
+                if self._events:
+                    return self._events.popleft()
+                self._async_ready.clear()
+            await self._async_ready.wait()
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        while True:
+            event = await self.aget()
+            yield event
+            if event.finished:
+                return
