@@ -1,0 +1,110 @@
+"""Incremental detokenisation on a tiny byte-level BPE whose tokens split multibyte characters."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+from helexa.model.detokenizer import IncrementalDetokenizer
+from helexa.model.tokenizer import Tokenizer
+
+_spec = importlib.util.spec_from_file_location("_helexa_tiny_tok", Path(__file__).with_name("test_tokenizer.py"))
+_tiny = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_tiny)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_pretrained(_tiny.build_tiny_tokenizer_dir(tmp_path_factory.mktemp("detok")))
+
+
+def _stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    deltas = [detok.push(i) for i in ids]
+    deltas.append(detok.flush())
+    return deltas
+
+
+def test_tokens_split_multibyte_characters(tok: Tokenizer) -> None:
+    # The fixture must exercise the hard case: some token decodes to an incomplete character.
+    ids = tok.encode("😀 🚀 中文 👩‍💻 Привет", add_special_tokens=False)
+    assert any(tok.decode([i]).endswith("\ufffd") for i in ids)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_random_token_sequences_match_full_decode(tok: Tokenizer, skip_special_tokens: bool) -> None:
+    rng = random.Random(1234)
+    for trial in range(60):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 40))]
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 8))] if trial % 2 else None
+        detok = IncrementalDetokenizer(tok, prompt_ids=prompt, skip_special_tokens=skip_special_tokens)
+        full = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        emitted = ""
+        for token_id in ids:
+            emitted += detok.push(token_id)
+            assert full.startswith(emitted), (ids, emitted)  # nothing emitted is ever revised
+        emitted += detok.flush()
+        assert emitted == full == detok.text
+        assert detok.output_ids == ids
+
+
+def test_real_text_never_emits_replacement_characters(tok: Tokenizer) -> None:
+    for line in _tiny.corpus(60, seed=7):
+        ids = tok.encode(line, add_special_tokens=False)
+        prompt = tok.encode("hello 中文", add_special_tokens=True)
+        deltas = _stream(IncrementalDetokenizer(tok, prompt_ids=prompt), ids)
+        assert all("\ufffd" not in d for d in deltas)
+        assert deltas[-1] == ""  # complete text: nothing left for flush
+        assert "".join(deltas) == line
+
+
+def test_special_tokens_skipped_or_kept(tok: Tokenizer) -> None:
+    eot = tok.token_to_id("<|eot_id|>")
+    ids = tok.encode("café", add_special_tokens=False) + [eot] + tok.encode(" 中", add_special_tokens=False)
+    assert "".join(_stream(IncrementalDetokenizer(tok), ids)) == "café 中"
+    assert "".join(_stream(IncrementalDetokenizer(tok, skip_special_tokens=False), ids)) == "café<|eot_id|> 中"
+
+
+def test_incomplete_character_held_then_flushed(tok: Tokenizer) -> None:
+    ids = tok.encode("ok 🦊", add_special_tokens=False)  # not in the corpus: byte tokens
+    # Find a cut inside the emoji: decoding the prefix ends in U+FFFD.
+    cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tok)
+    emitted = "".join(detok.push(i) for i in ids[:cut])
+    assert "\ufffd" not in emitted
+    assert detok.flush() == tok.decode(ids[:cut])[len(emitted) :]  # given up as U+FFFD at the end
+    assert detok.flush() == ""
+
+
+class _CountingTokenizer:
+    """Duck-typed Tokenizer recording how many ids each decode call sees."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+        self.vocab_size = tok.vocab_size
+        self.backend = self
+        self.sizes: list[int] = []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.sizes.append(len(ids))
+        return self._tok.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_cost_per_token_is_bounded_by_the_window(tok: Tokenizer) -> None:
+    ids = tok.encode(" ".join(_tiny.corpus(40, seed=3)), add_special_tokens=False)
+    assert len(ids) > 500
+    counting = _CountingTokenizer(tok)
+    detok = IncrementalDetokenizer(counting, prompt_ids=list(range(50)))  # type: ignore[arg-type]
+    text = "".join(_stream(detok, ids))
+    assert text == tok.decode(ids)
+    assert max(counting.sizes) <= 8  # a few tokens per decode, not the whole sequence
+
+
+def test_rejects_out_of_range_ids(tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(tok)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        detok.push(tok.vocab_size)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        detok.push(-1)
