@@ -1,0 +1,104 @@
+"""The torch reference (the oracle) against SDPA, and the backend dispatch of helexa.kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import helexa.kernels as kernels
+from helexa.kernels import AttentionBackend, get_attention_backend, reference
+
+from _paged_cases import make_problem
+
+
+def _sdpa_on_contiguous(q, k, v, prefix_len, scale=None):
+    """SDPA for one sequence: q (L, H, D) at positions prefix..prefix+L-1, k/v (N, KVH, D)."""
+    group = q.shape[1] // k.shape[1]
+    q_len, seq_len = q.shape[0], k.shape[0]
+    visible = torch.arange(seq_len)[None, :] <= (prefix_len + torch.arange(q_len))[:, None]  # (L, N)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(group, 1).transpose(0, 1),
+        v.repeat_interleave(group, 1).transpose(0, 1),
+        attn_mask=visible,
+        scale=scale,
+    )  # (H, L, D)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_reference_matches_sdpa(num_heads, num_kv_heads, dtype):
+    seqs = [(37, 1), (0, 23), (18, 9), (5, 1)]
+    p = make_problem(seqs, num_heads, num_kv_heads, 64, 16, dtype, seed=num_heads)
+    out = reference.paged_attention(*p.args())
+    block_size = p.k_cache.shape[1]
+    for b, (prefix, q_len) in enumerate(seqs):
+        n = prefix + q_len
+        blocks = p.block_tables[b, : -(-n // block_size)].long()
+        k = p.k_cache[blocks].flatten(0, 1)[:n]  # (N, KVH, D) contiguous copy
+        v = p.v_cache[blocks].flatten(0, 1)[:n]
+        s, e = int(p.query_start_loc[b]), int(p.query_start_loc[b + 1])
+        want = _sdpa_on_contiguous(p.q[s:e], k, v, prefix)
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(out[s:e], want, rtol=tol, atol=tol)
+
+
+def test_reference_scale_and_out_buffer():
+    p = make_problem([(10, 3)], 4, 2, 64, 8, torch.float64, seed=2)
+    out = torch.full_like(p.q, float("nan"))
+    got = reference.paged_attention(*p.args(), scale=0.05, out=out)
+    assert got is out
+    block_size = p.k_cache.shape[1]
+    blocks = p.block_tables[0, : -(-13 // block_size)].long()
+    k = p.k_cache[blocks].flatten(0, 1)[:13]
+    v = p.v_cache[blocks].flatten(0, 1)[:13]
+    torch.testing.assert_close(out, _sdpa_on_contiguous(p.q, k, v, 10, scale=0.05))
+
+
+def test_reference_chunks_long_prefills(monkeypatch):
+    """The query-chunk loop that bounds memory gives the same result as one chunk."""
+    p = make_problem([(5, 40), (0, 1)], 4, 2, 64, 8, torch.float64, seed=8)
+    whole = reference.paged_attention(*p.args())
+    monkeypatch.setattr(reference, "_MAX_SCORE_ELEMENTS", 4 * 45 * 7)  # 7-query chunks
+    torch.testing.assert_close(reference.paged_attention(*p.args()), whole, rtol=0, atol=1e-14)
+
+
+def test_get_attention_backend():
+    assert get_attention_backend("torch") == AttentionBackend("torch", reference.write_kv, reference.paged_attention)
+    triton_backend = get_attention_backend("triton")
+    assert triton_backend.paged_attention is kernels.paged_attention_triton
+    assert triton_backend.write_kv is kernels.write_kv_triton
+    auto = get_attention_backend("auto")
+    assert auto.paged_attention is kernels.paged_attention and auto.write_kv is kernels.write_kv
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("flash")
+
+
+def test_kernel_module_does_not_shadow_public_function():
+    import helexa.kernels.paged_attention  # noqa: F401 — the module is loaded already
+    import helexa.kernels.write_kv  # noqa: F401
+
+    assert callable(kernels.paged_attention) and kernels.paged_attention.__module__ == "helexa.kernels"
+    assert kernels.write_kv.__module__ == "helexa.kernels"
+
+
+@pytest.mark.parametrize("interpret,expect", [("1", "triton"), ("0", "torch")])
+def test_auto_dispatch_on_cpu_follows_triton_interpret(monkeypatch, interpret, expect):
+    calls = []
+
+    def spy(name):
+        def record(*args, **kwargs):
+            calls.append(name)
+        return record
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setattr(kernels, "paged_attention_triton", spy("triton"))
+    monkeypatch.setattr(kernels, "write_kv_triton", spy("triton"))
+    monkeypatch.setattr(kernels.reference, "paged_attention", spy("torch"))
+    monkeypatch.setattr(kernels.reference, "write_kv", spy("torch"))
+    p = make_problem([(3, 1)], 4, 2, 64, 8, torch.float32)
+    kernels.paged_attention(*p.args())
+    kernels.write_kv(p.q[:, :2], p.q[:, :2], p.k_cache, p.v_cache, torch.tensor([0]))
+    assert calls == [expect, expect]
