@@ -1,0 +1,690 @@
+"""Block-exact admission: two gates, one FIFO queue, deadlines, and Retry-After from live estimates.
+
+Life of a request (see `AdmissionController`):
+
+1. The server calls `submit(prompt_tokens, max_tokens, payload=...)`. The request needs
+   `ceil((prompt + max_tokens) / block_size) - shared_blocks` blocks. It is rejected at once and
+   for good (`kv_unservable`, 400) when it can never fit this node; granted at once when nobody
+   is waiting and both gates pass (sequences in flight < `max_num_seqs`, blocks available >= its
+   need); rejected when the queue is full (`queue_full`, 429, or `model_reloading`, 503, while the
+   model reloads) or when its estimated wait already exceeds `max_wait_secs` (`kv_timeout`, 503);
+   queued otherwise.
+2. The engine calls `poll()` each step: it receives the tickets granted since the last poll, the
+   ones that expired in the queue (kv_timeout), and running ones the client cancelled.
+3. While a granted ticket runs, the engine reports `progress(...)`: output tokens, prefilled
+   prompt tokens, physical blocks taken from the reservation.
+4. At finish, error or abort the engine calls `release(ticket)`: the whole reservation returns
+   and the queue is served again, head first.
+
+Accounting: `blocks_available = blocks_total - blocks_reserved`, where `blocks_reserved` is the sum
+of live reservations. A reservation counts only the blocks a sequence does not share from the
+prefix cache (`shared_blocks`); evictable cached blocks are not reserved by anyone and so count
+as available already. When the prefix cache lands, blocks it pins for running sequences join
+`blocks_reserved` through those sequences' tickets, and `blocks_cached` is read from its provider.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Protocol
+
+from helexa.admission.config import AdmissionConfig
+from helexa.admission.errors import AdmissionIntegrityError, AdmissionRejected
+from helexa.admission.estimator import EngineRates, FifoPlan, retry_after_seconds
+from helexa.admission.ticket import PollResult, Ticket, TicketState
+
+logger = logging.getLogger("helexa.admission")
+
+MODEL_STATES = ("loaded", "reloading", "poisoned")
+REJECTION_REASONS = ("queue_full", "kv_timeout", "kv_unservable", "model_reloading")
+
+
+class AdmissionObserver(Protocol):
+    """Receives every admission and rejection (e.g. to feed Prometheus); called outside the lock."""
+
+    def on_admitted(self, wait_seconds: float) -> None:
+        """A ticket was granted after waiting `wait_seconds` (0.0 when granted at submit)."""
+
+    def on_rejected(self, reason: str) -> None:
+        """A request was rejected (at submit, or expired in the queue) for `reason`."""
+
+
+class _Fields:
+    """`key=value ...` rendered only when a log record is actually emitted."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.fields = fields
+
+    def __str__(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.fields.items())
+
+
+def _seconds(x: float) -> float:
+    return round(x, 3)
+
+
+def _debug_from_env() -> bool:
+    return os.environ.get("HELEXA_DEBUG", "0") not in ("", "0")
+
+
+class AdmissionController:
+    """Admits requests against a fixed pool of KV blocks and a sequence-count limit, FIFO.
+
+    Thread-safe: one lock guards all state and nothing slow runs under it (log records, observer
+    calls and the wake-up callback run after it is released). `submit` and `cancel` may be called
+    from any thread; `poll`, `progress` and `release` belong to the engine's thread.
+
+    Arguments:
+    - `config`: pool geometry, gates, queue limit, deadline, policy.
+    - `clock`: seconds, monotonic (`time.monotonic`); tests inject a fake.
+    - `rates`: the engine's speed until it reports a measurement (`EngineRates()` priors).
+    - `observer`: `on_admitted(wait_seconds)` / `on_rejected(reason)` for metrics.
+    - `wakeup`: called (no arguments) after `submit`, `cancel` or `release` changed something the
+      engine loop should see, so an idle engine need not poll on a timer.
+    - `blocks_free`: the pool's exact physical free count (`lambda: pool.num_free_blocks`); without
+      it `snapshot()` reports `total - allocated` from `progress`.
+    - `blocks_cached`: the prefix cache's cached-block count (0 without it).
+    - `debug`: run `check_integrity()` after every change (default: `HELEXA_DEBUG=1`).
+    """
+
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rates: EngineRates | None = None,
+        observer: AdmissionObserver | None = None,
+        wakeup: Callable[[], None] | None = None,
+        blocks_free: Callable[[], int] | None = None,
+        blocks_cached: Callable[[], int] | None = None,
+        debug: bool | None = None,
+    ) -> None:
+        if not isinstance(config, AdmissionConfig):
+            raise ValueError(f"config must be an AdmissionConfig, got {type(config).__name__}")
+        self.config = config
+        self._clock = clock
+        self._rates = rates if rates is not None else EngineRates()
+        self._observer = observer
+        self._wakeup = wakeup
+        self._blocks_free_provider = blocks_free
+        self._blocks_cached_provider = blocks_cached
+        self._debug = _debug_from_env() if debug is None else debug
+
+        self._lock = threading.Lock()
+        self._queue: collections.OrderedDict[int, Ticket] = collections.OrderedDict()  # FIFO, by ticket id
+        self._running: dict[int, Ticket] = {}  # granted, not yet released
+        self._reserved = 0  # sum of blocks_reserved over _running
+        self._allocated = 0  # sum of blocks_allocated over _running
+        self._next_id = 1
+        self._new_grants: list[Ticket] = []  # granted since the last poll
+        self._new_cancels: list[Ticket] = []  # granted, seen by the engine, then cancelled
+        self._effects: list[Callable[[], None]] = []  # run after the lock is released
+
+        # The FIFO simulation behind every wait estimate (see estimator.py).
+        self._plan: FifoPlan | None = None
+        self._plan_time = 0.0
+        self._plan_stale = True  # a grant, release or cancel changed the queue or the reservations
+        self._plan_drifted = False  # progress or rates changed; replan after `replan_interval_secs`
+
+        self._rejected = dict.fromkeys(REJECTION_REASONS, 0)
+        self._admitted_total = 0
+        self._admitted_after_wait = 0
+        self._wait_seconds_sum = 0.0
+        self._model_state = "loaded"
+        self._fault_since: float | None = None
+        self._last_reload_seconds: float | None = None
+
+    # ------------------------------------------------------------------ server side
+
+    def submit(
+        self,
+        prompt_tokens: int,
+        max_tokens: int | None = None,
+        *,
+        shared_blocks: int = 0,
+        payload: Any = None,
+    ) -> Ticket:
+        """Admit a tokenised request: returns its `Ticket` (granted or queued) or raises `AdmissionRejected`.
+
+        `max_tokens=None` reserves `min(max_model_len - prompt_tokens, default_max_tokens)` output
+        tokens. `shared_blocks` is how many of the prompt's full blocks the prefix cache already
+        holds (they are not reserved again). Raises `ValueError` for malformed numbers. A granted
+        ticket also appears in the engine's next `poll().granted`.
+        """
+        _check_int("prompt_tokens", prompt_tokens, 1)
+        if max_tokens is not None:
+            _check_int("max_tokens", max_tokens, 1)
+        _check_int("shared_blocks", shared_blocks, 0)
+        if shared_blocks > prompt_tokens // self.config.block_size:
+            raise ValueError(
+                f"shared_blocks={shared_blocks} exceeds the {prompt_tokens // self.config.block_size} full blocks "
+                f"of a {prompt_tokens}-token prompt (block_size={self.config.block_size})"
+            )
+        with self._lock:
+            outcome = self._submit_locked(self._clock(), prompt_tokens, max_tokens, shared_blocks, payload)
+            effects = self._finish_locked()
+        self._run(effects, wake=isinstance(outcome, Ticket))
+        if isinstance(outcome, AdmissionRejected):
+            raise outcome
+        return outcome
+
+    def cancel(self, ticket: Ticket) -> bool:
+        """Withdraw a request (client gone or cancelled). Idempotent, any thread; True if it changed anything.
+
+        A queued ticket leaves the queue. A granted ticket the engine has not picked up yet is
+        released at once. A granted ticket the engine is running is marked `cancel_requested` and
+        handed to the engine in `poll().cancelled`; its reservation returns when the engine has
+        freed the sequence's blocks and calls `release` — never earlier, so a grant can never be
+        given blocks that are still physically in use.
+        """
+        with self._lock:
+            self._check_owned(ticket)
+            now = self._clock()
+            changed = True
+            if ticket.state is TicketState.QUEUED:
+                del self._queue[ticket.id]
+                ticket.state, ticket.ended_at = TicketState.CANCELLED, now
+                self._plan_stale = True
+                self._pump(now)
+            elif ticket.state is TicketState.GRANTED and not ticket.cancel_requested:
+                ticket.cancel_requested = True
+                if ticket.seen_by_engine:
+                    self._new_cancels.append(ticket)
+                    self._plan_drifted = True
+                else:
+                    self._end(ticket, now, TicketState.CANCELLED)
+                    self._pump(now)
+            else:
+                changed = False
+            effects = self._finish_locked()
+        self._run(effects, wake=changed)
+        return changed
+
+    # ------------------------------------------------------------------ engine side
+
+    def poll(self, now: float | None = None) -> PollResult:
+        """Expire queued tickets past their deadline, then hand over grants and cancels since the last poll.
+
+        Expired tickets carry `error`: a kv_timeout `AdmissionRejected` whose Retry-After is their
+        estimated remaining wait. Lists are in the order events happened (grants in FIFO order).
+        """
+        with self._lock:
+            now = self._clock() if now is None else now
+            expired: list[Ticket] = []
+            if self._queue and next(iter(self._queue.values())).deadline <= now:
+                self._ensure_plan(now)  # every queued ticket's est_start, for Retry-After
+                while self._queue:
+                    head = next(iter(self._queue.values()))
+                    if head.deadline > now:
+                        break
+                    self._expire(head, now)
+                    expired.append(head)
+                self._plan_stale = True
+                self._pump(now)
+            granted, self._new_grants = self._new_grants, []
+            for ticket in granted:
+                ticket.seen_by_engine = True
+            cancelled, self._new_cancels = self._new_cancels, []
+            effects = self._finish_locked()
+        self._run(effects, wake=False)
+        return PollResult(granted, expired, cancelled)
+
+    def progress(
+        self,
+        ticket: Ticket,
+        *,
+        tokens_generated: int | None = None,
+        prompt_prefilled: int | None = None,
+        blocks_allocated: int | None = None,
+    ) -> None:
+        """Record a running ticket's progress (absolute values, not deltas).
+
+        Raises `ValueError` when a value leaves its bounds: `tokens_generated <= max_tokens`,
+        `prompt_prefilled <= prompt_tokens`, `blocks_allocated <= blocks_reserved` (a sequence never
+        allocates beyond its reservation).
+        """
+        with self._lock:
+            self._check_owned(ticket)
+            if ticket.state is not TicketState.GRANTED:
+                raise ValueError(f"progress() for ticket {ticket.id} in state {ticket.state.value}; it must be granted")
+            if tokens_generated is not None:
+                _check_int("tokens_generated", tokens_generated, 0)
+                if tokens_generated > ticket.max_tokens:
+                    raise ValueError(
+                        f"ticket {ticket.id}: tokens_generated={tokens_generated} exceeds its max_tokens={ticket.max_tokens}"
+                    )
+                ticket.tokens_generated = tokens_generated
+            if prompt_prefilled is not None:
+                _check_int("prompt_prefilled", prompt_prefilled, 0)
+                if prompt_prefilled > ticket.prompt_tokens:
+                    raise ValueError(
+                        f"ticket {ticket.id}: prompt_prefilled={prompt_prefilled} exceeds its prompt of "
+                        f"{ticket.prompt_tokens} tokens"
+                    )
+                ticket.prompt_prefilled = prompt_prefilled
+            if blocks_allocated is not None:
+                _check_int("blocks_allocated", blocks_allocated, 0)
+                if blocks_allocated > ticket.blocks_reserved:
+                    raise ValueError(
+                        f"ticket {ticket.id}: blocks_allocated={blocks_allocated} exceeds its reservation of "
+                        f"{ticket.blocks_reserved} blocks"
+                    )
+                self._allocated += blocks_allocated - ticket.blocks_allocated
+                ticket.blocks_allocated = blocks_allocated
+            self._plan_drifted = True
+            effects = self._finish_locked()
+        self._run(effects, wake=False)
+
+    def release(self, ticket: Ticket) -> bool:
+        """End a granted ticket's reservation (finish, error, abort): every block returns, the queue is served.
+
+        Idempotent: False when the ticket had already ended. Raises `ValueError` for a queued
+        ticket (use `cancel`).
+        """
+        with self._lock:
+            self._check_owned(ticket)
+            if ticket.state is TicketState.QUEUED:
+                raise ValueError(f"release() of queued ticket {ticket.id}; cancel() withdraws a queued request")
+            changed = ticket.state is TicketState.GRANTED
+            if changed:
+                now = self._clock()
+                self._end(ticket, now, TicketState.CANCELLED if ticket.cancel_requested else TicketState.RELEASED)
+                self._pump(now)
+            effects = self._finish_locked()
+        self._run(effects, wake=changed)
+        return changed
+
+    def next_deadline(self) -> float | None:
+        """The clock time at which the next queued ticket expires (when `poll` must run), or None."""
+        with self._lock:
+            return next(iter(self._queue.values())).deadline if self._queue else None
+
+    def set_rates(self, rates: EngineRates) -> None:
+        """Replace the engine's measured speed (its moving averages) used by every later estimate."""
+        if not isinstance(rates, EngineRates):
+            raise ValueError(f"rates must be an EngineRates, got {type(rates).__name__}")
+        with self._lock:
+            self._rates = rates
+            self._plan_drifted = True
+
+    @property
+    def rates(self) -> EngineRates:
+        """The speed estimates use now."""
+        return self._rates
+
+    def set_model_state(self, state: str) -> None:
+        """Record the model's state: `loaded`, `reloading` or `poisoned` (after a device fault).
+
+        While not loaded, requests still queue (reservations outlive a reload), but a full queue
+        answers 503 `model_reloading` with the remaining reload time estimated from the last reload's
+        duration (or, before any reload finished, as long again as this one has taken so far).
+        """
+        if state not in MODEL_STATES:
+            raise ValueError(f"model state must be one of {MODEL_STATES}, got {state!r}")
+        with self._lock:
+            now = self._clock()
+            if state != "loaded" and self._fault_since is None:
+                self._fault_since = now
+            elif state == "loaded" and self._fault_since is not None:
+                self._last_reload_seconds = now - self._fault_since
+                self._fault_since = None
+            self._model_state = state
+
+    @property
+    def model_state(self) -> str:
+        """`loaded`, `reloading` or `poisoned`."""
+        return self._model_state
+
+    # ------------------------------------------------------------------ visibility
+
+    @property
+    def in_flight(self) -> int:
+        """Tickets holding a reservation."""
+        return len(self._running)
+
+    @property
+    def queue_depth(self) -> int:
+        """Tickets waiting in the queue."""
+        return len(self._queue)
+
+    @property
+    def blocks_reserved(self) -> int:
+        """Sum of live reservations."""
+        return self._reserved
+
+    @property
+    def blocks_available(self) -> int:
+        """`blocks_total - blocks_reserved`: what the next grant may reserve."""
+        return self.config.num_blocks - self._reserved
+
+    def snapshot(self) -> dict[str, Any]:
+        """The `GET /v1/admission` body (SPEC.md), plus admitted/wait counters and the rates in use."""
+        blocks_free = self._blocks_free_provider() if self._blocks_free_provider is not None else None
+        blocks_cached = self._blocks_cached_provider() if self._blocks_cached_provider is not None else 0
+        cfg = self.config
+        with self._lock:
+            return {
+                "block_size": cfg.block_size,
+                "blocks_total": cfg.num_blocks,
+                "blocks_free": cfg.num_blocks - self._allocated if blocks_free is None else blocks_free,
+                "blocks_reserved": self._reserved,
+                "blocks_available": cfg.num_blocks - self._reserved,
+                "blocks_cached": blocks_cached,
+                "blocks_allocated": self._allocated,
+                "in_flight": len(self._running),
+                "max_in_flight": cfg.max_num_seqs,
+                "queue_depth": len(self._queue),
+                "max_queue_depth": cfg.max_queue_depth,
+                "max_wait_secs": cfg.max_wait_secs,
+                "policy": cfg.policy,
+                "rejected": dict(self._rejected),
+                "admitted_total": self._admitted_total,
+                "admitted_after_wait": self._admitted_after_wait,
+                "admission_wait_seconds_sum": _seconds(self._wait_seconds_sum),
+                "decode_step_seconds": self._rates.decode_step_seconds,
+                "prefill_token_seconds": self._rates.prefill_token_seconds,
+                "model_state": self._model_state,
+            }
+
+    def check_integrity(self) -> None:
+        """Raise `AdmissionIntegrityError` (with the numbers) unless every invariant holds.
+
+        Sum of live reservations == `blocks_reserved` <= total; each ticket's allocated blocks <= its
+        reservation and their sum == the allocated count; in flight <= `max_num_seqs`; queue depth
+        <= `max_queue_depth`; every queued ticket is QUEUED and every running one GRANTED, none in both.
+        """
+        with self._lock:
+            self._check_integrity_locked()
+
+    # ------------------------------------------------------------------ internals (lock held)
+
+    def _submit_locked(
+        self, now: float, prompt: int, max_tokens: int | None, shared: int, payload: Any
+    ) -> Ticket | AdmissionRejected:
+        cfg = self.config
+        m = max_tokens if max_tokens is not None else max(1, min(cfg.max_model_len - prompt, cfg.default_max_tokens))
+        blocks = cfg.blocks_for(prompt + m) - shared
+        arith: dict[str, Any] = {"prompt": prompt, "max_tokens": m, "shared_blocks": shared, "blocks_needed": blocks}
+        arith.update(self._gauges())
+        arith["max_model_len"] = cfg.max_model_len
+
+        if prompt >= cfg.max_model_len:
+            return self._reject(
+                "kv_unservable", arith, None,
+                f"prompt of {prompt} tokens leaves no room for output: the maximum context length is "
+                f"{cfg.max_model_len} tokens",
+            )
+        if prompt + m > cfg.max_model_len:
+            return self._reject(
+                "kv_unservable", arith, None,
+                f"prompt of {prompt} tokens + max_tokens {m} = {prompt + m} tokens exceeds the maximum context "
+                f"length of {cfg.max_model_len} tokens",
+            )
+        if blocks > cfg.num_blocks:
+            return self._reject(
+                "kv_unservable", arith, None,
+                f"prompt of {prompt} tokens + max_tokens {m} needs {blocks} KV blocks of {cfg.block_size} tokens, "
+                f"more than this node's whole pool of {cfg.num_blocks} blocks",
+            )
+        del arith["max_model_len"]
+
+        run_seconds = self._rates.run_seconds(prompt - shared * cfg.block_size, m)
+        ticket = Ticket(
+            id=self._next_id, prompt_tokens=prompt, max_tokens=m, shared_blocks=shared, blocks_reserved=blocks,
+            payload=payload, arrival=now, deadline=now + cfg.max_wait_secs, est_wait_at_arrival=0.0,
+            prompt_prefilled=shared * cfg.block_size,
+        )
+        fits_now = blocks <= cfg.num_blocks - self._reserved and len(self._running) < cfg.max_num_seqs
+        if fits_now and not self._queue:
+            self._next_id += 1
+            self._grant(ticket, now, from_queue=False)
+            return ticket
+        if fits_now and cfg.policy == "backfill" and self._backfill_fits(now, run_seconds):
+            self._next_id += 1
+            ticket.backfilled = True
+            self._grant(ticket, now, from_queue=False)
+            return ticket
+
+        depth = len(self._queue)
+        if depth >= cfg.max_queue_depth:
+            plan = self._ensure_plan(now)
+            head_start = next(iter(self._queue.values())).est_start if self._queue else plan.start_of(blocks)
+            wait = max(0.0, head_start - now)
+            arith["est_wait_s"], arith["deadline_s"] = _seconds(wait), cfg.max_wait_secs
+            if self._model_state != "loaded":
+                reload_left = self._reload_seconds_left(now)
+                arith["reload_left_s"] = _seconds(reload_left)
+                return self._reject(
+                    "model_reloading", arith, retry_after_seconds(reload_left),
+                    f"the model is reloading after a device fault and the admission queue is full ({depth} of "
+                    f"{cfg.max_queue_depth} waiting); estimated {reload_left:.0f} s until it serves again",
+                )
+            return self._reject(
+                "queue_full", arith, retry_after_seconds(wait),
+                f"the admission queue is full ({depth} of {cfg.max_queue_depth} waiting, {len(self._running)} "
+                f"running); a place is estimated to free in {wait:.0f} s",
+            )
+
+        plan = self._ensure_plan(now)
+        start, appended = plan.append_if_starts_by(blocks, run_seconds, now + cfg.max_wait_secs)
+        wait = max(0.0, start - now)
+        arith["est_wait_s"], arith["deadline_s"] = _seconds(wait), cfg.max_wait_secs
+        if not appended:
+            return self._reject(
+                "kv_timeout", arith, retry_after_seconds(wait),
+                f"the {blocks} KV blocks this request needs are estimated to be free in {wait:.0f} s, beyond the "
+                f"{cfg.max_wait_secs:.0f} s wait limit ({arith['blocks_available']} of {cfg.num_blocks} blocks "
+                f"available now, {depth} requests queued)",
+            )
+        self._next_id += 1
+        ticket.est_wait_at_arrival = wait
+        ticket.est_start = max(start, now)
+        self._queue[ticket.id] = ticket
+        if logger.isEnabledFor(logging.DEBUG):
+            arith["queue_position"], arith["queue_depth"] = depth + 1, depth + 1
+            fields = _Fields(arith)
+            self._effects.append(lambda: logger.debug("admission: queued ticket=%d %s", ticket.id, fields))
+        return ticket
+
+    def _backfill_fits(self, now: float, run_seconds: float) -> bool:
+        """True when a request of `run_seconds` started now is estimated to end by the head's estimated start."""
+        self._ensure_plan(now)
+        head = next(iter(self._queue.values()))
+        return now + run_seconds <= head.est_start
+
+    def _pump(self, now: float) -> None:
+        """Grant from the head of the queue while both gates pass; then backfill if the policy allows."""
+        cfg, queue = self.config, self._queue
+        while queue:
+            head = next(iter(queue.values()))
+            if head.blocks_reserved > cfg.num_blocks - self._reserved or len(self._running) >= cfg.max_num_seqs:
+                break
+            queue.popitem(last=False)
+            self._grant(head, now, from_queue=True)
+        if cfg.policy != "backfill" or len(queue) < 2 or len(self._running) >= cfg.max_num_seqs:
+            return
+        self._ensure_plan(now)
+        tickets = iter(queue.values())
+        shadow = next(tickets).est_start  # the head's estimated start: backfill must end by then
+        rates, picked = self._rates, []
+        available = cfg.num_blocks - self._reserved
+        slots = cfg.max_num_seqs - len(self._running)
+        for t in tickets:
+            if slots == 0:
+                break
+            if t.blocks_reserved <= available and now + rates.run_seconds(t.prefill_tokens_left, t.max_tokens) <= shadow:
+                picked.append(t)
+                available -= t.blocks_reserved
+                slots -= 1
+        for t in picked:
+            del queue[t.id]
+            t.backfilled = True
+            self._grant(t, now, from_queue=True)
+
+    def _grant(self, ticket: Ticket, now: float, from_queue: bool) -> None:
+        ticket.state, ticket.granted_at = TicketState.GRANTED, now
+        self._running[ticket.id] = ticket
+        self._reserved += ticket.blocks_reserved
+        self._new_grants.append(ticket)
+        self._plan_stale = True
+        wait = now - ticket.arrival
+        self._admitted_total += 1
+        self._wait_seconds_sum += wait
+        if self._observer is not None:
+            observer = self._observer
+            self._effects.append(lambda: observer.on_admitted(wait))
+        if not from_queue:
+            return
+        self._admitted_after_wait += 1
+        if logger.isEnabledFor(logging.INFO):
+            fields = _Fields({
+                "prompt": ticket.prompt_tokens, "max_tokens": ticket.max_tokens,
+                "shared_blocks": ticket.shared_blocks, "blocks_needed": ticket.blocks_reserved,
+                **self._gauges(), "waited_s": _seconds(wait),
+                "est_wait_s": _seconds(ticket.est_wait_at_arrival), "deadline_s": self.config.max_wait_secs,
+                "backfilled": ticket.backfilled,
+            })
+            self._effects.append(lambda: logger.info("admission: admitted ticket=%d %s", ticket.id, fields))
+
+    def _end(self, ticket: Ticket, now: float, state: TicketState) -> None:
+        del self._running[ticket.id]
+        self._reserved -= ticket.blocks_reserved
+        self._allocated -= ticket.blocks_allocated
+        ticket.state, ticket.ended_at = state, now
+        if not ticket.seen_by_engine:
+            self._new_grants.remove(ticket)
+        self._plan_stale = True
+
+    def _expire(self, ticket: Ticket, now: float) -> None:
+        cfg = self.config
+        del self._queue[ticket.id]
+        left = max(0.0, ticket.est_start - now)
+        waited = now - ticket.arrival
+        arith: dict[str, Any] = {
+            "prompt": ticket.prompt_tokens, "max_tokens": ticket.max_tokens, "shared_blocks": ticket.shared_blocks,
+            "blocks_needed": ticket.blocks_reserved, **self._gauges(), "waited_s": _seconds(waited),
+            "est_wait_s": _seconds(left), "deadline_s": cfg.max_wait_secs,
+        }
+        ticket.state, ticket.ended_at = TicketState.EXPIRED, now
+        ticket.error = self._reject(
+            "kv_timeout", arith, retry_after_seconds(left),
+            f"waited {waited:.0f} s (the limit) for {ticket.blocks_reserved} KV blocks without admission "
+            f"({arith['blocks_available']} of {cfg.num_blocks} available); estimated {left:.0f} s more",
+        )
+
+    def _reject(self, reason: str, arith: dict[str, Any], retry_after: int | None, message: str) -> AdmissionRejected:
+        if retry_after is not None:
+            arith["retry_after_s"] = retry_after
+        error = AdmissionRejected(reason, message, retry_after, arith)
+        self._rejected[reason] += 1
+        if logger.isEnabledFor(logging.WARNING):
+            fields = _Fields(error.arithmetic)
+            self._effects.append(lambda: logger.warning("admission: rejected %s %s", reason, fields))
+        if self._observer is not None:
+            observer = self._observer
+            self._effects.append(lambda: observer.on_rejected(reason))
+        return error
+
+    def _gauges(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "blocks_available": cfg.num_blocks - self._reserved,
+            "blocks_reserved": self._reserved,
+            "blocks_total": cfg.num_blocks,
+            "in_flight": len(self._running),
+            "max_num_seqs": cfg.max_num_seqs,
+            "queue_depth": len(self._queue),
+        }
+
+    def _ensure_plan(self, now: float) -> FifoPlan:
+        """The FIFO simulation, rebuilt when stale (or drifted for longer than the replan interval).
+
+        Sets `est_start` on every queued ticket. O((in_flight + queue) log in_flight) when rebuilt.
+        """
+        plan = self._plan
+        if (
+            plan is not None
+            and not self._plan_stale
+            and not (self._plan_drifted and now - self._plan_time >= self.config.replan_interval_secs)
+        ):
+            return plan
+        cfg, rates = self.config, self._rates
+        releases = [
+            (now if t.cancel_requested else now + rates.run_seconds(t.prefill_tokens_left, t.decode_tokens_left),
+             t.blocks_reserved)
+            for t in self._running.values()
+        ]
+        plan = FifoPlan(now, cfg.num_blocks - self._reserved, cfg.max_num_seqs - len(self._running), releases)
+        for t in self._queue.values():
+            t.est_start = plan.append(t.blocks_reserved, rates.run_seconds(t.prefill_tokens_left, t.max_tokens))
+        self._plan, self._plan_time = plan, now
+        self._plan_stale = self._plan_drifted = False
+        return plan
+
+    def _reload_seconds_left(self, now: float) -> float:
+        elapsed = 0.0 if self._fault_since is None else now - self._fault_since
+        if self._last_reload_seconds is None:
+            return elapsed
+        return max(0.0, self._last_reload_seconds - elapsed)
+
+    def _check_owned(self, ticket: Ticket) -> None:
+        if not isinstance(ticket, Ticket):
+            raise ValueError(f"expected a Ticket, got {type(ticket).__name__}")
+        owned = self._queue.get(ticket.id) is ticket or self._running.get(ticket.id) is ticket
+        if not owned and not ticket.state.ended:
+            raise ValueError(f"ticket {ticket.id} does not belong to this controller")
+
+    def _finish_locked(self) -> list[Callable[[], None]]:
+        if self._debug:
+            self._check_integrity_locked()
+        effects, self._effects = self._effects, []
+        return effects
+
+    def _run(self, effects: list[Callable[[], None]], wake: bool) -> None:
+        for effect in effects:
+            effect()
+        if wake and self._wakeup is not None:
+            self._wakeup()
+
+    def _check_integrity_locked(self) -> None:
+        cfg, problems = self.config, []
+        reserved = sum(t.blocks_reserved for t in self._running.values())
+        allocated = sum(t.blocks_allocated for t in self._running.values())
+        if reserved != self._reserved:
+            problems.append(f"sum of live reservations {reserved} != blocks_reserved {self._reserved}")
+        if self._reserved > cfg.num_blocks or self._reserved < 0:
+            problems.append(f"blocks_reserved {self._reserved} outside [0, blocks_total={cfg.num_blocks}]")
+        if allocated != self._allocated:
+            problems.append(f"sum of allocated blocks {allocated} != blocks_allocated {self._allocated}")
+        if len(self._running) > cfg.max_num_seqs:
+            problems.append(f"in_flight {len(self._running)} > max_num_seqs {cfg.max_num_seqs}")
+        if len(self._queue) > cfg.max_queue_depth:
+            problems.append(f"queue_depth {len(self._queue)} > max_queue_depth {cfg.max_queue_depth}")
+        for t in self._running.values():
+            if t.state is not TicketState.GRANTED:
+                problems.append(f"running ticket {t.id} in state {t.state.value}")
+            if t.blocks_allocated > t.blocks_reserved:
+                problems.append(f"ticket {t.id} allocated {t.blocks_allocated} > its reservation {t.blocks_reserved}")
+            if t.id in self._queue:
+                problems.append(f"ticket {t.id} is both queued and running")
+        for t in self._queue.values():
+            if t.state is not TicketState.QUEUED:
+                problems.append(f"queued ticket {t.id} in state {t.state.value}")
+        for t in self._new_grants:
+            if self._running.get(t.id) is not t:
+                problems.append(f"ticket {t.id} awaiting poll is not running")
+        if problems:
+            raise AdmissionIntegrityError("admission integrity: " + "; ".join(problems))
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+

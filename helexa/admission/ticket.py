@@ -1,0 +1,86 @@
+"""A request's place in admission: queued, then holding a reservation of KV blocks, then ended."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from helexa.admission.errors import AdmissionRejected
+
+
+class TicketState(str, enum.Enum):
+    """Where a ticket is in its life. `QUEUED` -> `GRANTED` -> one of the ended states."""
+
+    QUEUED = "queued"  # waiting in the FIFO queue; holds nothing
+    GRANTED = "granted"  # holds its reservation (blocks + one sequence slot) until released
+    RELEASED = "released"  # ended after running: finished, failed or aborted by the engine
+    CANCELLED = "cancelled"  # cancelled by the client (while queued, or while granted and then released)
+    EXPIRED = "expired"  # waited `max_wait_secs` in the queue; `error` holds the kv_timeout rejection
+
+    @property
+    def ended(self) -> bool:
+        """True for the states a ticket never leaves."""
+        return self in (TicketState.RELEASED, TicketState.CANCELLED, TicketState.EXPIRED)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted (queued or granted) request. The controller owns every field; others read them.
+
+    `max_tokens` is the effective output limit (the request's, or the default the controller
+    chose): the engine must stop the sequence there, since the reservation was sized for it.
+    `blocks_reserved` is the reservation: `ceil((prompt_tokens + max_tokens) / block_size) -
+    shared_blocks`. Progress fields are set through `AdmissionController.progress`.
+    """
+
+    id: int
+    prompt_tokens: int
+    max_tokens: int
+    shared_blocks: int
+    blocks_reserved: int
+    payload: Any
+    arrival: float  # clock time of submit
+    deadline: float  # arrival + max_wait_secs: a queued ticket expires here
+    est_wait_at_arrival: float  # seconds, 0.0 when granted at once
+    state: TicketState = TicketState.QUEUED
+    granted_at: float | None = None
+    ended_at: float | None = None
+    backfilled: bool = False  # granted ahead of the queue's head under policy "backfill"
+    tokens_generated: int = 0
+    prompt_prefilled: int = 0  # prompt tokens whose K/V is in the cache (shared ones included)
+    blocks_allocated: int = 0  # physical blocks taken from the reservation so far
+    cancel_requested: bool = False  # cancelled while the engine runs it: the engine must abort, then release
+    error: AdmissionRejected | None = None  # set when the ticket expired in the queue
+    est_start: float = field(default=0.0, repr=False)  # latest estimated grant time while queued
+    seen_by_engine: bool = field(default=False, repr=False)  # returned by a poll
+
+    @property
+    def waited_seconds(self) -> float | None:
+        """Seconds between submit and grant, or `None` while not granted."""
+        return None if self.granted_at is None else self.granted_at - self.arrival
+
+    @property
+    def prefill_tokens_left(self) -> int:
+        """Prompt tokens still to prefill."""
+        return self.prompt_tokens - self.prompt_prefilled
+
+    @property
+    def decode_tokens_left(self) -> int:
+        """Output tokens it may still generate (bounded by `max_tokens`)."""
+        return self.max_tokens - self.tokens_generated
+
+
+class PollResult(NamedTuple):
+    """What changed since the engine's last `poll`, each list in the order it happened.
+
+    - `granted`: tickets now holding a reservation; the engine turns each into a running sequence.
+    - `expired`: queued tickets that waited `max_wait_secs`; each carries its kv_timeout `error`.
+    - `cancelled`: granted tickets the client cancelled while the engine runs them; the engine
+      aborts each sequence, frees its blocks, then calls `release` (the reservation is kept until
+      then, so no grant can be handed blocks that are still physically in use).
+    """
+
+    granted: list[Ticket]
+    expired: list[Ticket]
+    cancelled: list[Ticket]

@@ -1,0 +1,69 @@
+"""Test helpers: a settable clock and a fake engine loop that drives an AdmissionController exactly.
+
+The fake engine follows the order the real engine loop will: poll (pick up grants, expiries and
+cancels), then one decode step of `decode_step_seconds` in which every running sequence finishes
+its prefill and gains one token; a sequence that reaches its `max_tokens` is released. With
+`prefill_token_seconds=0` the controller's estimates are then exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from helexa.admission import AdmissionController, Ticket
+
+
+class FakeClock:
+    """A clock that only moves when told to."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+@dataclass
+class FakeEngine:
+    controller: AdmissionController
+    clock: FakeClock
+    step_seconds: float = 1.0
+    running: list[Ticket] = field(default_factory=list)
+    granted_at: dict[int, float] = field(default_factory=dict)  # ticket id -> clock at grant pick-up
+    finished: list[Ticket] = field(default_factory=list)
+    expired: list[Ticket] = field(default_factory=list)
+    stop_early: dict[int, int] = field(default_factory=dict)  # ticket id -> tokens after which it stops
+
+    def step(self) -> None:
+        """One engine iteration: poll, then one decode step for every running sequence."""
+        res = self.controller.poll()
+        for t in res.granted:
+            self.granted_at[t.id] = self.clock.t
+            self.running.append(t)
+        self.expired.extend(res.expired)
+        for t in res.cancelled:
+            self._end(t)
+        if not self.running:
+            return
+        self.clock.advance(self.step_seconds)
+        for t in list(self.running):
+            n = t.tokens_generated + 1
+            blocks = self.controller.config.blocks_for(t.prompt_tokens + n) - t.shared_blocks
+            self.controller.progress(t, tokens_generated=n, prompt_prefilled=t.prompt_tokens, blocks_allocated=blocks)
+            if n >= min(t.max_tokens, self.stop_early.get(t.id, t.max_tokens)):
+                self._end(t)
+
+    def _end(self, t: Ticket) -> None:
+        self.running.remove(t)
+        self.controller.release(t)
+        self.finished.append(t)
+
+    def run_until_idle(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.running and not self.controller.queue_depth and not self.controller.in_flight:
+                return
+            self.step()
+        raise AssertionError("fake engine did not drain")
