@@ -1,0 +1,218 @@
+"""Sampler: seeded reproducibility, exact filter masks, penalties by hand, logprobs, validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helexa.model.sampling import Sampler, SamplingParams, make_generator
+
+V = 64
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, V, generator=g) * 3  # (S, V), distinct values
+
+
+def _sample_many(logits_row: torch.Tensor, params: SamplingParams, n: int) -> set[int]:
+    """Tokens drawn from one row over n draws (rows replicated in a batch)."""
+    out = Sampler().sample(logits_row.expand(n, V).contiguous(), [params] * n)
+    return set(out.token_ids)
+
+
+# ---------------------------------------------------------------------------- params validation
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": 3}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"n": 0}, "n"),
+    ],
+)
+def test_params_validation_names_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_params_normalisation() -> None:
+    p = SamplingParams(stop="###", stop_token_ids=[3, 4])
+    assert p.stop == ("###",) and p.stop_token_ids == (3, 4) and p.max_tokens == 16
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == ()
+    assert SamplingParams(temperature=0).is_greedy and not SamplingParams().is_greedy
+    assert SamplingParams(top_k=0).uses_filters is False and SamplingParams(min_p=0.1).uses_filters
+    with pytest.raises(Exception):
+        SamplingParams().temperature = 0.5  # type: ignore[misc]  # frozen
+
+
+# ---------------------------------------------------------------------------- greedy and seeds
+
+
+def test_greedy_is_argmax_with_mixed_batch() -> None:
+    logits = _logits(6)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 3
+    out = Sampler().sample(logits, params)
+    expected = logits.argmax(-1).tolist()
+    assert [out.token_ids[i] for i in (0, 2, 4)] == [expected[i] for i in (0, 2, 4)]
+    assert out.logprobs == [None] * 6
+
+
+def test_seeded_rows_reproduce_across_batch_compositions() -> None:
+    sampler = Sampler()
+    target = _logits(1, seed=3)  # (1, V)
+    p = SamplingParams(temperature=1.3, top_p=0.95, top_k=40, seed=1234)
+
+    def run(batch: list[tuple[torch.Tensor, SamplingParams, torch.Generator | None]], steps: int) -> list[list[int]]:
+        rows = torch.cat([b[0] for b in batch])
+        gens = [b[2] for b in batch]
+        return [sampler.sample(rows, [b[1] for b in batch], gens).token_ids for _ in range(steps)]
+
+    alone = run([(target, p, make_generator(1234, "cpu"))], 20)
+    others = [(_logits(1, seed=s), SamplingParams(temperature=0.8, seed=s), make_generator(s, "cpu")) for s in (7, 8)]
+    crowd = run([others[0], (target, p, make_generator(1234, "cpu")), others[1], (_logits(1, 9), SamplingParams(), None)], 20)
+    assert [step[0] for step in alone] == [step[1] for step in crowd]
+    assert len({step[0] for step in alone}) > 1  # really random: several tokens over 20 steps
+    different = run([(target, p, make_generator(99, "cpu"))], 20)
+    assert [step[0] for step in different] != [step[0] for step in alone]
+
+
+def test_seed_without_generator_is_rejected() -> None:
+    with pytest.raises(ValueError, match="generator"):
+        Sampler().sample(_logits(1), [SamplingParams(seed=1)])
+    with pytest.raises(ValueError, match="rows"):
+        Sampler().sample(_logits(2), [SamplingParams()])
+    with pytest.raises(ValueError, match="float32"):
+        Sampler().sample(_logits(1).double(), [SamplingParams()])
+
+
+def test_sampling_frequencies_follow_the_distribution() -> None:
+    logits = torch.tensor([[math.log(0.6), math.log(0.3), math.log(0.1)]])  # (1, 3)
+    n = 4000
+    torch.manual_seed(0)
+    out = Sampler().sample(logits.expand(n, 3).contiguous(), [SamplingParams()] * n)
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=3).float() / n
+    assert torch.allclose(freq, torch.tensor([0.6, 0.3, 0.1]), atol=0.03)
+
+
+# ---------------------------------------------------------------------------- filters
+
+
+def test_top_k_mask_exact() -> None:
+    row = _logits(1, seed=11)
+    allowed = set(row[0].topk(5).indices.tolist())
+    assert _sample_many(row, SamplingParams(top_k=5, temperature=5.0), 3000) == allowed
+
+
+def test_top_p_mask_exact() -> None:
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02])
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(1))
+    row = torch.log(probs[perm])[None, :]  # (1, 7), shuffled so the order is not the id order
+    # Probability mass ranked above each token: 0, .4, .65, .8, .9, .95, .98; a token survives while
+    # that mass is below top_p, so top_p=0.79 keeps 3 tokens and 0.85 keeps 4.
+    for top_p, keep in ((0.5, 2), (0.79, 3), (0.85, 4), (0.97, 6)):
+        expected = {int(perm.tolist().index(j)) for j in range(keep)}
+        got = set(Sampler().sample(row.expand(2000, 7).contiguous(), [SamplingParams(top_p=top_p)] * 2000).token_ids)
+        assert got == expected, top_p
+
+
+def test_top_k_then_top_p_renormalises() -> None:
+    row = torch.log(torch.tensor([[0.3, 0.3, 0.2, 0.2]]))
+    # After top_k=2 the two survivors have 0.5 each: top_p=0.5 keeps only the first of them.
+    got = set(Sampler().sample(row.expand(500, 4).contiguous(), [SamplingParams(top_k=2, top_p=0.5)] * 500).token_ids)
+    assert got == {0}
+
+
+def test_min_p_mask_exact() -> None:
+    row = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    # min_p=0.25: threshold 0.125 keeps {0, 1, 2}.
+    got = set(Sampler().sample(row.expand(2000, 5).contiguous(), [SamplingParams(min_p=0.25)] * 2000).token_ids)
+    assert got == {0, 1, 2}
+
+
+def test_filters_apply_per_row() -> None:
+    logits = _logits(3, seed=21)
+    params = [SamplingParams(top_k=1, temperature=2.0), SamplingParams(temperature=2.0), SamplingParams(top_k=2)]
+    rows = [0, 1, 2] * 400
+    out = Sampler().sample(logits[rows], [params[r] for r in rows])
+    by_row = {r: {t for t, rr in zip(out.token_ids, rows) if rr == r} for r in range(3)}
+    assert by_row[0] == {int(logits[0].argmax())}
+    assert len(by_row[1]) > 5
+    assert by_row[2] == set(logits[2].topk(2).indices.tolist())
+
+
+# ---------------------------------------------------------------------------- penalties
+
+
+def test_penalties_match_hand_computation() -> None:
+    logits = _logits(2, seed=5)
+    top = logits.argmax(-1).tolist()
+    prompt = [[1, 2, 2, 3], [4]]
+    output = [[top[0], top[0], 5, 1, 3], [top[1], 4, 6]]  # the raw argmax is penalised in both rows
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.7, frequency_penalty=0.4, presence_penalty=0.9),
+        SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=-0.5),
+    ]
+    expected = logits.clone()
+    for r, p in enumerate(params):
+        if p.repetition_penalty != 1:
+            for t in set(prompt[r]) | set(output[r]):  # repetition: prompt and output tokens
+                x = float(expected[r, t])
+                expected[r, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        for t in set(output[r]):  # frequency and presence: output tokens only
+            expected[r, t] -= p.frequency_penalty * output[r].count(t) + p.presence_penalty
+    got = Sampler()._apply_penalties(logits, params, prompt, output)
+    torch.testing.assert_close(got, expected)
+    out = Sampler().sample(logits, params, prompt_ids=prompt, output_ids=output)
+    assert out.token_ids == expected.argmax(-1).tolist()
+    assert out.token_ids != top
+
+
+def test_penalties_need_ids() -> None:
+    with pytest.raises(ValueError, match="output_ids"):
+        Sampler().sample(_logits(1), [SamplingParams(presence_penalty=1.0)])
+    with pytest.raises(ValueError, match="prompt_ids"):
+        Sampler().sample(_logits(1), [SamplingParams(repetition_penalty=1.2)], output_ids=[[1]])
+    with pytest.raises(ValueError, match="penalty token ids"):
+        Sampler().sample(_logits(1), [SamplingParams(presence_penalty=1.0)], output_ids=[[V + 3]])
+
+
+# ---------------------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_raw_model_logprobs() -> None:
+    logits = _logits(3, seed=8)
+    params = [
+        SamplingParams(temperature=0.5, top_k=3, logprobs=4, frequency_penalty=1.0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logprobs=0),
+    ]
+    out = Sampler().sample(logits, params, output_ids=[[1, 2], [], []])
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs[1] is None and out.top_logprobs[1] is None
+    assert out.top_logprobs[2] == []
+    for r in (0, 2):
+        assert out.logprobs[r] == pytest.approx(float(raw[r, out.token_ids[r]]), abs=1e-6)
+    values, ids = raw[0].topk(4)
+    assert [t for t, _ in out.top_logprobs[0]] == ids.tolist()
+    assert [v for _, v in out.top_logprobs[0]] == pytest.approx(values.tolist(), abs=1e-6)
+    assert out.token_ids[2] == int(logits[2].argmax())
