@@ -10,7 +10,7 @@ cached prefix) in the same flattened batch:
   search over `query_start_loc`, so launching needs no device-to-host transfer.
 - The keys are walked in tiles of `TILE_N` positions, independent of the cache block size: each
   position looks its block up in the block table. Online softmax in base 2, fp32 accumulation.
-- Flash-decoding: with `NUM_SPLITS > 1` the key range of every tile is divided among that many
+- Flash-decoding: with `num_splits > 1` the key range of every tile is divided among that many
   programs, each writing a normalised partial output and its log-sum-exp; `_reduce_splits_kernel`
   merges them. The wrapper splits only decode-like batches whose (sequence x KV head) programs
   would not fill the device.
@@ -102,10 +102,10 @@ def _attention_kernel(
     block_tables_ptr,  # (B, MB)
     seq_lens_ptr,  # (B,)
     query_start_loc_ptr,  # (B+1,)
-    out_ptr,  # (T, H, D) — written when NUM_SPLITS == 1
-    part_out_ptr,  # (NUM_SPLITS, T, H, BLOCK_D) fp32 — written when NUM_SPLITS > 1
-    part_lse_ptr,  # (NUM_SPLITS, T, H) fp32, base-2 log-sum-exp
-    num_seqs, head_dim, block_size, qk_scale,
+    out_ptr,  # (T, H, D) — written when not SPLIT
+    part_out_ptr,  # (num_splits, T, H, BLOCK_D) fp32 — written when SPLIT
+    part_lse_ptr,  # (num_splits, T, H) fp32, base-2 log-sum-exp
+    num_seqs, head_dim, block_size, qk_scale, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -118,7 +118,7 @@ def _attention_kernel(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -157,7 +157,7 @@ def _attention_kernel(
     last_q = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_len = prefix_len + last_q + 1
     num_tiles = tl.cdiv(kv_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -188,7 +188,7 @@ def _attention_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # (M, D)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_offs = tokens64[:, None] * stride_ot + heads64[:, None] * stride_oh + dims64[None, :] * stride_od
         tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
     else:
@@ -342,7 +342,7 @@ def paged_attention_triton(
     _attention_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, part_out, part_lse,
-        batch, head_dim, block_size, scale * _LOG2E,
+        batch, head_dim, block_size, scale * _LOG2E, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         *part_out.stride()[:3], *part_lse.stride()[:2],
         GROUP=group,
@@ -350,7 +350,7 @@ def paged_attention_triton(
         BLOCK_Q=block_q,
         TILE_N=tile_n,
         BLOCK_D=block_d,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         UPCAST=not q.is_cuda,
         INTERPRETED=not q.is_cuda,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
