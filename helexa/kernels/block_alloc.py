@@ -10,7 +10,9 @@ Every operation here exists twice with the same signature: `<op>_triton` (a Trit
 CUDA and, under `TRITON_INTERPRET=1`, on CPU in tests) and `<op>_torch` (torch ops, used elsewhere).
 They produce identical state. The host passes the current free count `top` as an argument (its
 exact mirror, see `BlockAllocator`), so a launch of many programs never races on reading a counter
-another program writes; the device counter is written once per launch, for debug-mode checks.
+another program writes. The device counter is kept independently — one program per launch adds
+or subtracts the number of blocks it pushed or popped — so debug mode can compare it with the
+mirror and catch a divergence.
 
 Loops are `while` loops: the Triton interpreter (NumPy >= 2.4) cannot use its 1-element scalars
 as `range()` bounds, and these loops are short (decode: one iteration).
@@ -22,9 +24,28 @@ device value on the host (no synchronisation) except where a docstring says so.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+    _TRITON_MISSING = ""
+except ModuleNotFoundError as exc:  # triton is a Linux-only dependency; the torch versions still work
+    if exc.name != "triton":
+        raise
+    _TRITON_MISSING = f"the Triton allocator kernels need the `triton` package ({exc}); use backend 'torch'"
+
+    def _jit(fn: Callable | None = None, **_: object) -> Callable:
+        return fn if fn is not None else (lambda f: f)
+
+
+def _require_triton() -> None:
+    if _TRITON_MISSING:
+        raise RuntimeError(_TRITON_MISSING)
 
 __all__ = [
     "pop_blocks_triton",
@@ -37,10 +58,10 @@ __all__ = [
     "extend_tables_torch",
 ]
 
-_BLOCK = 256  # ids handled per program (pop, incref) or per loop iteration (push)
+_BLOCK = 1024  # ids handled per program (pop, incref) or per loop iteration (push)
 _BLOCK_N = 16  # new blocks per loop iteration of one sequence in `extend` (decode needs <= 1)
 _BLOCK_W = 64  # block-table columns per loop iteration in `extend`
-_BLOCK_T = 64  # new tokens per loop iteration in `extend`
+_BLOCK_T = 256  # new tokens per loop iteration in `extend`
 
 
 def _check_state(stack: torch.Tensor, refcount: torch.Tensor, top_counter: torch.Tensor) -> None:
@@ -67,7 +88,7 @@ def _check_ids(ids: torch.Tensor, stack: torch.Tensor) -> None:
 # pop: allocate n blocks
 
 
-@triton.jit(do_not_specialize=["top", "n"])
+@_jit(do_not_specialize=["top", "n"])
 def _pop_kernel(stack_ptr, refcount_ptr, top_ptr, out_ptr, top, n, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     i = pid * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
@@ -76,7 +97,7 @@ def _pop_kernel(stack_ptr, refcount_ptr, top_ptr, out_ptr, top, n, BLOCK: tl.con
     tl.store(out_ptr + i, block_id, mask=mask)
     tl.store(refcount_ptr + block_id, tl.full([BLOCK], 1, tl.int32), mask=mask)
     if pid == 0:
-        tl.store(top_ptr, top - n)
+        tl.store(top_ptr, tl.load(top_ptr) - n)
 
 
 def pop_blocks_triton(
@@ -84,9 +105,10 @@ def pop_blocks_triton(
 ) -> torch.Tensor:
     """Pop `n` blocks off the free stack: returns (n,) int32 ids `stack[top-1], ..., stack[top-n]`.
 
-    Sets their reference counts to 1 and the device counter to `top - n`. Requires
+    Sets their reference counts to 1 and subtracts `n` from the device counter. Requires
     `0 <= n <= top` (the caller checks); one launch, no synchronisation.
     """
+    _require_triton()
     _check_state(stack, refcount, top_counter)
     if not 0 <= n <= top <= stack.shape[0]:
         raise ValueError(f"cannot pop {n} blocks with top={top} of {stack.shape[0]}")
@@ -105,7 +127,7 @@ def pop_blocks_torch(
         raise ValueError(f"cannot pop {n} blocks with top={top} of {stack.shape[0]}")
     out = stack[top - n : top].flip(0).clone()  # (n,) — first popped first
     refcount[out.long()] = 1
-    top_counter.fill_(top - n)
+    top_counter.sub_(n)
     return out
 
 
@@ -113,7 +135,7 @@ def pop_blocks_torch(
 # push: drop one reference per block; blocks reaching zero go back on the stack
 
 
-@triton.jit(do_not_specialize=["top"])
+@_jit(do_not_specialize=["top"])
 def _push_kernel(stack_ptr, refcount_ptr, top_ptr, ids_ptr, top, n, BLOCK: tl.constexpr):
     # One program walks the ids in order so the pushed order is deterministic (= order in `ids`).
     pushed = 0
@@ -129,7 +151,7 @@ def _push_kernel(stack_ptr, refcount_ptr, top_ptr, ids_ptr, top, n, BLOCK: tl.co
         tl.store(stack_ptr + pos, block_id, mask=freed != 0)
         pushed += tl.sum(freed, axis=0)
         i0 += BLOCK
-    tl.store(top_ptr, top + pushed)
+    tl.store(top_ptr, tl.load(top_ptr) + pushed)
 
 
 def push_blocks_triton(
@@ -138,8 +160,9 @@ def push_blocks_triton(
     """Decrement the reference count of each of `ids` ((k,) int32, distinct, all allocated).
 
     Blocks whose count reaches zero are pushed on the free stack in the order they appear in
-    `ids`; the device counter becomes `top + pushed`. One single-program launch, no sync.
+    `ids`; the device counter grows by the number pushed. One single-program launch, no sync.
     """
+    _require_triton()
     _check_state(stack, refcount, top_counter)
     _check_ids(ids, stack)
     _push_kernel[(1,)](stack, refcount, top_counter, ids, top, ids.shape[0], BLOCK=_BLOCK)
@@ -161,14 +184,14 @@ def push_blocks_torch(
     freed = ids[counts == 0]  # (f,) in the order of `ids`
     num_freed = int(freed.shape[0])
     stack[top : top + num_freed] = freed
-    top_counter.fill_(top + num_freed)
+    top_counter.add_(num_freed)
 
 
 # --------------------------------------------------------------------------------------------
 # incref: one more reference per block
 
 
-@triton.jit
+@_jit
 def _incref_kernel(refcount_ptr, ids_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
@@ -178,6 +201,7 @@ def _incref_kernel(refcount_ptr, ids_ptr, n, BLOCK: tl.constexpr):
 
 def incref_blocks_triton(refcount: torch.Tensor, ids: torch.Tensor) -> None:
     """Add one reference to each of `ids` ((k,) int32 on refcount's device). One launch, no sync."""
+    _require_triton()
     _check_ids(ids, refcount)
     n = ids.shape[0]
     if n:
@@ -225,7 +249,7 @@ def _check_extend(
         raise ValueError(f"width {width} must be in [1, {tables.shape[1]}]")
 
 
-@triton.jit(do_not_specialize=["top", "total_new"])
+@_jit(do_not_specialize=["top", "total_new"])
 def _extend_kernel(
     stack_ptr, refcount_ptr, top_ptr,
     tables_ptr, table_stride,  # (R, MB)
@@ -285,7 +309,7 @@ def _extend_kernel(
         t0 += BLOCK_T
 
     if b == 0:
-        tl.store(top_ptr, top - total_new)
+        tl.store(top_ptr, tl.load(top_ptr) - total_new)
 
 
 def extend_tables_triton(
@@ -314,6 +338,7 @@ def extend_tables_triton(
     Returns `block_tables` (B, width) int32 (padding 0) and `slot_mapping` (num_tokens,) int64.
     One launch of B programs; no synchronisation.
     """
+    _require_triton()
     _check_extend(stack, refcount, top_counter, tables, rows, seq_lens, query_start_loc, alloc_start, width)
     batch = rows.shape[0]
     out_tables = torch.empty(batch, width, dtype=torch.int32, device=stack.device)  # (B, width)
@@ -363,7 +388,7 @@ def extend_tables_torch(
     col = old_blocks[owner] + torch.arange(total_new, device=device) - alloc_start.long()[owner]  # (N,)
     tables[rows64[owner], col] = popped
     refcount[popped.long()] = 1
-    top_counter.fill_(top - total_new)
+    top_counter.sub_(total_new)
 
     # 2. The batch's table rows, zero beyond each sequence's blocks.
     out_tables = tables.index_select(0, rows64)[:, :width]  # (B, width)

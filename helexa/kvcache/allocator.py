@@ -67,6 +67,8 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "torch":
         return "torch"
     if backend == "triton":
+        if block_alloc._TRITON_MISSING:
+            raise ValueError(block_alloc._TRITON_MISSING)
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
             raise ValueError(
                 f"allocator backend 'triton' on {device.type} needs TRITON_INTERPRET=1 (set before triton "
