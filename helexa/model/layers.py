@@ -10,7 +10,7 @@ model and the loader stay as they are.
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 import torch.nn.functional as F

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Hashable, Iterator
 
 import torch
 from safetensors import safe_open

@@ -6,7 +6,7 @@ fused projections, which `CausalLM.packed_modules` maps back to the checkpoint n
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +86,16 @@ class CausalLM(nn.Module):
         self.model = _Backbone(config, backend)
         self.rotary_emb = RotaryEmbedding(config)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weights and activations (and so of the KV cache the model expects)."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The device holding the weights."""
+        return self.model.embed_tokens.weight.device
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -65,6 +65,7 @@ def test_sharded_checkpoint_loads_the_same_model(tmp_path: Path, llama_dir: Path
 def test_bfloat16_load_casts_every_parameter(llama_dir: Path) -> None:
     model = load_model(llama_dir, dtype="bfloat16", attention_backend="torch")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.dtype == torch.bfloat16 and model.device == torch.device("cpu")
     ckpt = load_file(llama_dir / "model.safetensors")
     assert torch.equal(model.model.norm.weight, ckpt["model.norm.weight"].to(torch.bfloat16))
     reference = _run_prefill(load_model(llama_dir, dtype="float32", attention_backend="torch"), [5, 9, 17, 3, 44])
