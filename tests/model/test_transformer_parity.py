@@ -96,3 +96,44 @@ def test_triton_backend_matches_transformers(tmp_path: Path) -> None:
         num_hidden_layers=1,
     )
     _run_session(path, "triton", lengths=(5, 20), decode_steps=2, extend=6, block_size=8)
+
+
+def test_real_block_pool_and_batch_builder(tmp_path: Path) -> None:
+    """The same session through `helexa.kvcache` (BlockPool + BatchBuilder) instead of the test
+    cache: the pool's free stack is scrambled first, so block tables are scattered."""
+    from helexa.kvcache import BatchBuilder, BlockPool
+
+    path = make_tiny_model(tmp_path, "qwen3")
+    model = load_model(path, dtype="float32", attention_backend="torch")
+    hf = load_hf_model(path)
+    cfg = model.config
+    pool = BlockPool(48, 4, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    blocks = pool.allocate(pool.num_blocks).tolist()
+    pool.free([blocks[i] for i in torch.randperm(len(blocks), generator=gen).tolist()])
+    builder = BatchBuilder(pool, max_num_seqs=4, max_model_len=64)
+    tables = [builder.new_table() for _ in range(3)]
+    tokens = [torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in (6, 13, 9)]
+
+    history = [list(t) for t in tokens]
+    new_tokens = tokens
+    for _ in range(4):  # the prefill, then three decode steps
+        attn = builder.build([(t, len(n)) for t, n in zip(tables, new_tokens)])
+        input_ids = torch.tensor([tok for n in new_tokens for tok in n])  # (T,)
+        positions = torch.tensor(
+            [t.num_tokens - len(n) + i for t, n in zip(tables, new_tokens) for i in range(len(n))]
+        )  # (T,)
+        last_rows = torch.tensor([len(n) for n in new_tokens]).cumsum(0) - 1  # (B,)
+        logits = model(input_ids, positions, attn, pool.kv_caches(), last_rows)  # (B, V)
+        for b, seq in enumerate(history):
+            with torch.no_grad():
+                expected = hf(torch.tensor([seq])).logits[0, -1]
+            diff = (logits[b] - expected).abs().max().item()
+            assert diff < TOL, f"sequence {b} at length {len(seq)}: max abs diff {diff:.2e}"
+        new_tokens = [[t] for t in logits.argmax(-1).tolist()]
+        for seq, new in zip(history, new_tokens):
+            seq.extend(new)
+    # Each table holds exactly the blocks its context needs (the last sampled token has no slot yet).
+    assert [t.num_blocks for t in tables] == [-(-(len(seq) - 1) // 4) for seq in history]
+    builder.check_integrity()
+    pool.check_integrity()
