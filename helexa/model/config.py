@@ -37,6 +37,9 @@ _ARCHITECTURES: dict[str, _ArchTraits] = {
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
+# For configs without an `architectures` list.
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -193,6 +196,8 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
         archs = d.get("architectures") or []
+        if not archs and d.get("model_type") in _MODEL_TYPES:
+            archs = [_MODEL_TYPES[d["model_type"]]]
         known = [a for a in archs if a in _ARCHITECTURES]
         if not known:
             raise ValueError(

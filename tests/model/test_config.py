@@ -148,6 +148,13 @@ def test_invalid_configs_raise_clear_errors(change: dict, message: str) -> None:
         ModelConfig.from_dict({**LLAMA_4X, **change})
 
 
+def test_model_type_stands_in_for_missing_architectures() -> None:
+    d = {k: v for k, v in LLAMA_4X.items() if k != "architectures"}
+    assert ModelConfig.from_dict({**d, "model_type": "qwen2"}).architecture == "Qwen2ForCausalLM"
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        ModelConfig.from_dict({**d, "model_type": "gpt2"})
+
+
 def test_explicit_head_dim_wins() -> None:
     config = ModelConfig.from_dict({**LLAMA_4X, "head_dim": 64})
     assert config.head_dim == 64 and config.q_size == 32 * 64
