@@ -5,9 +5,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from helexa.admission import EngineRates
+
 
 @dataclass
-class EngineRates:
+class RateTracker:
     """Exponential moving averages of measured step costs, safe to read from any thread.
 
     `decode_step_seconds` is the wall time of one engine step that decodes (every running
@@ -54,3 +56,9 @@ class EngineRates:
 
     def _ema(self, old: float, new: float, samples: int) -> float:
         return new if samples == 0 else (1 - self.alpha) * old + self.alpha * new
+
+    def rates(self) -> EngineRates:
+        """The current averages as the admission controller's `EngineRates` (a consistent snapshot)."""
+        with self._lock:
+            return EngineRates(decode_step_seconds=max(self.decode_step_seconds, 1e-6),
+                               prefill_token_seconds=max(self.prefill_token_seconds, 0.0))
