@@ -1,0 +1,92 @@
+"""OpenAI-shaped errors: one exception type the routes raise, and the JSON response it becomes.
+
+Every error the server sends is `{"error": {"message", "type", "code", "param"}}` with the status
+and `code` SPEC.md's error table assigns. Admission's own rejections (`AdmissionRejected`) already
+carry their status, code and Retry-After; `from_admission` only reshapes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from helexa.admission import AdmissionRejected
+
+__all__ = ["APIError", "error_body", "error_response", "from_admission"]
+
+# code -> (HTTP status, OpenAI error type) for the errors the server itself decides.
+_SERVER_ERRORS: dict[str, tuple[int, str]] = {
+    "invalid_request": (400, "invalid_request_error"),
+    "invalid_api_key": (401, "authentication_error"),
+    "not_found": (404, "invalid_request_error"),
+    "method_not_allowed": (405, "invalid_request_error"),
+    "request_too_large": (413, "invalid_request_error"),
+    "request_aborted": (503, "service_unavailable_error"),
+    "shutting_down": (503, "service_unavailable_error"),
+    "device_fault": (500, "server_error"),
+    "internal_error": (500, "server_error"),
+}
+
+
+class APIError(Exception):
+    """An error response: HTTP `status`, OpenAI `code` and `type`, a `message`, the offending `param`.
+
+    `retry_after` (whole seconds >= 1) becomes a `Retry-After` header; None for none. Build one with
+    `APIError(code, message, param=...)` for the server's own codes (status and type looked up), or
+    `from_admission(rejection)` for admission's.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int | None = None,
+        error_type: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        if status is None or error_type is None:
+            if code not in _SERVER_ERRORS:
+                raise ValueError(f"unknown error code {code!r}: give status and error_type explicitly")
+            status, error_type = status or _SERVER_ERRORS[code][0], error_type or _SERVER_ERRORS[code][1]
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.status = status
+        self.error_type = error_type
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI-shaped JSON body."""
+        return error_body(self.message, self.error_type, self.code, self.param)
+
+    def headers(self) -> dict[str, str]:
+        """`Retry-After` when the error is temporary and an estimate exists."""
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+
+    def __repr__(self) -> str:
+        return f"APIError({self.code!r}, status={self.status}, param={self.param!r})"
+
+
+def error_body(message: str, error_type: str, code: str, param: str | None = None) -> dict[str, Any]:
+    """`{"error": {"message", "type", "code", "param"}}`."""
+    return {"error": {"message": message, "type": error_type, "code": code, "param": param}}
+
+
+def from_admission(rejection: AdmissionRejected) -> APIError:
+    """The `APIError` for an admission rejection: its status, code, type, message and Retry-After."""
+    return APIError(
+        rejection.code,
+        rejection.message,
+        status=rejection.status,
+        error_type=rejection.error_type,
+        retry_after=rejection.retry_after,
+    )
+
+
+def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The JSON response for `error`, with its Retry-After and any extra `headers`."""
+    return JSONResponse(error.body(), status_code=error.status, headers={**error.headers(), **(headers or {})})

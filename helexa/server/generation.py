@@ -1,0 +1,186 @@
+"""The engine requests behind one HTTP request: submit them, merge their token streams, abort them.
+
+An OpenAI request with `n` choices over `p` prompts becomes `p × n` engine requests (each its own
+sequence), choice `k = prompt * n + i`. `GenerationRun` submits them all or none (a rejection of
+one aborts those already submitted), yields `(choice, TokenEvent)` pairs as the engine produces
+them (never blocking the event loop), and `abort()`s whatever has not finished — on client
+disconnect, on an error in a sibling choice, or when the response is abandoned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from helexa.admission import AdmissionRejected
+from helexa.engine.engine import EngineClosed, EngineError, RequestHandle
+from helexa.engine.stream import TokenEvent, TokenLogprob
+from helexa.model.sampling import SamplingParams
+
+from helexa.server.errors import APIError, from_admission
+from helexa.server.protocol import GenerationRequest
+
+__all__ = ["Choice", "GenerationRun", "event_error"]
+
+
+@dataclass
+class Choice:
+    """One choice's output so far: text, token ids, logprobs, and how it ended."""
+
+    index: int
+    prompt_tokens: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: BaseException | None = None
+
+    def add(self, event: TokenEvent) -> None:
+        """Fold one event in (text deltas are already detokenised and stop-trimmed by the engine)."""
+        if event.text:
+            self.text.append(event.text)
+        self.token_ids.extend(event.token_ids)
+        self.logprobs.extend(event.logprobs)
+        if event.finished:
+            self.finish_reason, self.error = event.finish_reason, event.error
+
+    @property
+    def output_text(self) -> str:
+        """All text so far."""
+        return "".join(self.text)
+
+
+def event_error(event: TokenEvent) -> APIError | None:
+    """The `APIError` a final event stands for (`error` or `abort`), or None for `stop` / `length`.
+
+    - an admission rejection (a queued request that waited `--max-wait-secs`): its 503 kv_timeout;
+    - an `EngineError` (a device fault): 500 `device_fault`, the message carrying the cause;
+    - `abort` reaching a client that is still connected: the server aborted it (shutting down): 503.
+    """
+    if event.finish_reason == "abort":
+        return APIError("request_aborted", "the request was aborted by the server (shutting down)")
+    if event.finish_reason != "error":
+        return None
+    error = event.error
+    if isinstance(error, AdmissionRejected):
+        return from_admission(error)
+    if isinstance(error, EngineError):
+        return APIError("device_fault", str(error))
+    return APIError("internal_error", f"generation failed: {type(error).__name__}")
+
+
+class GenerationRun:
+    """All engine requests of one HTTP request. Create, `submit()`, then iterate `events()` once.
+
+    `engine` is a started `Engine`; `prompt_ids` holds one token list per prompt. Timing for the
+    metrics: `started` (monotonic seconds at creation), `first_token_at` (first token of any
+    choice), `admission_waits` (seconds each choice waited for its reservation).
+    """
+
+    def __init__(self, engine: Any, request_id: str, prompt_ids: list[list[int]], request: GenerationRequest) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.request = request
+        self.handles: list[RequestHandle] = []
+        self.choices: list[Choice] = []
+        self.started = time.monotonic()
+        self.first_token_at: float | None = None
+        self.admission_waits: list[float] = []
+        self._done: set[int] = set()  # choices whose final event arrived
+        self._seen: set[int] = set()  # choices that produced any event
+
+    def sampling_params(self, prompt_len: int, choice: int) -> SamplingParams:
+        """The `SamplingParams` of choice `choice` (its seed is the request's + choice number)."""
+        req = self.request
+        max_tokens = req.max_tokens if req.max_tokens is not None else self.engine.default_max_tokens(prompt_len)
+        seed = None if req.seed is None else req.seed + choice % req.n
+        try:
+            return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=req.logprobs, **req.sampling)
+        except ValueError as exc:
+            raise APIError("invalid_request", str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+    def submit(self) -> None:
+        """Submit every choice; on any failure abort the ones submitted and raise `APIError`.
+
+        Admission rejections keep their status, code and Retry-After; a closed engine is 503
+        `shutting_down`; a prompt the engine refuses (empty, ids outside the vocabulary) is 400.
+        """
+        n = self.request.n
+        try:
+            for p, ids in enumerate(self.prompt_ids):
+                for i in range(n):
+                    k = p * n + i
+                    params = self.sampling_params(len(ids), k)
+                    handle = self.engine.submit(ids, params, request_id=f"{self.request_id}-{k}")
+                    self.handles.append(handle)
+                    self.choices.append(Choice(index=k, prompt_tokens=handle.prompt_tokens))
+        except AdmissionRejected as exc:
+            self.abort()
+            raise from_admission(exc) from None
+        except EngineClosed:
+            self.abort()
+            raise APIError("shutting_down", "the server is shutting down and admits no new requests") from None
+        except ValueError as exc:
+            self.abort()
+            param = "prompt" if self.request.kind == "completion" else "messages"
+            raise APIError("invalid_request", str(exc), param=param) from None
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def finished(self) -> bool:
+        """True once every choice has its final event."""
+        return len(self._done) == len(self.handles)
+
+    def abort(self) -> None:
+        """Abort every choice that has not finished (idempotent; their blocks return at the next step)."""
+        for k, handle in enumerate(self.handles):
+            if k not in self._done:
+                self.engine.abort(handle.request_id)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of the request, each prompt counted once (not once per choice)."""
+        return sum(len(ids) for ids in self.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Output tokens of every choice so far."""
+        return sum(len(c.token_ids) for c in self.choices)
+
+    async def events(self) -> AsyncIterator[tuple[Choice, TokenEvent]]:
+        """`(choice, event)` pairs in arrival order until every choice has ended; each event already folded in.
+
+        Leaving the iteration early (an exception, cancellation, `aclose`) aborts the rest.
+        """
+        queue: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
+
+        async def pump(k: int, handle: RequestHandle) -> None:
+            async for event in handle.stream:
+                queue.put_nowait((k, event))
+
+        tasks = [asyncio.ensure_future(pump(k, h)) for k, h in enumerate(self.handles)]
+        try:
+            while not self.finished:
+                k, event = await queue.get()
+                choice = self.choices[k]
+                if event.token_ids and self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
+                if k not in self._seen:  # the first event of a choice: it was granted (or ended unstarted)
+                    self._seen.add(k)
+                    waited = self.handles[k].ticket.waited_seconds
+                    if waited is not None:
+                        self.admission_waits.append(waited)
+                choice.add(event)
+                if event.finished:
+                    self._done.add(k)
+                yield choice, event
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.abort()

@@ -1,0 +1,124 @@
+"""Prometheus metrics (`GET /metrics`), on a registry owned by one app (never the global default).
+
+Gauges and the engine's counters are read at scrape time from `engine.snapshot()` and
+`engine.counters` by a custom collector, so they can never drift from admission's own numbers;
+the server itself counts requests by HTTP status and observes the three latency histograms.
+Every metric name is SPEC.md's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from helexa.admission import MODEL_STATES, REJECTION_REASONS
+
+__all__ = ["CONTENT_TYPE", "METRIC_NAMES", "ServerMetrics"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Every metric SPEC.md names (families: counters without their `_total` sample suffix in the text format's
+# family name, with it here as SPEC.md spells them).
+METRIC_NAMES = (
+    "helexa_kv_blocks_total", "helexa_kv_blocks_free", "helexa_kv_blocks_reserved", "helexa_kv_blocks_available",
+    "helexa_kv_blocks_cached", "helexa_requests_in_flight", "helexa_queue_depth", "helexa_model_state",
+    "helexa_kv_cache_usage_ratio",
+    "helexa_admission_rejected_total", "helexa_requests_total", "helexa_prompt_tokens_total",
+    "helexa_generation_tokens_total", "helexa_device_faults_total", "helexa_model_reloads_total",
+    "helexa_prefix_cache_hit_tokens_total",
+    "helexa_admission_wait_seconds", "helexa_time_to_first_token_seconds", "helexa_request_duration_seconds",
+)  # fmt: skip
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_WAIT_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600)
+
+# snapshot key -> (gauge name, help)
+_SNAPSHOT_GAUGES = (
+    ("blocks_total", "helexa_kv_blocks_total", "KV blocks in the pool (fixed while loaded)."),
+    ("blocks_free", "helexa_kv_blocks_free", "KV blocks physically free in the pool."),
+    ("blocks_reserved", "helexa_kv_blocks_reserved", "KV blocks reserved by admitted requests."),
+    ("blocks_available", "helexa_kv_blocks_available", "KV blocks the next admission may reserve (total - reserved)."),
+    ("blocks_cached", "helexa_kv_blocks_cached", "KV blocks held by the prefix cache."),
+    ("in_flight", "helexa_requests_in_flight", "Sequences holding a reservation."),
+    ("queue_depth", "helexa_queue_depth", "Requests waiting for admission."),
+)
+
+# engine counter attribute -> (counter name, help); attributes an engine does not have yet read as 0.
+_ENGINE_COUNTERS = (
+    ("prompt_tokens", "helexa_prompt_tokens", "Prompt tokens prefilled."),
+    ("generation_tokens", "helexa_generation_tokens", "Tokens generated."),
+    ("device_faults", "helexa_device_faults", "Device faults the engine caught."),
+    ("model_reloads", "helexa_model_reloads", "Model reloads after a device fault."),
+    ("prefix_cache_hit_tokens", "helexa_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache."),
+)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's snapshot and counters at each scrape."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._engine.snapshot()
+        for key, name, doc in _SNAPSHOT_GAUGES:
+            yield GaugeMetricFamily(name, doc, value=snap[key])
+        total = snap["blocks_total"]
+        yield GaugeMetricFamily("helexa_kv_cache_usage_ratio", "Reserved KV blocks / total (0-1).",
+                                value=snap["blocks_reserved"] / total if total else 0.0)
+        state = GaugeMetricFamily("helexa_model_state", "1 for the model's current state.", labels=["state"])
+        for name in MODEL_STATES:
+            state.add_metric([name], 1.0 if snap["model_state"] == name else 0.0)
+        yield state
+        rejected = CounterMetricFamily("helexa_admission_rejected", "Requests admission rejected, by reason.",
+                                       labels=["reason"])
+        for reason in REJECTION_REASONS:
+            rejected.add_metric([reason], snap["rejected"].get(reason, 0))
+        yield rejected
+        counters = getattr(self._engine, "counters", None)
+        for attr, name, doc in _ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=getattr(counters, attr, 0))
+
+
+class ServerMetrics:
+    """The metrics of one server: a private `CollectorRegistry`, the engine collector, and the server's own.
+
+    `count_request(status)` once per generation request (by the HTTP status it got);
+    `observe_admission_wait`, `observe_ttft`, `observe_duration` in seconds; `render()` the text format.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        self._requests = Counter("helexa_requests", "Generation requests, by HTTP status.", ["status"],
+                                 registry=self.registry)
+        self._admission_wait = Histogram("helexa_admission_wait_seconds", "Seconds from submit to KV reservation.",
+                                         buckets=_WAIT_BUCKETS, registry=self.registry)
+        self._ttft = Histogram("helexa_time_to_first_token_seconds", "Seconds from request to first token.",
+                               buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self._duration = Histogram("helexa_request_duration_seconds", "Seconds from request to its last byte.",
+                                   buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+    def count_request(self, status: int) -> None:
+        """One generation request answered with HTTP `status`."""
+        self._requests.labels(status=str(status)).inc()
+
+    def observe_admission_wait(self, seconds: float) -> None:
+        """A choice waited `seconds` for its reservation."""
+        self._admission_wait.observe(max(0.0, seconds))
+
+    def observe_ttft(self, seconds: float) -> None:
+        """A request's first token came `seconds` after it arrived."""
+        self._ttft.observe(max(0.0, seconds))
+
+    def observe_duration(self, seconds: float) -> None:
+        """A request took `seconds` from arrival to its last byte."""
+        self._duration.observe(max(0.0, seconds))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,171 @@
+"""ASGI middleware: request ids and the last-resort error handler, Bearer auth, the request-body limit.
+
+Order, outermost first: `RequestContextMiddleware` (every response gets `x-request-id`; an unexpected
+exception is logged with that id and answered with an OpenAI-shaped 500, never a traceback; generation
+requests are counted and timed) → `AuthMiddleware` (only `/v1/*`) → `BodyLimitMiddleware` (413).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from helexa.server.errors import APIError
+
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "AuthMiddleware",
+    "BodyLimitMiddleware",
+    "RequestContextMiddleware",
+    "send_error",
+]
+
+logger = logging.getLogger("helexa.server")
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: a 128k-token prompt as JSON-escaped text, with room to spare
+_DRAIN_LIMIT_BYTES = 64 << 20  # an oversized body is read and dropped up to this much, so the client sees the 413
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+async def send_error(send: Send, error: APIError, extra_headers: dict[str, str] | None = None) -> None:
+    """Send `error` as a complete OpenAI-shaped JSON response on a raw ASGI `send`."""
+    body = json.dumps(error.body()).encode()
+    headers = {"content-type": "application/json", "content-length": str(len(body)), **error.headers(),
+               **(extra_headers or {})}
+    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def request_id_of(scope: Scope) -> str:
+    """The request id `RequestContextMiddleware` gave this request ("-" outside it)."""
+    return scope.get("state", {}).get("request_id", "-")
+
+
+class RequestContextMiddleware:
+    """Gives each HTTP request an id (the client's `x-request-id` when well-formed, else a new one).
+
+    Guarantees: every response carries `x-request-id`; an exception escaping the app is logged with the
+    id and, when no response started yet, answered `500 internal_error` (its message names only the id);
+    for `generation_paths`, `metrics.count_request(status)` and `metrics.observe_duration` run once each.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Any, generation_paths: frozenset[str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.generation_paths = generation_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("x-request-id", "")
+        request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = time.monotonic()
+        status: int | None = None
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message)["x-request-id"] = request_id
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            logger.exception("request %s: %s %s failed", request_id, scope.get("method"), scope.get("path"))
+            if status is None:
+                error = APIError("internal_error", f"internal server error (request id {request_id})")
+                await send_error(send_with_id, error)
+        finally:
+            if scope.get("path") in self.generation_paths and status is not None:
+                self.metrics.count_request(status)
+                self.metrics.observe_duration(time.monotonic() - started)
+
+
+class AuthMiddleware:
+    """With an API key, `/v1/*` requires `Authorization: Bearer <key>` (constant-time comparison); 401 otherwise.
+
+    `/health` and `/metrics` stay open. Without a key everything is open.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self._key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._key is None or scope["type"] != "http" or not scope.get("path", "").startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key):
+            await self.app(scope, receive, send)
+            return
+        message = "missing API key: send 'Authorization: Bearer <key>'" if not token else "incorrect API key"
+        await send_error(send, APIError("invalid_api_key", message), {"www-authenticate": "Bearer"})
+
+
+class BodyLimitMiddleware:
+    """Reads a request body of at most `max_bytes`, then replays it to the app; 413 `request_too_large` beyond.
+
+    A too-large body (by `Content-Length`, or counted while it streams in) is read and dropped (up to
+    64 MiB) before the 413 is sent, so a client still uploading sees the answer instead of a reset.
+    After the body, `receive` passes through, so the app still sees `http.disconnect`.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        too_large = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
+        chunks: list[bytes] = []
+        size, more, last = 0, True, None
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                last = message
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                too_large = True
+            if too_large:
+                if size > _DRAIN_LIMIT_BYTES:
+                    break
+            else:
+                chunks.append(chunk)
+        if too_large:
+            shown = int(declared) if declared is not None and declared.isdigit() else size
+            error = APIError("request_too_large", f"request body of {shown} bytes exceeds the limit of "
+                             f"{self.max_bytes} bytes (--max-body-size)")
+            await send_error(send, error, {"connection": "close"})
+            return
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return last or {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,90 @@
+"""Server-sent events: the framing, and an ASGI response that notices a client leaving mid-stream.
+
+`EventStreamResponse` sends the chunks of an async iterator while it listens on `receive` for
+`http.disconnect`, whatever ASGI spec version the server speaks. When the client leaves first (or a
+send fails), it stops the iterator (`aclose`, so its `finally` blocks run) and calls `on_disconnect`
+— the route aborts the engine requests there, so their KV blocks return at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+__all__ = ["DONE", "EventStreamResponse", "sse", "until_disconnected"]
+
+logger = logging.getLogger("helexa.server")
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any], event: str | None = None) -> bytes:
+    """One server-sent event: an optional `event:` line, then `data:` with compact JSON, then a blank line."""
+    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()
+
+
+async def until_disconnected(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    """Return when the ASGI `receive` channel reports `http.disconnect` (call after the body was read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class EventStreamResponse:
+    """A `text/event-stream` response over `chunks`, aborted cleanly when the client disconnects.
+
+    Guarantees: `chunks` is closed (its `finally` runs) however the response ends; `on_disconnect` is
+    called exactly once if, and only if, the client left before the last chunk was sent.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        chunks: AsyncGenerator[bytes, None],
+        on_disconnect: Callable[[], None],
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.chunks = chunks
+        self.on_disconnect = on_disconnect
+        self.headers = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
+                        "x-accel-buffering": "no", **(headers or {})}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+        pump = asyncio.ensure_future(self._pump(send, raw))
+        listen = asyncio.ensure_future(until_disconnected(receive))
+        try:
+            done, _ = await asyncio.wait({pump, listen}, return_when=asyncio.FIRST_COMPLETED)
+            client_left = pump not in done
+            if not client_left:
+                client_left = not pump.result()
+        finally:
+            for task in (pump, listen):
+                task.cancel()
+            for task in (pump, listen):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await self.chunks.aclose()
+        if client_left:
+            self.on_disconnect()
+
+    async def _pump(self, send: Send, raw_headers: list[tuple[bytes, bytes]]) -> bool:
+        """Send every chunk; False when a send failed (the client is gone)."""
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            return False
+        return True
