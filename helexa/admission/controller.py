@@ -131,6 +131,7 @@ class AdmissionController:
         self._plan_time = 0.0
         self._plan_stale = True  # a grant, release or cancel changed the queue or the reservations
         self._plan_drifted = False  # progress or rates changed; replan after `replan_interval_secs`
+        self._backfill_due = False  # policy "backfill": capacity came free; look behind the head at the next poll
 
         self._rejected = dict.fromkeys(REJECTION_REASONS, 0)
         self._admitted_total = 0
@@ -227,6 +228,8 @@ class AdmissionController:
                     expired.append(head)
                 self._plan_stale = True
                 self._pump(now)
+            if self._backfill_due:
+                self._backfill(now)
             granted, self._new_grants = self._new_grants, []
             for ticket in granted:
                 ticket.seen_by_engine = True
@@ -499,7 +502,7 @@ class AdmissionController:
         return now + run_seconds <= head.est_start
 
     def _pump(self, now: float) -> None:
-        """Grant from the head of the queue while both gates pass; then backfill if the policy allows."""
+        """Grant from the head of the queue while both gates pass (strict FIFO, exact: no estimate involved)."""
         cfg, queue = self.config, self._queue
         while queue:
             head = next(iter(queue.values()))
@@ -507,11 +510,19 @@ class AdmissionController:
                 break
             queue.popitem(last=False)
             self._grant(head, now, from_queue=True)
-        if cfg.policy != "backfill" or len(queue) < 2 or len(self._running) >= cfg.max_num_seqs:
+        # Under "backfill", requests behind a blocked head are considered at the engine's next poll,
+        # when the step's progress and releases have all been reported and the estimates are current.
+        self._backfill_due = cfg.policy == "backfill" and len(queue) >= 2
+
+    def _backfill(self, now: float) -> None:
+        """Grant queued requests behind the head that fit now and are estimated to end by the head's start."""
+        self._backfill_due = False
+        cfg, queue = self.config, self._queue
+        if len(queue) < 2 or len(self._running) >= cfg.max_num_seqs:
             return
         self._ensure_plan(now)
         tickets = iter(queue.values())
-        shadow = next(tickets).est_start  # the head's estimated start: backfill must end by then
+        shadow = next(tickets).est_start  # the head's estimated start: a backfill must end by then
         rates, picked = self._rates, []
         available = cfg.num_blocks - self._reserved
         slots = cfg.max_num_seqs - len(self._running)

@@ -2,7 +2,8 @@
 
 The fake engine follows the order the real engine loop will: poll (pick up grants, expiries and
 cancels), then one decode step of `decode_step_seconds` in which every running sequence finishes
-its prefill and gains one token; a sequence that reaches its `max_tokens` is released. With
+its prefill and gains one token, reported for all of them before the ones that reached their
+`max_tokens` are released. With
 `prefill_token_seconds=0` the controller's estimates are then exact.
 """
 
@@ -49,12 +50,12 @@ class FakeEngine:
         if not self.running:
             return
         self.clock.advance(self.step_seconds)
-        for t in list(self.running):
+        for t in self.running:  # report the whole step's progress first, then release what finished
             n = t.tokens_generated + 1
             blocks = self.controller.config.blocks_for(t.prompt_tokens + n) - t.shared_blocks
             self.controller.progress(t, tokens_generated=n, prompt_prefilled=t.prompt_tokens, blocks_allocated=blocks)
-            if n >= min(t.max_tokens, self.stop_early.get(t.id, t.max_tokens)):
-                self._end(t)
+        for t in [t for t in self.running if t.tokens_generated >= self.stop_early.get(t.id, t.max_tokens)]:
+            self._end(t)
 
     def _end(self, t: Ticket) -> None:
         self.running.remove(t)
