@@ -355,6 +355,14 @@ def extend_tables_triton(
     return out_tables, out_slots
 
 
+def _segment_ids(starts: torch.Tensor, total: int) -> torch.Tensor:
+    """For non-decreasing segment starts (B,) with starts[0] == 0, the segment of each of `total`
+    items: the largest b with starts[b] <= k (empty segments are skipped). Returns (total,) int64."""
+    marks = torch.zeros(total + 1, dtype=torch.int64, device=starts.device)  # (total+1,)
+    marks.index_add_(0, starts[1:].clamp(max=total), torch.ones_like(starts[1:]))
+    return marks[:total].cumsum(0)
+
+
 def extend_tables_torch(
     stack: torch.Tensor,
     refcount: torch.Tensor,
@@ -380,23 +388,24 @@ def extend_tables_torch(
     old_blocks = (old_lens + block_size - 1) // block_size  # (B,)
     new_blocks = (lens + block_size - 1) // block_size  # (B,)
     rows64 = rows.long()  # (B,)
-    seq_ids = torch.arange(batch, device=device)  # (B,)
+    # Small index ops only (no repeat_interleave / large index_select): they stay single-threaded,
+    # which matters more here than vector width — a step's tensors are a few hundred elements.
 
     # 1. Pop total_new blocks in batch order into the rows.
     popped = stack[top - total_new : top].flip(0)  # (N,) — popped[k] = stack[top-1-k]
-    owner = torch.repeat_interleave(seq_ids, new_blocks - old_blocks, output_size=total_new)  # (N,)
+    owner = _segment_ids(alloc_start.long(), total_new)  # (N,) sequence of each popped block
     col = old_blocks[owner] + torch.arange(total_new, device=device) - alloc_start.long()[owner]  # (N,)
     tables[rows64[owner], col] = popped
     refcount[popped.long()] = 1
     top_counter.sub_(total_new)
 
     # 2. The batch's table rows, zero beyond each sequence's blocks.
-    out_tables = tables.index_select(0, rows64)[:, :width]  # (B, width)
+    out_tables = tables[:, :width].index_select(0, rows64)  # (B, width)
     cols = torch.arange(width, device=device)  # (width,)
     out_tables = torch.where(cols[None, :] < new_blocks[:, None], out_tables, 0).to(torch.int32).contiguous()
 
     # 3. Slots of the new tokens.
-    tok_seq = torch.repeat_interleave(seq_ids, q_lens, output_size=num_tokens)  # (T,)
+    tok_seq = _segment_ids(query_start_loc[:-1].long(), num_tokens)  # (T,)
     pos = old_lens[tok_seq] + torch.arange(num_tokens, device=device) - query_start_loc.long()[tok_seq]  # (T,)
     block_ids = tables[rows64[tok_seq], pos // block_size].long()  # (T,)
     slots = block_ids * block_size + pos % block_size  # (T,) int64

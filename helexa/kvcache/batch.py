@@ -169,6 +169,7 @@ class BatchBuilder:
         seq_lens: list[int] = []
         rows: list[int] = []
         alloc_start: list[int] = []
+        new_blocks: list[int] = []
         total_new = 0
         seen_rows: set[int] = set()
         for table, n in entries:
@@ -187,13 +188,15 @@ class BatchBuilder:
             seq_lens.append(seq_len)
             rows.append(table.row)
             alloc_start.append(total_new)
-            total_new += _cdiv(seq_len, block_size) - len(table._block_ids)
+            blocks = -(-seq_len // block_size)
+            new_blocks.append(blocks)
+            total_new += blocks - len(table._block_ids)
         if total_new > self.pool.num_free_blocks:
             raise OutOfBlocks(total_new, self.pool.num_free_blocks, self.pool.num_blocks)
 
         num_seqs = len(entries)
         num_tokens = query_start_loc[-1]
-        width = max(_cdiv(s, block_size) for s in seq_lens)
+        width = max(new_blocks)
         packed = torch.tensor(query_start_loc + seq_lens + rows + alloc_start, dtype=torch.int32)  # (4B+1,)
         packed = packed.to(self.pool.device, non_blocking=True)
         qsl_d = packed[: num_seqs + 1]  # (B+1,)
@@ -204,16 +207,17 @@ class BatchBuilder:
         popped, block_tables, slot_mapping = self.pool.allocator.extend_tables(
             total_new, self.tables, rows_d, seq_lens_d, qsl_d, alloc_start_d, width, num_tokens, block_size
         )
-        for (table, n), start, seq_len in zip(entries, alloc_start, seq_lens):
-            need = _cdiv(seq_len, block_size) - len(table._block_ids)
-            table._block_ids.extend(popped[start : start + need])
+        for (table, _), start, seq_len, blocks in zip(entries, alloc_start, seq_lens, new_blocks):
+            need = blocks - len(table._block_ids)
+            if need:
+                table._block_ids.extend(popped[start : start + need])
             table.num_tokens = seq_len
         return AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
             seq_lens=seq_lens_d,
             query_start_loc=qsl_d,
-            max_query_len=max(query_start_loc[b + 1] - query_start_loc[b] for b in range(num_seqs)),
+            max_query_len=max(n for _, n in entries),
             max_seq_len=max(seq_lens),
         )
 
