@@ -33,6 +33,7 @@ __all__ = ["paged_attention_triton", "choose_num_splits"]
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
+_MAX_FORCED_SPLITS = 64  # the reduce holds all splits of a tile of heads in registers
 # Splits used where there is no device to size against (CPU, the Triton interpreter): small, and
 # not a power of two, so tests exercise the padded split axis of the reduce.
 _INTERPRETER_SPLITS = 3
@@ -105,7 +106,7 @@ def _attention_kernel(
     out_ptr,  # (T, H, D) — written when not SPLIT
     part_out_ptr,  # (num_splits, T, H, BLOCK_D) fp32 — written when SPLIT
     part_lse_ptr,  # (num_splits, T, H) fp32, base-2 log-sum-exp
-    num_seqs, head_dim, block_size, qk_scale, num_splits,
+    num_seqs, block_size, qk_scale, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -113,6 +114,7 @@ def _attention_kernel(
     stride_ot, stride_oh, stride_od,
     stride_ps, stride_pt, stride_ph,
     stride_ls, stride_lt,
+    HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -143,7 +145,7 @@ def _attention_kernel(
     row_valid = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)  # (M,)
     q_pos = prefix_len + q_idx  # (M,) position of each query in its sequence
     dims = tl.arange(0, BLOCK_D)  # (D,)
-    d_valid = dims < head_dim
+    d_valid = dims < HEAD_DIM  # folds away when HEAD_DIM == BLOCK_D
     tokens64 = (q_start + q_idx).to(tl.int64)
     heads64 = heads.to(tl.int64)
     dims64 = dims.to(tl.int64)
@@ -204,10 +206,11 @@ def _reduce_splits_kernel(
     part_out_ptr,  # (S, T, H, BLOCK_D) fp32
     part_lse_ptr,  # (S, T, H) fp32
     out_ptr,  # (T, H, D)
-    num_splits, num_heads, head_dim,
+    num_splits, num_heads,
     stride_ps, stride_pt, stride_ph,
     stride_ls, stride_lt,
     stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -240,7 +243,7 @@ def _reduce_splits_kernel(
     total = tl.where(total > 0.0, total, 1.0)
     o = tl.sum(parts * weight[:, :, None], 0) / total[:, None]  # (BH, D)
     o_offs = token * stride_ot + heads64[:, None] * stride_oh + dims[None, :] * stride_od
-    tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=h_valid[:, None] & (dims[None, :] < head_dim))
+    tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=h_valid[:, None] & (dims[None, :] < HEAD_DIM))
 
 
 @functools.lru_cache(maxsize=None)
@@ -327,8 +330,8 @@ def paged_attention_triton(
             num_splits = choose_num_splits(batch * num_kv_heads, _sm_count(q.device.index or 0))
         else:
             num_splits = _INTERPRETER_SPLITS
-    if not 1 <= num_splits <= 1024:
-        raise ValueError(f"num_splits={num_splits} must be in [1, 1024]")
+    if not 1 <= num_splits <= _MAX_FORCED_SPLITS:
+        raise ValueError(f"num_splits={num_splits} must be in [1, {_MAX_FORCED_SPLITS}]")
 
     if num_splits > 1:
         part_out = torch.empty((num_splits, total_q, num_heads, block_d), dtype=torch.float32, device=q.device)
@@ -342,9 +345,10 @@ def paged_attention_triton(
     _attention_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, part_out, part_lse,
-        batch, head_dim, block_size, scale * _LOG2E, num_splits,
+        batch, block_size, scale * _LOG2E, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         *part_out.stride()[:3], *part_lse.stride()[:2],
+        HEAD_DIM=head_dim,
         GROUP=group,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
@@ -362,8 +366,9 @@ def paged_attention_triton(
         block_h = min(triton.next_power_of_2(num_heads), max(1, 8192 // (splits_pad * block_d)))
         _reduce_splits_kernel[(total_q, triton.cdiv(num_heads, block_h))](
             part_out, part_lse, out,
-            num_splits, num_heads, head_dim,
+            num_splits, num_heads,
             *part_out.stride()[:3], *part_lse.stride()[:2], *out.stride(),
+            HEAD_DIM=head_dim,
             SPLITS_PAD=splits_pad,
             BLOCK_H=block_h,
             BLOCK_D=block_d,

@@ -23,11 +23,12 @@ def _write_kv_kernel(
     k_ptr, v_ptr,  # (T, KVH, D)
     k_cache_ptr, v_cache_ptr,  # (NB, BS, KVH, D)
     slot_ptr,  # (T,)
-    num_kv_heads, head_dim, block_size,
+    num_kv_heads, block_size,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -39,7 +40,7 @@ def _write_kv_kernel(
 
     heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,)
     dims = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim) & (slot >= 0)  # (BLOCK_H, BLOCK_D)
+    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HEAD_DIM) & (slot >= 0)  # (BLOCK_H, BLOCK_D)
     heads64 = heads.to(tl.int64)[:, None]
     dims64 = dims.to(tl.int64)[None, :]
 
@@ -75,8 +76,9 @@ def write_kv_triton(
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _write_kv_kernel[grid](
         k, v, k_cache, v_cache, slot_mapping,
-        num_kv_heads, head_dim, k_cache.shape[1],
+        num_kv_heads, k_cache.shape[1],
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         num_warps=4 if block_h * block_d >= 1024 else 2,

@@ -1,0 +1,348 @@
+"""One-shot GPU check of helexa's kernels: compile, verify against the reference, then time.
+
+Run by `bench/gpu_check.sh` on a CUDA machine (torch 2.11 / triton 3.6, no network):
+
+1. checks — every Triton kernel configuration the engine uses (fp32/fp16/bf16; head_dim
+   64/80/96/128/256; MHA/GQA/MQA; block sizes 8..64; decode (split) and mixed prefill/extend
+   batches; a >2^31-element pool) against the fp64 torch reference on random inputs;
+2. copy bandwidth of the device, measured in this run (the roofline for decode);
+3. timings with `triton.testing.do_bench` (median; it flushes L2 before every repetition) of
+   decode, prefill and write_kv at the issue's shapes (bf16, head_dim 128, 32 query / 8 KV heads),
+   each next to SDPA on a gathered contiguous copy, and each output compared with SDPA's;
+4. the allocator kernels of `helexa/kernels/block_alloc.py`, when that module offers a timing hook.
+
+Prints one table (also written to bench/out/gpu_check.md) and exits non-zero if any check failed.
+`--dry-run` runs the same logic on CPU through the Triton interpreter with tiny shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+_ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+_ARGS.add_argument("--dry-run", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny shapes")
+_ARGS.add_argument("--budget-s", type=float, default=450.0, help="skip remaining timings after this many seconds")
+_ARGS.add_argument("--out", default=str(Path(__file__).parent / "out" / "gpu_check.md"))
+ARGS = _ARGS.parse_args()
+if ARGS.dry_run:  # must precede the first triton import: @triton.jit decides at decoration time
+    os.environ["TRITON_INTERPRET"] = "1"
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from helexa.kernels import reference  # noqa: E402
+from helexa.kernels.paged_attention import choose_num_splits, paged_attention_triton  # noqa: E402
+from helexa.kernels.write_kv import write_kv_triton  # noqa: E402
+from kernel_problems import Problem, gathered_sdpa, make_problem  # noqa: E402
+
+DRY = ARGS.dry_run
+if not DRY and not torch.cuda.is_available():
+    sys.exit("gpu_check: no CUDA device (use --dry-run to exercise the script on CPU)")
+DEVICE = "cpu" if DRY else "cuda"
+START = time.perf_counter()
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+FAILURES: list[str] = []
+LINES: list[str] = []
+
+
+def emit(line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def elapsed() -> float:
+    return time.perf_counter() - START
+
+
+def sync() -> None:
+    if not DRY:
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn) -> float:
+    """Median time of fn: do_bench on CUDA (L2 flushed before each rep), wall clock in a dry run."""
+    if DRY:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[1]
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. checks against the fp64 reference
+# ---------------------------------------------------------------------------------------------
+MIXED = [(37, 1), (0, 70), (150, 33), (5, 1), (0, 3), (300, 1)]  # decode, prefill, extend, ragged
+DECODE = [(700, 1), (3, 1), (129, 1), (1000, 1)]
+if DRY:
+    MIXED = [(21, 1), (0, 12), (9, 4)]
+    DECODE = [(40, 1), (3, 1)]
+
+
+def check_attention(label: str, seqs, heads, kv_heads, head_dim, block_size, dtype, **kw) -> None:
+    p = make_problem(label, seqs, heads, kv_heads, head_dim, block_size, dtype, DEVICE, seed=len(FAILURES) + head_dim)
+    out = torch.full_like(p.q, float("nan"))
+    paged_attention_triton(*p.args(), out=out, **kw)
+    ref = reference.paged_attention(p.q.double(), p.k_cache.double(), p.v_cache.double(),
+                                    p.block_tables, p.seq_lens, p.query_start_loc)
+    err = rel_err(out, ref)
+    ok = err < TOLERANCE[dtype]
+    if not ok:
+        FAILURES.append(f"{label}: rel err {err:.2e}")
+    emit(f"| {label} | {str(dtype).replace('torch.', '')} | {err:.2e} | {'ok' if ok else 'FAIL'} |")
+
+
+def check_write_kv(label: str, kv_heads, head_dim, block_size, dtype) -> None:
+    gen = torch.Generator(device=DEVICE).manual_seed(head_dim)
+    shape = (12, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen, device=DEVICE).to(dtype)
+    v_cache = torch.randn(shape, generator=gen, device=DEVICE).to(dtype)
+    k = torch.randn((20, kv_heads, head_dim), generator=gen, device=DEVICE).to(dtype)
+    v = torch.randn((20, kv_heads, head_dim), generator=gen, device=DEVICE).to(dtype)
+    slots = torch.randperm(12 * block_size, generator=gen, device=DEVICE)[:20]
+    slots[3] = -1
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv(k, v, k_ref, v_ref, slots)
+    write_kv_triton(k, v, k_cache, v_cache, slots)
+    ok = torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    if not ok:
+        FAILURES.append(f"{label}: cache differs from the reference")
+    emit(f"| {label} | {str(dtype).replace('torch.', '')} | {'exact' if ok else 'differs'} | {'ok' if ok else 'FAIL'} |")
+
+
+def check_large_pool() -> None:
+    """write_kv + attention through blocks above element 2^31 of a real pool."""
+    block_size, kv_heads, head_dim = 16, 2, 64
+    num_blocks = (1 << 31) // (block_size * kv_heads * head_dim) + 64
+    k_cache = torch.empty((num_blocks, block_size, kv_heads, head_dim), dtype=torch.float16, device=DEVICE)
+    v_cache = torch.empty_like(k_cache)
+    top = [num_blocks - 1, num_blocks - 40, 7, num_blocks - 3]
+    seq_len = len(top) * block_size - 5
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    k = torch.randn((seq_len, kv_heads, head_dim), generator=gen, device=DEVICE).half()
+    v = torch.randn((seq_len, kv_heads, head_dim), generator=gen, device=DEVICE).half()
+    slots = torch.tensor([top[i // block_size] * block_size + i % block_size for i in range(seq_len)], device=DEVICE)
+    write_kv_triton(k, v, k_cache, v_cache, slots)
+    q = torch.randn((6, 4, head_dim), generator=gen, device=DEVICE).half()
+    table = torch.tensor([top, top], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([seq_len, seq_len - 10], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, 5, 6], dtype=torch.int32, device=DEVICE)
+    out = paged_attention_triton(q, k_cache, v_cache, table, seq_lens, qsl)
+    ref = reference.paged_attention(q.double(), k_cache[top].double().contiguous(), v_cache[top].double().contiguous(),
+                                    torch.arange(4, dtype=torch.int32, device=DEVICE).expand(2, -1).contiguous(),
+                                    seq_lens, qsl)
+    written = torch.equal(k_cache[torch.tensor(top, device=DEVICE)].flatten(0, 1)[:seq_len], k)
+    err = rel_err(out, ref)
+    ok = written and err < TOLERANCE[torch.float16]
+    if not ok:
+        FAILURES.append(f"large pool: written={written} rel err {err:.2e}")
+    emit(f"| pool of {k_cache.numel() / 2**31:.3f} x 2^31 elements, top blocks | float16 | {err:.2e} | {'ok' if ok else 'FAIL'} |")
+    del k_cache, v_cache
+
+
+def run_checks() -> None:
+    emit("## checks against the fp64 reference (max |err| / max |ref|)")
+    emit()
+    emit("| case | dtype | error | result |")
+    emit("|---|---|---:|---|")
+    dims = [64] if DRY else [64, 80, 96, 128, 256]
+    main_dim = 64 if DRY else 128
+    heads, kv = (8, 2) if DRY else (32, 8)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        check_attention(f"mixed batch D{main_dim} {heads}q/{kv}kv", MIXED, heads, kv, main_dim, 16, dtype)
+        check_attention(f"decode batch (split) D{main_dim} {heads}q/{kv}kv", DECODE, heads, kv, main_dim, 16, dtype)
+        check_write_kv(f"write_kv {kv}kv D{main_dim}", kv, main_dim, 16, dtype)
+    for d in dims:
+        if d != main_dim:
+            check_attention(f"mixed batch D{d}", MIXED, heads, kv, d, 16, torch.bfloat16)
+            check_attention(f"decode batch (split) D{d}", DECODE, heads, kv, d, 16, torch.bfloat16)
+            check_write_kv(f"write_kv D{d}", kv, d, 16, torch.bfloat16)
+    for h, k in ([(4, 4), (8, 1), (6, 2)] if DRY else [(8, 8), (32, 4), (16, 1), (12, 4)]):
+        check_attention(f"mixed batch {h}q/{k}kv", MIXED, h, k, main_dim, 16, torch.bfloat16)
+        check_attention(f"decode batch (split) {h}q/{k}kv", DECODE, h, k, main_dim, 16, torch.bfloat16)
+    for bs in (8, 32, 64):
+        check_attention(f"mixed batch block {bs}", MIXED, heads, kv, main_dim, bs, torch.bfloat16)
+    check_attention("mixed batch forced 4 splits", MIXED, heads, kv, main_dim, 16, torch.bfloat16, num_splits=4)
+    if not DRY:
+        check_large_pool()
+    emit()
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. copy bandwidth
+# ---------------------------------------------------------------------------------------------
+COPY_BYTES = (1 << 22) if DRY else (1 << 30)  # per buffer
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting the read and the write."""
+    src = torch.randn(COPY_BYTES // 4, device=DEVICE)
+    dst = torch.empty_like(src)
+    t = median_seconds(lambda: dst.copy_(src))
+    return 2 * COPY_BYTES / t
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. timings
+# ---------------------------------------------------------------------------------------------
+HEADS, KV_HEADS, HEAD_DIM, DTYPE = (8, 2, 64, torch.bfloat16) if DRY else (32, 8, 128, torch.bfloat16)
+
+
+def _ragged(batch: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [(int(n) - 1, 1) for n in torch.randint(lo, hi + 1, (batch,), generator=gen)]
+
+
+if DRY:
+    DECODE_SHAPES = [("B1x256", [(255, 1)], 16), ("B4x64", [(63, 1)] * 4, 16),
+                     ("ragged 16-128", _ragged(4, 16, 128), 16), ("B4x64", [(63, 1)] * 4, 32)]
+    PREFILL_SHAPES = [("prefill 128 causal", [(0, 128)]), ("32 chunk over 96", [(96, 32)]),
+                      ("4x32 varlen", [(0, 32)] * 4)]
+    WRITE_TOKENS = 256
+else:
+    DECODE_SHAPES = [("B1x32k", [(32767, 1)], 16), ("B8x8k", [(8191, 1)] * 8, 16), ("B32x4k", [(4095, 1)] * 32, 16),
+                     ("B64x8k", [(8191, 1)] * 64, 16), ("B256x1k", [(1023, 1)] * 256, 16),
+                     ("ragged B64 256-4k", _ragged(64, 256, 4096), 16),
+                     ("B64x8k", [(8191, 1)] * 64, 32), ("B64x8k", [(8191, 1)] * 64, 64),
+                     ("ragged B64 256-4k", _ragged(64, 256, 4096), 32), ("ragged B64 256-4k", _ragged(64, 256, 4096), 64)]
+    PREFILL_SHAPES = [("prefill 8k causal", [(0, 8192)]), ("2k chunk over 6k prefix", [(6144, 2048)]),
+                      ("16x1k varlen", [(0, 1024)] * 16)]
+    WRITE_TOKENS = 8192
+
+
+def _sdpa_error(p: Problem, ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """Our (T, H, D) output against SDPA's padded (B, H, L, D) output, same inputs."""
+    starts = p.query_start_loc.tolist()
+    rows = [theirs[b, :, :n].transpose(0, 1) for b, (_, n) in enumerate(p.seqs)]
+    return rel_err(ours, torch.cat(rows)[: starts[-1]])
+
+
+def time_attention(kind: str, name: str, seqs, block_size: int, copy_bw: float) -> None:
+    p = make_problem(name, seqs, HEADS, KV_HEADS, HEAD_DIM, block_size, DTYPE, DEVICE, seed=11)
+    ours_fn = lambda: paged_attention_triton(*p.args())  # noqa: E731
+    sdpa_fn = gathered_sdpa(p)
+    err = _sdpa_error(p, ours_fn(), sdpa_fn())
+    ok = err < TOLERANCE[DTYPE]
+    if not ok:
+        FAILURES.append(f"{kind} {name}: differs from SDPA by {err:.2e}")
+    t_ours, t_sdpa = median_seconds(ours_fn), median_seconds(sdpa_fn)
+    batch = len(seqs)
+    if kind == "decode":
+        splits = choose_num_splits(batch * KV_HEADS, torch.cuda.get_device_properties(0).multi_processor_count) if not DRY else 3
+        ours_rate, sdpa_rate = p.decode_bytes / t_ours / 1e9, p.decode_bytes / t_sdpa / 1e9
+        emit(f"| decode | {name} | {block_size} | {splits} | {t_ours * 1e6:9.1f} | {ours_rate:8.1f} GB/s | "
+             f"{ours_rate * 1e9 / copy_bw:6.1%} | {t_sdpa * 1e6:9.1f} | {sdpa_rate:8.1f} GB/s | {err:.1e} {'ok' if ok else 'FAIL'} |")
+    else:
+        ours_rate, sdpa_rate = p.causal_flops / t_ours / 1e12, p.causal_flops / t_sdpa / 1e12
+        emit(f"| prefill | {name} | {block_size} | 1 | {t_ours * 1e6:9.1f} | {ours_rate:8.1f} TFLOP/s | - | "
+             f"{t_sdpa * 1e6:9.1f} | {sdpa_rate:8.1f} TFLOP/s | {err:.1e} {'ok' if ok else 'FAIL'} |")
+    del p, sdpa_fn
+
+
+def time_write_kv(copy_bw: float) -> None:
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    block_size = 16
+    num_blocks = WRITE_TOKENS // block_size * 4
+    shape = (num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen, device=DEVICE).to(DTYPE)
+    v_cache = torch.randn(shape, generator=gen, device=DEVICE).to(DTYPE)
+    k = torch.randn((WRITE_TOKENS, KV_HEADS, HEAD_DIM), generator=gen, device=DEVICE).to(DTYPE)
+    v = torch.randn((WRITE_TOKENS, KV_HEADS, HEAD_DIM), generator=gen, device=DEVICE).to(DTYPE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen, device=DEVICE)[:WRITE_TOKENS]
+    t_ours = median_seconds(lambda: write_kv_triton(k, v, k_cache, v_cache, slots))
+    t_ref = median_seconds(lambda: reference.write_kv(k, v, k_cache, v_cache, slots))
+    moved = 4 * k.numel() * k.element_size() + slots.numel() * slots.element_size()
+    emit(f"| write_kv | {WRITE_TOKENS} tokens | {block_size} | - | {t_ours * 1e6:9.1f} | {moved / t_ours / 1e9:8.1f} GB/s | "
+         f"{moved / t_ours / copy_bw:6.1%} | {t_ref * 1e6:9.1f} | {moved / t_ref / 1e9:8.1f} GB/s (torch index_put) | exact |")
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. allocator kernels (helexa/kernels/block_alloc.py, written with the kvcache package)
+# ---------------------------------------------------------------------------------------------
+def time_allocator() -> None:
+    """Times the allocator kernels through a hook the allocator module provides.
+
+    Contract for `helexa/kernels/block_alloc.py`: define
+    `gpu_check_cases(device: str) -> list[tuple[str, Callable[[], None]]]`, each callable running
+    one allocator kernel on inputs it prepared (and restoring its state so it can repeat). Each is
+    timed here with the same method as the kernels above.
+    """
+    try:
+        from helexa.kernels import block_alloc
+    except ModuleNotFoundError as exc:
+        if exc.name != "helexa.kernels.block_alloc":
+            raise
+        emit("| allocator | helexa/kernels/block_alloc.py not present yet | | | | | | | | |")
+        return
+    cases = getattr(block_alloc, "gpu_check_cases", None)
+    if cases is None:
+        names = sorted(n for n in dir(block_alloc) if n.endswith("_triton") and not n.startswith("_"))
+        emit(f"| allocator | {', '.join(names) or 'no *_triton functions'}: no gpu_check_cases() hook to time them | | | | | | | | |")
+        return
+    for name, fn in cases(DEVICE):
+        t = median_seconds(fn)
+        emit(f"| allocator | {name} | - | - | {t * 1e6:9.1f} | - | - | - | - | - |")
+
+
+def main() -> int:
+    dev = "CPU (dry run, Triton interpreter)" if DRY else torch.cuda.get_device_name()
+    emit(f"# helexa gpu_check — {dev}; torch {torch.__version__}, triton {triton.__version__}")
+    emit()
+    os.environ["HELEXA_DEBUG"] = "1"  # value checks on while verifying
+    try:
+        run_checks()
+    except Exception:
+        FAILURES.append("checks raised")
+        emit("```\n" + traceback.format_exc() + "```")
+    emit(f"checks done at {elapsed():.0f} s: {len(FAILURES)} failure(s)")
+    emit()
+    os.environ["HELEXA_DEBUG"] = "0"  # no host syncs while timing
+
+    copy_bw = copy_bandwidth()
+    emit(f"## timings ({str(DTYPE).replace('torch.', '')}, {HEADS}q/{KV_HEADS}kv heads, head_dim {HEAD_DIM}); "
+         f"device copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write of a {COPY_BYTES >> 20} MiB buffer)")
+    emit()
+    emit("| kernel | shape | block | splits | helexa µs | helexa | of copy BW | baseline µs | SDPA (gathered copy) | vs SDPA |")
+    emit("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    jobs = [("decode", n, s, bs) for n, s, bs in DECODE_SHAPES] + [("prefill", n, s, 16) for n, s in PREFILL_SHAPES]
+    for kind, name, seqs, bs in jobs:
+        if elapsed() > ARGS.budget_s:
+            emit(f"| {kind} | {name} | {bs} | | skipped: over the {ARGS.budget_s:.0f} s budget | | | | | |")
+            continue
+        try:
+            time_attention(kind, name, seqs, bs, copy_bw)
+        except Exception as exc:
+            FAILURES.append(f"{kind} {name}: {exc!r}")
+            emit(f"| {kind} | {name} | {bs} | | ERROR {exc!r} | | | | | |")
+        if not DRY:
+            torch.cuda.empty_cache()
+    for section in (time_write_kv, time_allocator):
+        try:
+            section(copy_bw) if section is time_write_kv else section()
+        except Exception as exc:
+            FAILURES.append(f"{section.__name__}: {exc!r}")
+            emit(f"| {section.__name__} | ERROR {exc!r} | | | | | | | | |")
+    emit()
+    emit(f"finished in {elapsed():.0f} s; " + ("all checks passed" if not FAILURES else f"FAILURES: {FAILURES}"))
+    out = Path(ARGS.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(LINES) + "\n")
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
