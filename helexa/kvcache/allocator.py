@@ -3,7 +3,8 @@
 Two copies of one state machine, kept in lock-step:
 
 - **Device state** (on the pool's device): `stack` (NB,) int32 of free ids with `top` entries
-  live, `refcount` (NB,) int32, and a (1,) int32 counter holding `top`. The per-step work
+  live, `refcount` (NB,) int32, and a (1,) int32 counter of free blocks that the kernels keep on
+  their own (each launch adds or subtracts what it pushed or popped). The per-step work
   (popping blocks into block tables, writing slot mappings) reads and writes this state on the
   device, so a decode step never waits for the host (see `helexa.kernels.block_alloc`).
 - **Host mirror** (plain Python): the same stack as a list and the same reference counts. Every
@@ -13,6 +14,8 @@ Two copies of one state machine, kept in lock-step:
   state changes**: an out-of-range id, a double free, a free of a never-allocated block or an
   allocation beyond the free count raises and leaves both copies untouched. This costs O(ids)
   Python work per call (what a pure-Python block manager does anyway) and no synchronisation.
+  Validating on the device instead would mean either a sync per call to raise, or errors
+  deferred to a later sync with the pool frozen in between; the mirror raises at once, for free.
 
 Debug mode (`HELEXA_DEBUG=1`, on in tests) reads the device counter after every operation and
 raises if it differs from the mirror; `check_integrity()` compares the whole state.
@@ -53,7 +56,7 @@ class OutOfBlocks(RuntimeError):
         self.free = free
         self.total = total
 
-    def __reduce__(self):  # keep the numbers across pickling (multiprocessing, logging handlers)
+    def __reduce__(self) -> tuple:  # keep the numbers across pickling (multiprocessing, logging handlers)
         return (OutOfBlocks, (self.requested, self.free, self.total))
 
 

@@ -1,5 +1,5 @@
-"""BlockTable / BatchBuilder: exact tables and slots, errors, and an end-to-end check through the
-reference `write_kv` and `paged_attention` against plain attention on the contiguous sequences."""
+"""BlockTable / BatchBuilder: exact tables and slots, errors, and an end-to-end check through
+`write_kv` and `paged_attention` (reference and Triton) against plain attention on the contiguous sequences."""
 
 from __future__ import annotations
 
@@ -161,9 +161,16 @@ def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return torch.einsum("hln,nhd->lhd", scores.softmax(-1), v.double()).float()  # (L, H, D)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_end_to_end_through_the_reference_kernels(backend: str) -> None:
+@pytest.mark.parametrize(
+    "backend,kernels", [("torch", "reference"), ("triton", "reference"), ("triton", "triton")]
+)
+def test_end_to_end_through_the_kernels(backend: str, kernels: str) -> None:
     """Write K/V through the slot mapping, attend through the block tables, compare with plain attention."""
+    if kernels == "triton":
+        from helexa.kernels.paged_attention import paged_attention_triton as paged_attention
+        from helexa.kernels.write_kv import write_kv_triton as write_kv
+    else:
+        write_kv, paged_attention = reference.write_kv, reference.paged_attention
     torch.manual_seed(1)
     block_size, num_kv_heads, num_heads, head_dim = 4, 2, 4, 8
     pool = BlockPool(48, block_size, 1, num_kv_heads, head_dim, torch.float32, "cpu", backend=backend)
@@ -194,8 +201,8 @@ def test_end_to_end_through_the_reference_kernels(backend: str) -> None:
         k_new = torch.randn(total, num_kv_heads, head_dim)
         v_new = torch.randn(total, num_kv_heads, head_dim)
         q = torch.randn(total, num_heads, head_dim)
-        reference.write_kv(k_new, v_new, k_cache, v_cache, attn.slot_mapping)
-        out = reference.paged_attention(
+        write_kv(k_new, v_new, k_cache, v_cache, attn.slot_mapping)
+        out = paged_attention(
             q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc
         )
         start = 0
