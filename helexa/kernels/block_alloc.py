@@ -56,6 +56,7 @@ __all__ = [
     "incref_blocks_torch",
     "extend_tables_triton",
     "extend_tables_torch",
+    "gpu_check_cases",
 ]
 
 _BLOCK = 1024  # ids handled per program (pop, incref) or per loop iteration (push)
@@ -410,3 +411,54 @@ def extend_tables_torch(
     block_ids = tables[rows64[tok_seq], pos // block_size].long()  # (T,)
     slots = block_ids * block_size + pos % block_size  # (T,) int64
     return out_tables, slots
+
+
+# --------------------------------------------------------------------------------------------
+# timing hook for bench/gpu_check.py
+
+
+def gpu_check_cases(device: str) -> list[tuple[str, Callable[[], None]]]:
+    """Allocator launches on prepared inputs, each repeatable, for `bench/gpu_check.py` to time.
+
+    On CUDA: a pool of 65536 blocks and 256 decoding sequences; on CPU (the interpreter dry run)
+    the same with 16 sequences. Pop and extend take the host `top` as an argument, so running
+    them again with the same `top` rewrites the same ids (only the scratch device counter moves);
+    "pop+push" pops 256 blocks and pushes them back (same free set and refcounts; the pushed
+    segment of the stack comes back in reverse order, which changes no timing).
+    """
+    _require_triton()
+    dev = torch.device(device)
+    batch = 256 if dev.type == "cuda" else 16
+    num_blocks, block_size = 65536, 16
+    stack = torch.arange(num_blocks - 1, -1, -1, dtype=torch.int32, device=dev)  # (NB,)
+    refcount = torch.zeros(num_blocks, dtype=torch.int32, device=dev)  # (NB,)
+    counter = torch.full((1,), num_blocks, dtype=torch.int32, device=dev)  # (1,)
+    tables = torch.zeros(batch, 64, dtype=torch.int32, device=dev)  # (B, 64)
+    rows = torch.arange(batch, dtype=torch.int32, device=dev)  # (B,)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)  # (B+1,) one token each
+    # context 16 -> 17 crosses into a second block; 17 -> 18 stays in it
+    grow = (torch.full((batch,), 17, dtype=torch.int32, device=dev), rows.clone(), batch)
+    stay = (torch.full((batch,), 18, dtype=torch.int32, device=dev), torch.zeros_like(rows), 0)
+
+    def pop() -> None:
+        pop_blocks_triton(stack, refcount, counter, num_blocks, batch)
+
+    def pop_push() -> None:
+        ids = pop_blocks_triton(stack, refcount, counter, num_blocks, batch)
+        push_blocks_triton(stack, refcount, counter, num_blocks - batch, ids)
+
+    def extend(seq_lens: torch.Tensor, alloc_start: torch.Tensor, total_new: int) -> Callable[[], None]:
+        def run() -> None:
+            extend_tables_triton(
+                stack, refcount, counter, num_blocks, tables, rows, seq_lens, qsl, alloc_start,
+                total_new, 2, batch, block_size,
+            )
+
+        return run
+
+    return [
+        (f"pop_blocks {batch}", pop),
+        (f"pop+push {batch} blocks", pop_push),
+        (f"extend_tables {batch} seqs decode, 1 new block each", extend(*grow)),
+        (f"extend_tables {batch} seqs decode, no new block", extend(*stay)),
+    ]
