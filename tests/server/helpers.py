@@ -1,0 +1,110 @@
+"""Shared by the server tests: a tiny random model with a trained tokenizer, and a real server on 127.0.0.1.
+
+`make_tiny_model_dir(path)` writes a complete Hugging Face style directory — the tiny byte-level BPE
+tokenizer with a Llama-3 chat template from `tests/model/test_tokenizer.py`
+(`build_tiny_tokenizer_dir`) and a random tiny Llama from `tests/model/tiny.py` whose vocabulary
+matches it. `RunningServer` loads it into a real `Engine` and serves it with uvicorn on a free port of
+127.0.0.1 in a background thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+from helexa.engine.config import EngineConfig
+from helexa.engine.engine import Engine
+from helexa.model.tokenizer import Tokenizer
+from helexa.server.app import create_app
+from helexa.server.serve import HelexaServer
+from helexa.server.settings import ServerSettings
+from tests.model.test_tokenizer import build_tiny_tokenizer_dir
+from tests.model.tiny import make_tiny_model
+
+__all__ = ["RunningServer", "make_tiny_model_dir", "raw_post", "read_until", "tiny_engine_config", "wait_for"]
+
+
+def make_tiny_model_dir(path: Path, max_position_embeddings: int = 2048) -> Path:
+    """A tiny random Llama (2 layers, hidden 64) with the tiny BPE tokenizer and chat template, under `path`."""
+    tok_dir = build_tiny_tokenizer_dir(Path(path) / "tok")
+    tok = Tokenizer.from_pretrained(tok_dir)
+    model_dir = make_tiny_model(
+        Path(path), "llama", seed=3, name="tiny-chat", vocab_size=tok.vocab_size,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, max_position_embeddings=max_position_embeddings,
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (model_dir / name).write_bytes((tok_dir / name).read_bytes())
+    return model_dir
+
+
+def tiny_engine_config(model_dir: Path, **overrides) -> EngineConfig:
+    """CPU, float32, the torch attention backend, a small pool: fast on two cores."""
+    base = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
+                        block_size=16, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=512)
+    return dataclasses.replace(base, **overrides)
+
+
+class RunningServer:
+    """A real engine behind a real uvicorn server on 127.0.0.1 (any free port), in a daemon thread.
+
+    `url` is the base URL; `engine` and `app` are the live objects. `stop()` is bounded (about 10 s).
+    """
+
+    def __init__(self, config: EngineConfig, settings: ServerSettings | None = None) -> None:
+        settings = dataclasses.replace(settings or ServerSettings(), host="127.0.0.1", port=0, log_level="warning")
+        self.engine = Engine(config)
+        self.engine.start()
+        self.app = create_app(self.engine, settings)
+        self.server = HelexaServer(self.app, self.engine, settings)
+        self.thread = threading.Thread(target=self.server.run, name="helexa-test-server", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self.server.started:
+            self.engine.shutdown(0.0)
+            raise RuntimeError("the test server did not start within 30 s")
+        self.url = f"http://127.0.0.1:{self.server.bound_port}"
+
+    def stop(self) -> None:
+        """Stop uvicorn, then the engine."""
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.engine.shutdown(0.0)
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.02) -> bool:
+    """Poll `predicate()` until it is truthy or `timeout` seconds pass; returns its last truth value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def raw_post(url: str, path: str, body: dict, headers: dict[str, str] | None = None) -> socket.socket:
+    """Send a JSON POST on a fresh socket and return it unread (the test decides when to read or close)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    data = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{head}"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes, limit: int = 1 << 20) -> bytes:
+    """Read from `sock` until `marker` arrives (bounded by the socket timeout and `limit` bytes)."""
+    data = b""
+    while marker not in data:
+        chunk = sock.recv(65536)
+        if not chunk or len(data) > limit:
+            raise AssertionError(f"{marker!r} never arrived; got {data[:300]!r}")
+        data += chunk
+    return data
