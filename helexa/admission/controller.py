@@ -413,44 +413,16 @@ class AdmissionController:
         cfg = self.config
         m = max_tokens if max_tokens is not None else max(1, min(cfg.max_model_len - prompt, cfg.default_max_tokens))
         blocks = cfg.blocks_for(prompt + m) - shared
-        arith: dict[str, Any] = {"prompt": prompt, "max_tokens": m, "shared_blocks": shared, "blocks_needed": blocks}
-        arith.update(self._gauges())
-        arith["max_model_len"] = cfg.max_model_len
-
-        if prompt >= cfg.max_model_len:
-            return self._reject(
-                "kv_unservable", arith, None,
-                f"prompt of {prompt} tokens leaves no room for output: the maximum context length is "
-                f"{cfg.max_model_len} tokens",
-            )
-        if prompt + m > cfg.max_model_len:
-            return self._reject(
-                "kv_unservable", arith, None,
-                f"prompt of {prompt} tokens + max_tokens {m} = {prompt + m} tokens exceeds the maximum context "
-                f"length of {cfg.max_model_len} tokens",
-            )
-        if blocks > cfg.num_blocks:
-            return self._reject(
-                "kv_unservable", arith, None,
-                f"prompt of {prompt} tokens + max_tokens {m} needs {blocks} KV blocks of {cfg.block_size} tokens, "
-                f"more than this node's whole pool of {cfg.num_blocks} blocks",
-            )
-        del arith["max_model_len"]
+        if prompt >= cfg.max_model_len or prompt + m > cfg.max_model_len or blocks > cfg.num_blocks:
+            return self._reject_unservable(prompt, m, shared, blocks)
 
         run_seconds = self._rates.run_seconds(prompt - shared * cfg.block_size, m)
-        ticket = Ticket(
-            id=self._next_id, prompt_tokens=prompt, max_tokens=m, shared_blocks=shared, blocks_reserved=blocks,
-            payload=payload, arrival=now, deadline=now + cfg.max_wait_secs, est_wait_at_arrival=0.0,
-            prompt_prefilled=shared * cfg.block_size,
-        )
         fits_now = blocks <= cfg.num_blocks - self._reserved and len(self._running) < cfg.max_num_seqs
-        if fits_now and not self._queue:
-            self._next_id += 1
-            self._grant(ticket, now, from_queue=False)
-            return ticket
-        if fits_now and cfg.policy == "backfill" and self._backfill_fits(now, run_seconds):
-            self._next_id += 1
-            ticket.backfilled = True
+        if fits_now and (
+            not self._queue or cfg.policy == "backfill" and self._backfill_fits(now, run_seconds)
+        ):
+            ticket = self._new_ticket(now, prompt, m, shared, blocks, payload)
+            ticket.backfilled = bool(self._queue)
             self._grant(ticket, now, from_queue=False)
             return ticket
 
@@ -459,17 +431,16 @@ class AdmissionController:
             plan = self._ensure_plan(now)
             head_start = next(iter(self._queue.values())).est_start if self._queue else plan.start_of(blocks)
             wait = max(0.0, head_start - now)
-            arith["est_wait_s"], arith["deadline_s"] = _seconds(wait), cfg.max_wait_secs
             if self._model_state != "loaded":
-                reload_left = self._reload_seconds_left(now)
-                arith["reload_left_s"] = _seconds(reload_left)
+                left = self._reload_seconds_left(now)
                 return self._reject(
-                    "model_reloading", arith, retry_after_seconds(reload_left),
+                    "model_reloading", self._arith(prompt, m, shared, blocks, wait, reload_left_s=_seconds(left)),
+                    retry_after_seconds(left),
                     f"the model is reloading after a device fault and the admission queue is full ({depth} of "
-                    f"{cfg.max_queue_depth} waiting); estimated {reload_left:.0f} s until it serves again",
+                    f"{cfg.max_queue_depth} waiting); estimated {left:.0f} s until it serves again",
                 )
             return self._reject(
-                "queue_full", arith, retry_after_seconds(wait),
+                "queue_full", self._arith(prompt, m, shared, blocks, wait), retry_after_seconds(wait),
                 f"the admission queue is full ({depth} of {cfg.max_queue_depth} waiting, {len(self._running)} "
                 f"running); a place is estimated to free in {wait:.0f} s",
             )
@@ -477,23 +448,55 @@ class AdmissionController:
         plan = self._ensure_plan(now)
         start, appended = plan.append_if_starts_by(blocks, run_seconds, now + cfg.max_wait_secs)
         wait = max(0.0, start - now)
-        arith["est_wait_s"], arith["deadline_s"] = _seconds(wait), cfg.max_wait_secs
         if not appended:
             return self._reject(
-                "kv_timeout", arith, retry_after_seconds(wait),
+                "kv_timeout", self._arith(prompt, m, shared, blocks, wait), retry_after_seconds(wait),
                 f"the {blocks} KV blocks this request needs are estimated to be free in {wait:.0f} s, beyond the "
-                f"{cfg.max_wait_secs:.0f} s wait limit ({arith['blocks_available']} of {cfg.num_blocks} blocks "
-                f"available now, {depth} requests queued)",
+                f"{cfg.max_wait_secs:.0f} s wait limit ({cfg.num_blocks - self._reserved} of {cfg.num_blocks} "
+                f"blocks available now, {depth} requests queued)",
             )
-        self._next_id += 1
+        ticket = self._new_ticket(now, prompt, m, shared, blocks, payload)
         ticket.est_wait_at_arrival = wait
         ticket.est_start = max(start, now)
         self._queue[ticket.id] = ticket
         if logger.isEnabledFor(logging.DEBUG):
-            arith["queue_position"], arith["queue_depth"] = depth + 1, depth + 1
-            fields = _Fields(arith)
+            fields = _Fields(self._arith(prompt, m, shared, blocks, wait, queue_position=depth + 1))
             self._effects.append(lambda: logger.debug("admission: queued ticket=%d %s", ticket.id, fields))
         return ticket
+
+    def _reject_unservable(self, prompt: int, m: int, shared: int, blocks: int) -> AdmissionRejected:
+        cfg = self.config
+        arith = self._arith(prompt, m, shared, blocks, None, max_model_len=cfg.max_model_len)
+        if prompt >= cfg.max_model_len:
+            message = (f"prompt of {prompt} tokens leaves no room for output: the maximum context length is "
+                       f"{cfg.max_model_len} tokens")
+        elif prompt + m > cfg.max_model_len:
+            message = (f"prompt of {prompt} tokens + max_tokens {m} = {prompt + m} tokens exceeds the maximum "
+                       f"context length of {cfg.max_model_len} tokens")
+        else:
+            message = (f"prompt of {prompt} tokens + max_tokens {m} needs {blocks} KV blocks of {cfg.block_size} "
+                       f"tokens, more than this node's whole pool of {cfg.num_blocks} blocks")
+        return self._reject("kv_unservable", arith, None, message)
+
+    def _new_ticket(self, now: float, prompt: int, m: int, shared: int, blocks: int, payload: Any) -> Ticket:
+        ticket = Ticket(
+            id=self._next_id, prompt_tokens=prompt, max_tokens=m, shared_blocks=shared, blocks_reserved=blocks,
+            payload=payload, arrival=now, deadline=now + self.config.max_wait_secs, est_wait_at_arrival=0.0,
+            prompt_prefilled=shared * self.config.block_size,
+        )
+        self._next_id += 1
+        return ticket
+
+    def _arith(
+        self, prompt: int, m: int, shared: int, blocks: int, wait: float | None, **extra: Any
+    ) -> dict[str, Any]:
+        """The numbers behind a decision, in log-line order (`est_wait_s`/`deadline_s` when a wait was estimated)."""
+        arith: dict[str, Any] = {"prompt": prompt, "max_tokens": m, "shared_blocks": shared, "blocks_needed": blocks}
+        arith.update(self._gauges())
+        if wait is not None:
+            arith["est_wait_s"], arith["deadline_s"] = _seconds(wait), self.config.max_wait_secs
+        arith.update(extra)
+        return arith
 
     def _backfill_fits(self, now: float, run_seconds: float) -> bool:
         """True when a request of `run_seconds` started now is estimated to end by the head's estimated start."""
@@ -632,8 +635,13 @@ class AdmissionController:
             for t in self._running.values()
         ]
         plan = FifoPlan(now, cfg.num_blocks - self._reserved, cfg.max_num_seqs - len(self._running), releases)
-        for t in self._queue.values():
-            t.est_start = plan.append(t.blocks_reserved, rates.run_seconds(t.prefill_tokens_left, t.max_tokens))
+        decode, prefill = rates.decode_step_seconds, rates.prefill_token_seconds
+        queued = self._queue.values()
+        starts = plan.extend(
+            (t.blocks_reserved, (t.prompt_tokens - t.prompt_prefilled) * prefill + t.max_tokens * decode) for t in queued
+        )
+        for t, start in zip(queued, starts):
+            t.est_start = start
         self._plan, self._plan_time = plan, now
         self._plan_stale = self._plan_drifted = False
         return plan

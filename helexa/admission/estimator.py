@@ -116,6 +116,30 @@ class FifoPlan:
         heapq.heappush(self._events, (t + run_seconds, blocks))
         return t
 
+    def extend(self, requests: Iterable[tuple[int, float]]) -> list[float]:
+        """`append` each `(blocks, run_seconds)` in order; returns their estimated starts (one tight loop)."""
+        t, avail, slots, events = self._time, self._blocks, self._slots, self._events
+        pop, push, starts = heapq.heappop, heapq.heappush, []
+        for blocks, run_seconds in requests:
+            while avail < blocks or slots < 1:
+                if not events:
+                    self._time, self._blocks, self._slots = t, avail, slots
+                    raise ValueError(
+                        f"a request needing {blocks} blocks can never start: at most {avail} blocks and {slots} "
+                        "sequence slots are ever free in this plan"
+                    )
+                when, freed = pop(events)
+                if when > t:
+                    t = when
+                avail += freed
+                slots += 1
+            avail -= blocks
+            slots -= 1
+            push(events, (t + run_seconds, blocks))
+            starts.append(t)
+        self._time, self._blocks, self._slots = t, avail, slots
+        return starts
+
     def append_if_starts_by(self, blocks: int, run_seconds: float, latest_start: float) -> tuple[float, bool]:
         """`append` when the estimated start is <= `latest_start`, else leave the plan unchanged.
 
@@ -152,7 +176,7 @@ def estimate_starts(
     request needs more than can ever be free.
     """
     plan = FifoPlan(now, blocks_available, slots_available, release_times(now, rates, running))
-    return [plan.append(w.blocks, rates.run_seconds(w.prefill_tokens, w.decode_tokens)) for w in waiting]
+    return plan.extend((w.blocks, rates.run_seconds(w.prefill_tokens, w.decode_tokens)) for w in waiting)
 
 
 def retry_after_seconds(wait_seconds: float) -> int:
