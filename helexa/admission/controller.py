@@ -260,7 +260,8 @@ class AdmissionController:
                 _check_int("tokens_generated", tokens_generated, 0)
                 if tokens_generated > ticket.max_tokens:
                     raise ValueError(
-                        f"ticket {ticket.id}: tokens_generated={tokens_generated} exceeds its max_tokens={ticket.max_tokens}"
+                        f"ticket {ticket.id}: tokens_generated={tokens_generated} exceeds its "
+                        f"max_tokens={ticket.max_tokens}"
                     )
                 ticket.tokens_generated = tokens_generated
             if prompt_prefilled is not None:
@@ -532,7 +533,8 @@ class AdmissionController:
         for t in tickets:
             if slots == 0:
                 break
-            if t.blocks_reserved <= available and now + rates.run_seconds(t.prefill_tokens_left, t.max_tokens) <= shadow:
+            ends = now + rates.run_seconds(t.prefill_tokens_left, t.max_tokens)
+            if t.blocks_reserved <= available and ends <= shadow:
                 picked.append(t)
                 available -= t.blocks_reserved
                 slots -= 1
@@ -638,7 +640,8 @@ class AdmissionController:
         decode, prefill = rates.decode_step_seconds, rates.prefill_token_seconds
         queued = self._queue.values()
         starts = plan.extend(
-            (t.blocks_reserved, (t.prompt_tokens - t.prompt_prefilled) * prefill + t.max_tokens * decode) for t in queued
+            (t.blocks_reserved, (t.prompt_tokens - t.prompt_prefilled) * prefill + t.max_tokens * decode)
+            for t in queued
         )
         for t, start in zip(queued, starts):
             t.est_start = start

@@ -43,7 +43,9 @@ class EngineRates:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.decode_step_seconds) and self.decode_step_seconds > 0):
-            raise ValueError(f"EngineRates.decode_step_seconds must be finite and > 0, got {self.decode_step_seconds!r}")
+            raise ValueError(
+                f"EngineRates.decode_step_seconds must be finite and > 0, got {self.decode_step_seconds!r}"
+            )
         if not (math.isfinite(self.prefill_token_seconds) and self.prefill_token_seconds >= 0):
             raise ValueError(
                 f"EngineRates.prefill_token_seconds must be finite and >= 0, got {self.prefill_token_seconds!r}"

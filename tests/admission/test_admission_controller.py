@@ -22,11 +22,12 @@ from helexa.admission import (
 EXACT = EngineRates(decode_step_seconds=0.5, prefill_token_seconds=0.0)
 
 
-def make(clock: FakeClock | None = None, rates: EngineRates = EXACT, **overrides) -> AdmissionController:
+def make(clock: FakeClock | None = None, rates: EngineRates = EXACT, observer=None, **overrides) -> AdmissionController:
     cfg = dict(block_size=16, num_blocks=100, max_model_len=4096, max_num_seqs=4, max_queue_depth=4,
                max_wait_secs=600.0, replan_interval_secs=0.0)
     cfg.update(overrides)
-    return AdmissionController(AdmissionConfig(**cfg), clock=clock or FakeClock(), rates=rates, debug=True)
+    return AdmissionController(AdmissionConfig(**cfg), clock=clock or FakeClock(), rates=rates, observer=observer,
+                               debug=True)
 
 
 class Recorder:
@@ -80,8 +81,7 @@ def test_incident_in_miniature_third_long_request_queues_then_runs(caplog: pytes
 
 def test_unservable_rejected_at_once_without_touching_the_queue(caplog: pytest.LogCaptureFixture) -> None:
     rec = Recorder()
-    c = make(max_queue_depth=1)
-    c._observer = rec
+    c = make(max_queue_depth=1, observer=rec)
     c.submit(1000, 600)  # 100 blocks: the whole pool
     queued = c.submit(100, 10)
     assert c.queue_depth == 1  # the queue is full too: unservable must still say "unservable"
@@ -340,12 +340,11 @@ def test_replan_interval_bounds_staleness_from_progress_only() -> None:
 
 
 def test_threads_submitting_and_cancelling() -> None:
+    wake = threading.Event()
     c = AdmissionController(
         AdmissionConfig(block_size=16, num_blocks=200, max_model_len=2048, max_num_seqs=8, max_queue_depth=64),
-        rates=EngineRates(decode_step_seconds=0.001, prefill_token_seconds=0.0), debug=False,
+        rates=EngineRates(decode_step_seconds=0.001, prefill_token_seconds=0.0), wakeup=wake.set, debug=False,
     )
-    wake = threading.Event()
-    c._wakeup = wake.set
     stop = threading.Event()
     errors: list[BaseException] = []
     running: list = []
