@@ -9,6 +9,7 @@ test_server_cli.py.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from helexa.model.chat_template import ChatTemplate
 from tests.server.helpers import RunningServer, raw_post, read_until, tiny_engine_config, wait_for
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -151,3 +153,43 @@ def test_device_fault(one_seat_server: RunningServer) -> None:
     ok = _post(one_seat_server.url, "/v1/completions", {"prompt": "hello", "max_tokens": 5})
     assert ok.status_code == 200
     assert one_seat_server.engine.admission.blocks_reserved == 0
+
+
+def test_chat_template_error_is_400(one_seat_server: RunningServer) -> None:
+    """A template that refuses the conversation (raise_exception) answers 400 naming `messages`, not 500."""
+    templates = one_seat_server.engine.tokenizer.chat_templates
+    original = templates["default"]
+    templates["default"] = ChatTemplate(
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}", original.special_tokens)
+    try:
+        response = _post(one_seat_server.url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
+        error = _check(response, 400, "invalid_request", retry_after=False, param="messages")
+        assert "a system message must come first" in error["message"]
+        response = _post(one_seat_server.url, "/v1/responses", {"input": "hi", "max_output_tokens": 2})
+        _check(response, 400, "invalid_request", retry_after=False, param="input")
+        ok = _post(one_seat_server.url, "/v1/responses", {"input": "hi", "instructions": "x", "max_output_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        templates["default"] = original
+
+
+def test_unexpected_exception_is_a_clean_500(one_seat_server: RunningServer,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    engine = one_seat_server.engine
+    real_snapshot = engine.snapshot
+
+    def broken_snapshot() -> dict:
+        raise KeyError("secret internal detail")
+
+    engine.snapshot = broken_snapshot
+    try:
+        with caplog.at_level(logging.ERROR, logger="helexa.server"):
+            response = httpx.get(f"{one_seat_server.url}/v1/admission", headers={"x-request-id": "req-500"},
+                                 timeout=10)
+    finally:
+        engine.snapshot = real_snapshot
+    error = _check(response, 500, "internal_error", retry_after=False)
+    assert "req-500" in error["message"] and "secret internal detail" not in response.text
+    assert response.headers["x-request-id"] == "req-500"
+    assert any("req-500" in r.getMessage() and r.exc_info for r in caplog.records)
