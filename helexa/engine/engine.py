@@ -286,41 +286,52 @@ class Engine:
                                          num_output_tokens=seq.num_output))
 
     def _postprocess(self, inputs: StepInputs, samples: SampleResult | None) -> None:
-        """Append each sampled token, detokenise, check stops, stream the event, finish what ended."""
+        """Append each sampled token, detokenise, check stops, stream the event, finish what ended.
+
+        The whole step's progress reaches admission before any sequence is released, so its wait
+        estimates never see half a step.
+        """
+        finished: list[tuple[Sequence, TokenEvent]] = []
+        if samples is not None:
+            now = time.monotonic()
+            for row, seq in enumerate(inputs.sampled):
+                event = self._append_token(seq, samples, row, now)
+                if event.finished:
+                    finished.append((seq, event))
+                else:
+                    seq.stream.put(event)
+        ending = {id(seq) for seq, _ in finished}
         for seq in self._running:
-            self.admission.progress(seq.ticket, prompt_prefilled=min(seq.num_computed, seq.prompt_len),
-                                    blocks_allocated=seq.table.num_blocks)
-        if samples is None:
-            return
-        now = time.monotonic()
-        for row, seq in enumerate(inputs.sampled):
-            token = samples.token_ids[row]
-            seq.token_ids.append(token)
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-            reason = finish_reason(token, seq.num_output, seq.params, self.tokenizer.eos_token_ids)
-            text = ""
-            if reason != "stop":  # a stop token or EOS is never shown
-                result = seq.stop_checker.feed(seq.detokenizer.push(token))
-                text = result.emit
-                if result.stopped:
-                    reason = "stop"
-                elif reason is not None:  # length: release everything held back
-                    text += seq.stop_checker.feed(seq.detokenizer.flush()).emit
-                    if not seq.stop_checker.stopped:
-                        text += seq.stop_checker.flush()
-            logprobs = ()
-            if seq.params.logprobs is not None:
-                top = samples.top_logprobs[row] or ()
-                logprobs = (TokenLogprob(token, float(samples.logprobs[row]), tuple(top)),)
-            event = TokenEvent(token_ids=(token,), text=text, logprobs=logprobs, finish_reason=reason,
-                               num_prompt_tokens=seq.prompt_len, num_output_tokens=seq.num_output)
-            self.counters.generation_tokens += 1
-            if reason is None:
-                seq.stream.put(event)
-                self.admission.progress(seq.ticket, tokens_generated=seq.num_output)
-            else:
-                self._finish(seq, event)
+            if id(seq) not in ending:
+                self.admission.progress(seq.ticket, prompt_prefilled=min(seq.num_computed, seq.prompt_len),
+                                        tokens_generated=seq.num_output, blocks_allocated=seq.table.num_blocks)
+        for seq, event in finished:
+            self._finish(seq, event)
+
+    def _append_token(self, seq: Sequence, samples: SampleResult, row: int, now: float) -> TokenEvent:
+        """Record one sampled token on `seq` and build its event (final when the sequence ends)."""
+        token = samples.token_ids[row]
+        seq.token_ids.append(token)
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        self.counters.generation_tokens += 1
+        reason = finish_reason(token, seq.num_output, seq.params, self.tokenizer.eos_token_ids)
+        text = ""
+        if reason != "stop":  # a stop token or EOS is never shown
+            result = seq.stop_checker.feed(seq.detokenizer.push(token))
+            text = result.emit
+            if result.stopped:
+                reason = "stop"
+            elif reason is not None:  # length: release everything held back
+                text += seq.stop_checker.feed(seq.detokenizer.flush()).emit
+                if not seq.stop_checker.stopped:
+                    text += seq.stop_checker.flush()
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if seq.params.logprobs is not None:
+            top = samples.top_logprobs[row] or ()
+            logprobs = (TokenLogprob(token, float(samples.logprobs[row]), tuple(top)),)
+        return TokenEvent(token_ids=(token,), text=text, logprobs=logprobs, finish_reason=reason,
+                          num_prompt_tokens=seq.prompt_len, num_output_tokens=seq.num_output)
 
     def _finish(self, seq: Sequence, final: TokenEvent) -> None:
         """End a running sequence: its blocks and reservation return, its stream gets the final event."""

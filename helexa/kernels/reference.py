@@ -76,7 +76,13 @@ def paged_attention(
 
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    if len(decode) > 1:
+        _decode_batched(q, k_cache, v_cache, block_tables, lens, starts, decode, scale, compute_dtype, out)
+    decoded = set(decode) if len(decode) > 1 else set()
     for b, seq_len in enumerate(lens):
+        if b in decoded:
+            continue
         q_start, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_start
         if q_len == 0:
@@ -102,3 +108,54 @@ def paged_attention(
             o = torch.einsum("kgln,knd->lkgd", probs, v)  # (L, KVH, G, D)
             out[q_start + c0 : q_start + c1] = o.reshape(c1 - c0, num_heads, head_dim).to(out.dtype)
     return out
+
+
+def _decode_batched(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: list[int],
+    starts: list[int],
+    decode: list[int],
+    scale: float,
+    compute_dtype: torch.dtype,
+    out: torch.Tensor,
+) -> None:
+    """Single-token queries of many sequences in a few batched matmuls (the CPU decode fast path).
+
+    Sequences are gathered in groups whose padded K/V stay under `_MAX_SCORE_ELEMENTS` elements;
+    positions past a sequence's length are masked out of the scores and zeroed in V, so whatever
+    the padding blocks hold (even NaN) never reaches the output. Same result as the per-sequence
+    path up to float summation order.
+    """
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    order = sorted(decode, key=lambda b: lens[b])  # similar lengths together: less padding
+    per_token = num_kv_heads * head_dim
+    i = 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and (j + 1 - i) * lens[order[j]] * per_token <= _MAX_SCORE_ELEMENTS:
+            j += 1
+        batch = order[i:j]
+        i = j
+        max_len = lens[batch[-1]]
+        nb = -(-max_len // block_size)
+        idx = torch.tensor(batch, device=q.device)
+        rows = torch.tensor([starts[b] for b in batch], device=q.device)  # (Bd,)
+        seq_lens = torch.tensor([lens[b] for b in batch], device=q.device)  # (Bd,)
+        blocks = block_tables[idx, :nb].long()  # (Bd, nb)
+        n = nb * block_size
+        pad = torch.arange(n, device=q.device)[None, :] >= seq_lens[:, None]  # (Bd, N)
+        blocks = blocks.masked_fill(pad.view(len(batch), nb, block_size)[:, :, 0], 0)  # never index past the pool
+        k = k_cache[blocks].reshape(len(batch), n, num_kv_heads, head_dim).to(compute_dtype)  # (Bd, N, KVH, D)
+        v = v_cache[blocks].reshape(len(batch), n, num_kv_heads, head_dim).to(compute_dtype)  # (Bd, N, KVH, D)
+        v = v.masked_fill(pad[:, :, None, None], 0.0)
+        qs = q[rows].to(compute_dtype).view(len(batch), num_kv_heads, group, head_dim)  # (Bd, KVH, G, D)
+        scores = torch.matmul(qs, k.permute(0, 2, 3, 1)) * scale  # (Bd, KVH, G, N)
+        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # (Bd, KVH, G, N)
+        o = torch.matmul(probs, v.permute(0, 2, 1, 3))  # (Bd, KVH, G, D)
+        out[rows] = o.reshape(len(batch), num_heads, head_dim).to(out.dtype)
