@@ -6,6 +6,7 @@ import logging
 import sys
 
 from helexa.engine.engine import Engine
+from helexa.model.pull import DownloadError
 from helexa.server.app import create_app
 from helexa.server.cli import build_parser, configs_from_args
 from helexa.server.serve import HelexaServer
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         engine = Engine(engine_config)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, DownloadError) as exc:
         logger.error("cannot load the model: %s", exc)
         return 1
     engine.start()

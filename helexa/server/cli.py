@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     g.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
 
-    g = p.add_argument_group("KV budget (give at most one of --num-blocks, --kv-cache-memory, --gpu-memory-utilization)")
+    g = p.add_argument_group("KV budget", "give at most one of --num-blocks, --kv-cache-memory, --gpu-memory-utilization")
     g.add_argument("--block-size", type=_positive_int, default=_DEFAULTS.block_size, help="tokens per KV block")
     budget = g.add_mutually_exclusive_group()
     budget.add_argument("--num-blocks", type=_positive_int, default=None, help="an exact KV block count")

@@ -319,7 +319,8 @@ def _response_input(value: Any) -> list[dict[str, Any]]:
 
 
 def parse_response(body: dict[str, Any]) -> GenerationRequest:
-    """`POST /v1/responses`: `input` (required), `instructions`, `max_output_tokens`, `temperature`, `top_p`, `stream`."""
+    """`POST /v1/responses`: `input` (required), `instructions`, `max_output_tokens`, `temperature`, `top_p`,
+    `stream`."""
     if body.get("input") is None:
         raise APIError("invalid_request", "'input' is required", param="input")
     if body.get("previous_response_id") is not None:

@@ -172,7 +172,9 @@ def chat_chunk(
 # --------------------------------------------------------------------------- completions
 
 
-def completion(request_id: str, created: int, model: str, choices: Sequence[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+def completion(
+    request_id: str, created: int, model: str, choices: Sequence[dict[str, Any]], usage: Usage
+) -> dict[str, Any]:
     """A `text_completion` object. Each of `choices`: `index`, `text`, `finish_reason`, `logprobs` (object or None)."""
     return {
         "id": request_id,

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +33,8 @@ def test_flags_map_to_engine_config() -> None:
     engine, settings = configs_from_args(args)
     assert (engine.model, engine.device, engine.dtype, engine.block_size) == ("/m", "cpu", "bfloat16", 32)
     assert (engine.kv_cache_memory, engine.num_blocks, engine.gpu_memory_utilization) == (512 << 20, None, None)
-    assert (engine.max_model_len, engine.max_num_seqs, engine.max_queue_depth, engine.max_wait_secs) == (4096, 3, 7, 2.5)
+    assert (engine.max_model_len, engine.max_num_seqs) == (4096, 3)
+    assert (engine.max_queue_depth, engine.max_wait_secs) == (7, 2.5)
     assert engine.attention_backend == "torch"
     assert (settings.host, settings.port, settings.api_key, settings.max_body_bytes, settings.shutdown_grace_secs) == (
         "::1", 0, "k", 1 << 20, 4.0)
