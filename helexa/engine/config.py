@@ -20,6 +20,10 @@ class EngineConfig:
     `max_model_len=None` means the model's `max_position_embeddings`. `default_max_tokens` is the
     output budget reserved for a request that does not say `max_tokens` (bounded by what is left
     of `max_model_len` after the prompt).
+
+    Device faults: the engine reloads and replays after a fault; after `max_fault_retries`
+    consecutive faults (a fault during replay counts, a successful step resets the count) it stays
+    poisoned. Reload attempts wait `fault_backoff_secs × 2^(n−1)` before the n-th consecutive one.
     """
 
     model: str | None = None
@@ -38,6 +42,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     admission_policy: str = "fifo"
     seed: int = 0
+    max_fault_retries: int = 3
+    fault_backoff_secs: float = 0.5
 
     def __post_init__(self) -> None:
         _choice("device", self.device, _DEVICES)
@@ -52,6 +58,10 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}) so every running sequence can decode each step")
+        if not isinstance(self.max_fault_retries, int) or self.max_fault_retries < 0:
+            raise ValueError(f"max_fault_retries must be an int >= 0, got {self.max_fault_retries!r}")
+        if not self.fault_backoff_secs >= 0:
+            raise ValueError(f"fault_backoff_secs must be >= 0, got {self.fault_backoff_secs!r}")
         if self.max_queue_depth < 0:
             raise ValueError(f"max_queue_depth must be >= 0, got {self.max_queue_depth}")
         if not self.max_wait_secs > 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import threading
@@ -15,6 +16,7 @@ import torch
 
 from helexa.admission import AdmissionConfig, AdmissionController, AdmissionObserver, AdmissionRejected, Ticket
 from helexa.engine.config import EngineConfig
+from helexa.engine.faults import FaultInjector
 from helexa.engine.runner import ModelRunner, StepInputs
 from helexa.engine.scheduler import schedule
 from helexa.engine.sequence import Sequence
@@ -37,7 +39,14 @@ class EngineClosed(RuntimeError):
 
 
 class EngineError(RuntimeError):
-    """A step failed on the device; the message carries the underlying error text."""
+    """A request failed because of the engine, not its input; the message carries the cause."""
+
+
+class DeviceFault(EngineError):
+    """The model could not be recovered after repeated device faults (500 `device_fault`).
+
+    The message carries the last fault's underlying error text.
+    """
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,8 @@ class EngineCounters:
     steps: int = 0
     step_seconds: float = 0.0
     model_seconds: float = 0.0
+    device_faults: int = 0
+    model_reloads: int = 0
 
 
 class Engine:
@@ -82,27 +93,8 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.dtype)
         self.max_model_len = self._max_model_len(config, self.model_config)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
-        model = load_model(model_dir, dtype=self.dtype, device=self.device, attention_backend=config.attention_backend)
-
-        mc = self.model_config
-        self.budget = kv_budget(
-            block_size=config.block_size, num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim, dtype=self.dtype, device=self.device,
-            weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-            activation_reserve_bytes=estimate_activation_bytes(
-                hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-                num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
-                vocab_size=mc.vocab_size, max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs, dtype=self.dtype),
-            num_blocks=config.num_blocks, kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-        )
-        logger.info("%s", self.budget.describe())
-        self.pool = BlockPool(self.budget.num_blocks, config.block_size, mc.num_hidden_layers,
-                              mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
-        self._builder = BatchBuilder(self.pool, config.max_num_seqs, self.max_model_len)
-        self.runner = ModelRunner(model, self.pool, self._builder, self.device,
-                                  sample_vocab_size=min(self.tokenizer.vocab_size, mc.vocab_size))
+        self._load()
+        self.first_num_blocks = self.budget.num_blocks
         self.rates = RateTracker()
         self.counters = EngineCounters()
         self.admission = AdmissionController(
@@ -111,8 +103,13 @@ class Engine:
                             max_queue_depth=config.max_queue_depth, max_wait_secs=config.max_wait_secs,
                             default_max_tokens=config.default_max_tokens, policy=config.admission_policy),
             rates=self.rates.rates(), observer=observer, wakeup=self._wake,
-            blocks_free=lambda: self.pool.num_free_blocks,
+            blocks_free=lambda: self.pool.num_free_blocks if self.pool is not None else 0,
         )
+        self._faults = FaultInjector.from_env()
+        self._step_no = 0  # steps that ran the model, counted from 1 (HELEXA_FAULT_INJECT counts these)
+        self._consecutive_faults = 0
+        self.fault_cause: str | None = None  # set when the node gives up: why it is poisoned
+        self.last_reload_seconds: float | None = None
         self._running: list[Sequence] = []
         self._pending: dict[str, RequestHandle] = {}  # submitted, not ended; any thread, under _lock
         self._aborts: set[str] = set()  # abort requests for running sequences, under _lock
@@ -128,6 +125,48 @@ class Engine:
                     "max_num_batched_tokens=%d attention=%s", self.model_name, self.device, _dtype_name(self.dtype),
                     self.load_seconds, self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
                     config.attention_backend)
+
+    def _load(self) -> None:
+        """Load the weights and allocate the KV pool from the config (at start and on every reload).
+
+        The budget is a function of the config and the model's shapes only, so every load gives
+        the same block count.
+        """
+        config, mc = self.config, self.model_config
+        model = load_model(self.model_dir, dtype=self.dtype, device=self.device,
+                           attention_backend=config.attention_backend)
+        self.budget = kv_budget(
+            block_size=config.block_size, num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim, dtype=self.dtype, device=self.device,
+            weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+            activation_reserve_bytes=estimate_activation_bytes(
+                hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
+                num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
+                vocab_size=mc.vocab_size, max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs, dtype=self.dtype),
+            num_blocks=config.num_blocks, kv_cache_memory=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+        )
+        logger.info("%s", self.budget.describe())
+        self.pool: BlockPool | None = BlockPool(self.budget.num_blocks, config.block_size, mc.num_hidden_layers,
+                                                mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        self._builder = BatchBuilder(self.pool, config.max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(model, self.pool, self._builder, self.device,
+                                  sample_vocab_size=min(self.tokenizer.vocab_size, mc.vocab_size))
+
+    def _unload(self) -> None:
+        """Drop the model and the pool and give their device memory back."""
+        self.runner = None  # type: ignore[assignment]
+        self._builder = None  # type: ignore[assignment]
+        self.pool = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def model_state(self) -> str:
+        """`loaded`, `reloading` or `poisoned`."""
+        return self.admission.model_state
 
     # ------------------------------------------------------------------ requests (any thread)
 
@@ -151,6 +190,8 @@ class Engine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         with self._lock:
+            if self.fault_cause is not None:
+                raise DeviceFault(self.fault_cause)
             if self._closed:
                 raise EngineClosed("the engine is shutting down and admits no new requests")
             request_id = request_id or f"req-{next(self._ids)}"
@@ -182,19 +223,32 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> bool:
-        """One engine step: admit, schedule, run, sample, stream. Returns False when there was nothing to run."""
+        """One engine step: admit, schedule, run, sample, stream. Returns False when there was nothing to run.
+
+        A failure while running the batch is a device fault: it is logged with its cause, the model
+        and pool are rebuilt with the same config, and the running sequences are replayed.
+        """
+        if self.fault_cause is not None:
+            return False
         self._take_admitted()
         self._apply_aborts()
         chunks = schedule(self._running, self.config.max_num_batched_tokens)
         if not chunks:
             return False
+        self._step_no += 1
         t0 = time.perf_counter()
-        inputs = self.runner.prepare(chunks)
-        for chunk in chunks:
-            chunk.seq.num_computed += chunk.num_new
-        t1 = time.perf_counter()
-        samples = self.runner.execute(inputs, [s.generator for s in inputs.sampled])
+        try:
+            inputs = self.runner.prepare(chunks)
+            for chunk in chunks:
+                chunk.seq.num_computed += chunk.num_new
+            t1 = time.perf_counter()
+            self._faults.check(self._step_no)
+            samples = self.runner.execute(inputs, [s.generator for s in inputs.sampled])
+        except Exception as exc:  # any failure on the device side: recover and replay
+            self._on_device_fault(exc, chunks)
+            return True
         t2 = time.perf_counter()
+        self._consecutive_faults = 0
         self._postprocess(inputs, samples)
         t3 = time.perf_counter()
         self._record(inputs, t3 - t0, (t1 - t0) + (t3 - t2), t2 - t1)
@@ -337,8 +391,8 @@ class Engine:
         """End a running sequence: its blocks and reservation return, its stream gets the final event."""
         seq.finished_at = time.monotonic()
         self._running.remove(seq)
-        if seq.table is not None and not seq.table.released:
-            self._builder.release(seq.table)
+        if seq.table is not None and not seq.table.released and self._builder is seq.table._builder:
+            self._builder.release(seq.table)  # (tables of a pool dropped by a reload need no release)
         self.admission.release(seq.ticket)
         with self._lock:
             self._pending.pop(seq.request_id, None)
@@ -359,6 +413,80 @@ class Engine:
         self.rates.observe_step(step_seconds, inputs.num_decode_tokens, inputs.num_prefill_tokens, overhead_seconds)
         self.admission.set_rates(self.rates.rates())
 
+    # ------------------------------------------------------------------ device faults
+
+    def _on_device_fault(self, exc: BaseException, chunks: list) -> None:
+        """Log the fault with its cause and the batch shape, then reload and replay, or give up."""
+        self.counters.device_faults += 1
+        self._consecutive_faults += 1
+        cause = f"{type(exc).__name__}: {exc}"
+        logger.error("engine: device fault at step %d (batch: %d sequences, %d tokens; consecutive=%d/%d): %s",
+                     self._step_no, len(chunks), sum(c.num_new for c in chunks), self._consecutive_faults,
+                     self.config.max_fault_retries, cause, exc_info=exc)
+        self.admission.set_model_state("poisoned")
+        if self._consecutive_faults > self.config.max_fault_retries:
+            self._give_up(f"device fault not recovered after {self.config.max_fault_retries} reloads: {cause}")
+            return
+        self._reload(cause)
+
+    def _reload(self, cause: str) -> None:
+        """Rebuild the model and pool with the same config and replay every running sequence.
+
+        Reservations in admission survive unchanged; only the physical blocks are rebuilt. A block
+        count different from the first load's keeps the node poisoned rather than serve with another budget.
+        """
+        self.admission.set_model_state("reloading")
+        start = time.perf_counter()
+        backoff = self.config.fault_backoff_secs * 2 ** (self._consecutive_faults - 1)
+        while True:
+            time.sleep(min(backoff, 30.0))
+            try:
+                self._unload()
+                self._load()
+                break
+            except Exception as exc:  # a failed reload is one more consecutive fault
+                self.counters.device_faults += 1
+                self._consecutive_faults += 1
+                cause = f"{type(exc).__name__}: {exc}"
+                logger.error("engine: reload failed (consecutive=%d/%d): %s", self._consecutive_faults,
+                             self.config.max_fault_retries, cause, exc_info=exc)
+                if self._consecutive_faults > self.config.max_fault_retries:
+                    self._give_up(f"model reload failed {self._consecutive_faults} times in a row: {cause}")
+                    return
+                backoff *= 2
+        if self.budget.num_blocks != self.first_num_blocks:
+            logger.error("engine: reload gave %d KV blocks, first load gave %d; staying poisoned",
+                         self.budget.num_blocks, self.first_num_blocks)
+            self._give_up(f"KV budget changed across reload ({self.first_num_blocks} -> {self.budget.num_blocks} "
+                          f"blocks) after device fault: {cause}")
+            return
+        for seq in self._running:  # replay: re-prefill prompt + tokens generated so far
+            seq.num_computed = 0
+            seq.table = self._builder.new_table()
+            self.admission.progress(seq.ticket, prompt_prefilled=0, blocks_allocated=0)
+        self.counters.model_reloads += 1
+        self.last_reload_seconds = time.perf_counter() - start
+        self.admission.set_model_state("loaded")
+        logger.warning("engine: reloaded after device fault in %.2fs (%d KV blocks, as at first load); "
+                       "replaying %d sequences", self.last_reload_seconds, self.budget.num_blocks,
+                       len(self._running))
+
+    def _give_up(self, cause: str) -> None:
+        """Stay poisoned: fail running and queued requests with `DeviceFault`; refuse new ones."""
+        logger.error("engine: model poisoned for good: %s", cause)
+        error = DeviceFault(cause)
+        with self._lock:
+            self.fault_cause = cause
+        self.admission.set_model_state("poisoned")
+        for seq in list(self._running):
+            self._finish(seq, TokenEvent(finish_reason="error", error=error, num_prompt_tokens=seq.prompt_len,
+                                         num_output_tokens=seq.num_output))
+        with self._lock:
+            waiting = list(self._pending.values())  # queued, or granted and not yet running
+        for handle in waiting:
+            self.admission.cancel(handle.ticket)
+            self._end_unstarted(handle, TokenEvent(finish_reason="error", error=error))
+
     # ------------------------------------------------------------------ thread plumbing
 
     def _wake(self) -> None:
@@ -373,8 +501,9 @@ class Engine:
                     return
             try:
                 worked = self.step()
-            except Exception as exc:  # a step failure must not kill the loop: fail what was running
-                logger.exception("engine: step failed with %d running sequences", len(self._running))
+            except Exception as exc:  # a bug outside the device work must not kill the loop
+                logger.exception("engine: step failed outside the model with %d running sequences",
+                                 len(self._running))
                 self._fail_running(exc)
                 worked = True
             if worked:
@@ -387,7 +516,7 @@ class Engine:
                 self._woken = False
 
     def _fail_running(self, exc: BaseException) -> None:
-        error = EngineError(f"device fault: {type(exc).__name__}: {exc}")
+        error = EngineError(f"engine error: {type(exc).__name__}: {exc}")
         for seq in list(self._running):
             self._finish(seq, TokenEvent(finish_reason="error", error=error, num_prompt_tokens=seq.prompt_len,
                                          num_output_tokens=seq.num_output))
