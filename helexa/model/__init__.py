@@ -19,7 +19,7 @@ from helexa.model.config import ModelConfig
 from helexa.model.detokenizer import IncrementalDetokenizer
 from helexa.model.gguf import convert_gguf
 from helexa.model.loader import load_model, resolve_dtype
-from helexa.model.pull import DEFAULT_MODEL, KNOWN_MODELS, DownloadError, pull, resolve_model
+from helexa.model.pull import DEFAULT_MODEL, KNOWN_MODELS, DownloadError, resolve_model
 from helexa.model.sampling import MAX_LOGPROBS, SampleResult, Sampler, SamplingParams, make_generator
 from helexa.model.stopping import StopChecker, StopResult, finish_reason
 from helexa.model.tokenizer import Tokenizer
@@ -45,7 +45,6 @@ __all__ = [
     "finish_reason",
     "load_model",
     "make_generator",
-    "pull",
     "resolve_dtype",
     "resolve_model",
     "validate_messages",
