@@ -372,13 +372,20 @@ async def admission(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """`GET /health`: 200 while the model serves; 503 with the model state (or `shutting_down`) otherwise."""
+    """`GET /health`: 200 while the model serves; 503 with the model state (or `shutting_down`) otherwise.
+
+    A node poisoned by repeated device faults also says why (`fault_cause`, the last fault's error text).
+    """
     state = _state(request)
     model_state = state.engine.snapshot()["model_state"]
     if state.draining:
         return JSONResponse({"status": "shutting_down", "model_state": model_state}, status_code=503)
     if model_state != "loaded":
-        return JSONResponse({"status": model_state, "model_state": model_state}, status_code=503)
+        body = {"status": model_state, "model_state": model_state}
+        fault_cause = getattr(state.engine, "fault_cause", None)
+        if fault_cause is not None:  # poisoned for good: say why
+            body["fault_cause"] = fault_cause
+        return JSONResponse(body, status_code=503)
     return JSONResponse({"status": "ok", "model_state": model_state, "model": state.engine.model_name})
 
 

@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--admission-policy", choices=("fifo", "backfill"), default=_DEFAULTS.admission_policy)
     g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="the engine's seed for unseeded sampling")
 
+    g = p.add_argument_group("device faults", "after a fault the engine reloads the model and replays in-flight "
+                             "requests; past the retries it stays poisoned and answers 500 device_fault")
+    g.add_argument("--max-fault-retries", type=_non_negative_int, default=_DEFAULTS.max_fault_retries,
+                   help="consecutive device faults the engine recovers from before it gives up")
+    g.add_argument("--fault-backoff-secs", type=_seconds, default=_DEFAULTS.fault_backoff_secs,
+                   help="wait before the n-th consecutive reload: this x 2^(n-1) seconds")
+
     g = p.add_argument_group("HTTP server")
     g.add_argument("--host", default="127.0.0.1", help="bind address")
     g.add_argument("--port", type=int, default=8000, help="bind port (0: any free port)")
@@ -133,6 +140,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         attention_backend=args.attention_backend,
         admission_policy=args.admission_policy,
         seed=args.seed,
+        max_fault_retries=args.max_fault_retries,
+        fault_backoff_secs=args.fault_backoff_secs,
     )
     settings = ServerSettings(
         host=args.host,

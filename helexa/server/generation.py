@@ -107,7 +107,8 @@ class GenerationRun:
         """Submit every choice; on any failure abort the ones submitted and raise `APIError`.
 
         Admission rejections keep their status, code and Retry-After; a closed engine is 503
-        `shutting_down`; a prompt the engine refuses (empty, ids outside the vocabulary) is 400.
+        `shutting_down`; a node poisoned by device faults (`DeviceFault`) is 500 `device_fault` carrying
+        the cause; a prompt the engine refuses (empty, ids outside the vocabulary) is 400.
         """
         n = self.request.n
         try:
@@ -124,6 +125,9 @@ class GenerationRun:
         except EngineClosed:
             self.abort()
             raise APIError("shutting_down", "the server is shutting down and admits no new requests") from None
+        except EngineError as exc:  # DeviceFault: the node gave up after repeated device faults
+            self.abort()
+            raise APIError("device_fault", str(exc)) from None
         except ValueError as exc:
             self.abort()
             param = "prompt" if self.request.kind == "completion" else "messages"

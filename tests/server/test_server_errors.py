@@ -1,15 +1,18 @@
 """SPEC.md's error table, row by row: status, `code`, `param`, and whether Retry-After is sent.
 
 Rows produced here: invalid_request (malformed JSON, wrong types, bad values, bad messages),
-context_length_exceeded, queue_full, model_reloading (admission's real path, with the model state set by
-the test until the reliability issue drives it), request_too_large, device_fault (a step that raises, the
-engine's device-fault path). invalid_api_key and kv_timeout run against the CLI server in
-test_server_cli.py.
+context_length_exceeded, queue_full, model_reloading (a real reload after a fault injected with
+HELEXA_FAULT_INJECT, slowed by the fault backoff, while the one seat is taken and there is no queue),
+request_too_large, device_fault (injected faults on consecutive steps past max_fault_retries: the
+node gives up). invalid_api_key and kv_timeout run against the CLI server in test_server_cli.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,7 +108,7 @@ def one_seat_server(tiny_model_dir: Path) -> Iterator[RunningServer]:
     running.stop()
 
 
-def test_queue_full_and_model_reloading(one_seat_server: RunningServer) -> None:
+def test_queue_full(one_seat_server: RunningServer) -> None:
     url, admission = one_seat_server.url, one_seat_server.engine.admission
     holder = raw_post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 1500, "stream": True,
                                                "ignore_eos": True})
@@ -113,46 +116,111 @@ def test_queue_full_and_model_reloading(one_seat_server: RunningServer) -> None:
         read_until(holder, b"data: ")
         _check(_post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4}), 429, "queue_full",
                retry_after=True)
-        admission.set_model_state("reloading")  # what the engine does after a device fault (reliability issue)
-        try:
-            _check(_post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 4}), 503, "model_reloading",
-                   retry_after=True)
-            health = httpx.get(f"{url}/health", timeout=10)
-            assert health.status_code == 503 and health.json()["status"] == "reloading"
-            assert 'helexa_model_state{state="reloading"} 1.0' in httpx.get(f"{url}/metrics", timeout=10).text
-        finally:
-            admission.set_model_state("loaded")
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         assert 'helexa_admission_rejected_total{reason="queue_full"} 1.0' in metrics
-        assert 'helexa_admission_rejected_total{reason="model_reloading"} 1.0' in metrics
         assert 'helexa_requests_total{status="429"} 1.0' in metrics
     finally:
         holder.close()
     assert wait_for(lambda: admission.blocks_reserved == 0, 1.0)
 
 
-def test_device_fault(one_seat_server: RunningServer) -> None:
-    """A step that raises goes through the engine's device-fault path: 500 device_fault carrying the cause."""
-    runner = one_seat_server.engine.runner
-    real_execute = runner.execute
-    calls = []
+@contextlib.contextmanager
+def _fault_server(monkeypatch: pytest.MonkeyPatch, model_dir: Path, inject: str, **overrides
+                  ) -> Iterator[RunningServer]:
+    """A fresh one-seat server whose engine faults at the model steps `inject` (HELEXA_FAULT_INJECT).
 
-    def failing_execute(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
-        return real_execute(*args, **kwargs)
-
-    runner.execute = failing_execute
+    The variable is read when the Engine is constructed, so it is set first; steps count from the
+    server's first request.
+    """
+    monkeypatch.setenv("HELEXA_FAULT_INJECT", inject)
+    running = RunningServer(tiny_engine_config(model_dir, num_blocks=256, max_num_seqs=1, **overrides))
     try:
-        response = _post(one_seat_server.url, "/v1/completions", {"prompt": "hello", "max_tokens": 5})
+        yield running
     finally:
-        runner.execute = real_execute
-    error = _check(response, 500, "device_fault", retry_after=False)
-    assert "illegal memory access" in error["message"]
-    ok = _post(one_seat_server.url, "/v1/completions", {"prompt": "hello", "max_tokens": 5})
-    assert ok.status_code == 200
-    assert one_seat_server.engine.admission.blocks_reserved == 0
+        running.stop()
+
+
+def _health(url: str) -> httpx.Response:
+    return httpx.get(f"{url}/health", timeout=10)
+
+
+def _sse_errors(data: bytes) -> list[dict]:
+    return [json.loads(line[6:])["error"] for line in data.decode().splitlines()
+            if line.startswith("data: {") and '"error"' in line]
+
+
+def test_model_reloading(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real reload (a fault at step 3, a 2 s backoff before reloading) with the one seat taken and no queue:
+    a new request gets 503 model_reloading with Retry-After, /health says reloading; afterwards all serves again."""
+    with _fault_server(monkeypatch, tiny_model_dir, "3", max_queue_depth=0, fault_backoff_secs=2.0) as server:
+        url, engine = server.url, server.engine
+        holder = raw_post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 1500, "stream": True,
+                                                   "ignore_eos": True})
+        try:
+            read_until(holder, b"data: ")
+            assert wait_for(lambda: _health(url).status_code == 503, 5), "the injected fault never started a reload"
+            health = _health(url)
+            assert health.json()["status"] == "reloading" and "fault_cause" not in health.json()
+            _check(_post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 4}), 503, "model_reloading",
+                   retry_after=True)
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text
+            assert 'helexa_model_state{state="reloading"} 1.0' in metrics
+            assert 'helexa_admission_rejected_total{reason="model_reloading"} 1.0' in metrics
+            assert engine.model_state == "reloading"  # the 2 s backoff had not run out while we asked
+            assert wait_for(lambda: _health(url).status_code == 200, 10)
+            assert engine.counters.device_faults == 1 and engine.counters.model_reloads == 1
+            assert engine.last_reload_seconds >= 2.0
+            read_until(holder, b"data: {")  # the replayed stream goes on
+        finally:
+            holder.close()
+        assert wait_for(lambda: engine.admission.blocks_reserved == 0, 2.0)
+        ok = _post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_device_fault(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Faults at steps 3 and 4 with max_fault_retries=1: the reload's replay faults again and the node gives up.
+    In-flight (streaming), queued and new requests all get 500 device_fault carrying the cause; /health says why."""
+    with _fault_server(monkeypatch, tiny_model_dir, "3,4", max_queue_depth=4, max_fault_retries=1,
+                       fault_backoff_secs=2.0) as server:
+        url, engine = server.url, server.engine
+        holder = raw_post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 1500, "stream": True,
+                                                   "ignore_eos": True})
+        queued: list[httpx.Response] = []
+        try:
+            read_until(holder, b"data: ")
+            assert wait_for(lambda: engine.model_state == "reloading", 5), "the injected fault never started a reload"
+            waiter = threading.Thread(target=lambda: queued.append(
+                _post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4})))
+            waiter.start()
+            seen: list[dict] = []
+            assert wait_for(lambda: seen.append(engine.snapshot()) or seen[-1]["queue_depth"] == 1, 1.5)
+            assert seen[-1]["model_state"] == "reloading"  # queued behind the holder while the model reloads
+            tail = read_until(holder, b"data: [DONE]")
+            waiter.join(timeout=10)
+        finally:
+            holder.close()
+        (stream_error,) = _sse_errors(tail)
+        assert stream_error["code"] == "device_fault" and "injected device fault" in stream_error["message"]
+        (queued_response,) = queued
+        error = _check(queued_response, 500, "device_fault", retry_after=False)
+        assert "injected device fault at engine step 4" in error["message"]
+        error = _check(_post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 5}), 500, "device_fault",
+                       retry_after=False)
+        assert "not recovered after 1 reloads" in error["message"] and "injected device fault" in error["message"]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+        assert info.value.code == "device_fault"
+        health = _health(url)
+        assert health.status_code == 503 and health.json()["status"] == "poisoned"
+        assert health.json()["fault_cause"] == engine.fault_cause and "injected device fault" in engine.fault_cause
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert "helexa_device_faults_total 2.0" in metrics and "helexa_model_reloads_total 1.0" in metrics
+        assert 'helexa_model_state{state="poisoned"} 1.0' in metrics
+        assert 'helexa_requests_total{status="500"} 3.0' in metrics
+        snap = engine.snapshot()
+        assert snap["blocks_reserved"] == 0 and snap["queue_depth"] == 0 and snap["in_flight"] == 0
 
 
 def test_chat_template_error_is_400(one_seat_server: RunningServer) -> None:
