@@ -14,10 +14,12 @@ one token per row, applying per row, in this order:
    renormalised after top-k, reaches top_p), then min-p (tokens below `min_p × max probability`
    dropped), then sample.
 
-Sampling is an exponential race: `argmax(p / E)` with `E ~ Exp(1)` i.i.d. per token picks token `i`
-with probability `p_i`. A row with its own `torch.Generator` (a seeded request) draws its `[V]`
-noise from it and from nothing else, so a seeded request produces the same tokens whatever else is
-in the batch; unseeded rows share the device's default generator.
+Sampling inverts the CDF: one uniform `u` per row, and the first token whose cumulative probability
+exceeds `u × total` (a token of probability 0 can never be picked). A row with its own
+`torch.Generator` (a seeded request) draws its `u` from it and from nothing else, so a seeded
+request produces the same tokens whatever else is in the batch; unseeded rows share the device's
+default generator. One draw per row, not one per vocabulary entry, keeps sampling a few
+milliseconds on a CPU.
 
 The whole step is tensor math over the batch with a single device→host transfer at the end (the
 sampled ids, packed with the logprobs when any row asked for them).
@@ -34,6 +36,7 @@ import torch
 __all__ = ["MAX_LOGPROBS", "SampleResult", "Sampler", "SamplingParams", "make_generator"]
 
 MAX_LOGPROBS = 20  # most top-n logprobs a request may ask for (OpenAI's limit)
+_CANDIDATES = 1024  # tokens per row the filters examine before falling back to a full sort
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them would overflow)
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
@@ -195,7 +198,9 @@ class Sampler:
             if any(p.uses_filters for p, g in zip(params, greedy) if not g):
                 scaled = self._apply_filters(scaled, params)
             probs = torch.softmax(scaled, dim=-1)  # (S, V); filtered tokens have probability 0
-            sampled = (probs / self._exponential_noise(rows, vocab, greedy, generators, device)).argmax(dim=-1)
+            cdf = probs.cumsum(dim=-1)  # (S, V)
+            target = self._uniforms(rows, greedy, generators, device)[:, None] * cdf[:, -1:]  # (S, 1)
+            sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max_(vocab - 1)  # (S,)
             if any(greedy):
                 is_greedy = torch.tensor(greedy, device=device)
                 sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)  # (S,)
@@ -249,39 +254,50 @@ class Sampler:
 
     @staticmethod
     def _apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """Top-k, then top-p, then min-p, in sorted order; dropped tokens become -inf."""
+        """Top-k, then top-p, then min-p, in sorted order; dropped tokens become -inf.
+
+        Fast path: the filters run on the `_CANDIDATES` best tokens of each row (one `topk`, not a
+        full sort of the vocabulary). A row takes it only when that is provably exact — its last
+        candidate is dropped and lies strictly below every kept token, so every token outside the
+        candidates would be dropped too; other rows go through the full sort. Rows without filters
+        are returned unchanged.
+        """
         rows, vocab = scaled.shape
-        device = scaled.device
-        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # (S, V) each
-        position = torch.arange(vocab, device=device)[None, :]  # (1, V)
-        if any(p.top_k > 0 for p in params):
-            k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)[:, None]  # (S, 1)
-            sorted_logits = sorted_logits.masked_fill(position >= k, -math.inf)
-        if any(p.top_p < 1 for p in params):
-            top_p = torch.tensor([p.top_p if p.top_p < 1 else math.inf for p in params], device=device)[:, None]
-            probs = torch.softmax(sorted_logits, dim=-1)  # (S, V), renormalised after top-k
-            mass_before = probs.cumsum(dim=-1) - probs  # (S, V): probability of the tokens ranked above
-            drop = (mass_before >= top_p) & (position > 0)  # the most likely token always survives
-            sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]  # (S, 1)
-            probs = torch.softmax(sorted_logits, dim=-1)  # (S, V); column 0 is the max
-            sorted_logits = sorted_logits.masked_fill(probs < min_p * probs[:, :1], -math.inf)
-        return torch.empty_like(scaled).scatter_(1, order, sorted_logits)  # back to vocabulary order
+        filtered = [p.uses_filters for p in params]
+        k = min(vocab, max([_CANDIDATES] + [p.top_k for p in params]))
+        if k >= vocab:
+            return _filter_sorted_rows(scaled, params, filtered)
+        full_lse = scaled.logsumexp(dim=-1)  # (S,)
+        values, ids = scaled.topk(k, dim=-1)  # (S, K), descending
+        ids, perm = ids.sort(dim=-1)  # ties broken by token id, as the full stable sort does
+        values, order = values.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+        ids = ids.gather(1, order)
+        kept = _filter_sorted(values, params, full_lse)  # (S, K)
+        alive = kept > -math.inf
+        min_kept = torch.where(alive, kept, torch.full_like(kept, math.inf)).amin(dim=-1)  # (S,)
+        exact = ~alive[:, -1] & (min_kept > values[:, -1])  # (S,) bool
+        out = torch.full_like(scaled, -math.inf).scatter_(1, ids, kept)  # (S, V)
+        flags = (exact.tolist() if any(filtered) else [True] * rows)
+        slow = [i for i in range(rows) if filtered[i] and not flags[i]]
+        passthrough = [i for i in range(rows) if not filtered[i]]
+        if passthrough:
+            out[passthrough] = scaled[passthrough]
+        if slow:
+            out[slow] = _filter_sorted_rows(scaled[slow], [params[i] for i in slow], [True] * len(slow))
+        return out
 
     @staticmethod
-    def _exponential_noise(
-        rows: int, vocab: int, greedy: list[bool], generators: list[torch.Generator | None], device: torch.device
+    def _uniforms(
+        rows: int, greedy: list[bool], generators: list[torch.Generator | None], device: torch.device
     ) -> torch.Tensor:
-        """`[S, V]` Exp(1) noise: seeded rows from their own generator, the rest from the default one."""
-        noise = torch.empty(rows, vocab, device=device)  # (S, V)
+        """`[S]` draws from U[0, 1): seeded rows from their own generator, the rest from the default one."""
+        draws = torch.empty(rows, device=device)  # (S,)
         own = [i for i in range(rows) if generators[i] is not None and not greedy[i]]
         if len(own) < rows:
-            noise.exponential_()
+            draws.uniform_()
         for i in own:
-            noise[i].exponential_(generator=generators[i])
-        # A zero draw would turn a filtered token's 0 / 0 into NaN, which argmax would pick.
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+            draws[i : i + 1].uniform_(generator=generators[i])
+        return draws
 
     @staticmethod
     def _to_host(
@@ -309,3 +325,47 @@ class Sampler:
             ids, values = row[2 : 2 + top_n], row[2 + top_n :]
             top_logprobs.append([(int(ids[j]), values[j]) for j in range(p.logprobs)])
         return SampleResult(token_ids, logprobs, top_logprobs)
+
+
+def _filter_sorted(sorted_logits: torch.Tensor, params: Sequence[SamplingParams], full_lse: torch.Tensor | None
+                   ) -> torch.Tensor:
+    """Apply top-k, top-p, min-p to logits sorted descending per row (`[S, N]`); dropped become -inf.
+
+    `full_lse` (`[S]`) is each row's log-sum-exp over the whole vocabulary when `N` is only the
+    best candidates: top-p then measures probability against the full distribution (renormalised
+    after top-k, as when every token is present).
+    """
+    rows, n = sorted_logits.shape
+    device = sorted_logits.device
+    position = torch.arange(n, device=device)[None, :]  # (1, N)
+    has_top_k = torch.tensor([0 < p.top_k <= n for p in params], device=device)  # (S,)
+    if any(p.top_k > 0 for p in params):
+        k = torch.tensor([p.top_k if p.top_k > 0 else n for p in params], device=device)[:, None]  # (S, 1)
+        sorted_logits = sorted_logits.masked_fill(position >= k, -math.inf)
+    if any(p.top_p < 1 for p in params):
+        top_p = torch.tensor([p.top_p if p.top_p < 1 else math.inf for p in params], device=device)[:, None]
+        lse = sorted_logits.logsumexp(dim=-1)  # (S,): the top-k renormalisation
+        if full_lse is not None:
+            lse = torch.where(has_top_k, lse, full_lse)
+        probs = (sorted_logits - lse[:, None]).exp()  # (S, N)
+        mass_before = probs.cumsum(dim=-1) - probs  # (S, N): probability of the tokens ranked above
+        drop = (mass_before >= top_p) & (position > 0)  # the most likely token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+    if any(p.min_p > 0 for p in params):
+        log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params],
+                                 device=device)[:, None]  # (S, 1)
+        # p_i < min_p * p_max  <=>  logit_i - logit_max < log(min_p): no renormalisation needed.
+        sorted_logits = sorted_logits.masked_fill(sorted_logits - sorted_logits[:, :1] < log_min_p, -math.inf)
+    return sorted_logits
+
+
+def _filter_sorted_rows(scaled: torch.Tensor, params: Sequence[SamplingParams], filtered: Sequence[bool]
+                        ) -> torch.Tensor:
+    """The filters over a full stable sort of each row (ties by token id); rows not `filtered` unchanged."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # (S, V) each
+    kept = _filter_sorted(sorted_logits, params, None)
+    out = torch.empty_like(scaled).scatter_(1, order, kept)  # back to vocabulary order
+    unfiltered = [i for i, f in enumerate(filtered) if not f]
+    if unfiltered:
+        out[unfiltered] = scaled[unfiltered]
+    return out

@@ -216,3 +216,25 @@ def test_logprobs_are_raw_model_logprobs() -> None:
     assert [t for t, _ in out.top_logprobs[0]] == ids.tolist()
     assert [v for _, v in out.top_logprobs[0]] == pytest.approx(values.tolist(), abs=1e-6)
     assert out.token_ids[2] == int(logits[2].argmax())
+
+
+@pytest.mark.parametrize("quantised", [False, True])
+def test_candidate_filter_path_equals_full_sort(quantised: bool) -> None:
+    """The topk fast path keeps exactly the tokens the full stable sort keeps, ties and fallbacks included."""
+    from helexa.model.sampling import _filter_sorted_rows
+
+    gen = torch.Generator().manual_seed(11)
+    vocab = 6000
+    scales = torch.tensor([0.3, 1.0, 3.0, 8.0, 1.0, 0.05, 2.0, 1.0, 5.0, 0.5])[:, None]
+    logits = torch.randn(10, vocab, generator=gen) * scales
+    if quantised:  # many exact ties, also at the filter boundaries
+        logits = (logits * 4).round() / 4
+    params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_k=50),
+              SamplingParams(temperature=1.0, top_k=2000, top_p=0.95), SamplingParams(temperature=1.0, min_p=0.05),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.999),  # flat: falls back
+              SamplingParams(temperature=1.0, top_k=5, min_p=0.2), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=1.0, top_p=0.8, min_p=0.01), SamplingParams(temperature=1.0, min_p=0.5)]
+    fast = Sampler._apply_filters(logits, params)
+    full = _filter_sorted_rows(logits, params, [p.uses_filters for p in params])
+    assert torch.equal(fast.isfinite(), full.isfinite())
+    assert torch.equal(fast[fast.isfinite()], full[full.isfinite()])
