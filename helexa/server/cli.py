@@ -101,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--admission-policy", choices=("fifo", "backfill"), default=_DEFAULTS.admission_policy)
     g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="the engine's seed for unseeded sampling")
 
-    g = p.add_argument_group("device faults", "after a fault the engine reloads the model and replays in-flight "
-                             "requests; past the retries it stays poisoned and answers 500 device_fault")
+    g = p.add_argument_group("device faults", "after a fault the engine reloads the model and replays "
+                             "in-flight requests; past the retries it stays poisoned and answers 500 device_fault")
     g.add_argument("--max-fault-retries", type=_non_negative_int, default=_DEFAULTS.max_fault_retries,
                    help="consecutive device faults the engine recovers from before it gives up")
     g.add_argument("--fault-backoff-secs", type=_seconds, default=_DEFAULTS.fault_backoff_secs,

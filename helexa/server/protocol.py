@@ -20,8 +20,10 @@ from helexa.model.sampling import MAX_LOGPROBS
 from helexa.server.errors import APIError
 
 __all__ = [
+    "MAX_JSON_DEPTH",
     "MAX_N",
     "MAX_STOP",
+    "MAX_TOP_K",
     "GenerationRequest",
     "decode_json",
     "parse_chat",
@@ -31,6 +33,8 @@ __all__ = [
 
 MAX_N = 128  # most choices one request may ask for
 MAX_STOP = 16  # most stop strings (OpenAI allows 4; vLLM has no limit)
+MAX_JSON_DEPTH = 64  # deepest nesting of arrays/objects in a body (tool schemas need a dozen or so)
+MAX_TOP_K = 2**31 - 1  # any k over the vocabulary filters nothing; larger ones would overflow the sampler's tensors
 _ROLES_AS_SYSTEM = ("developer",)  # OpenAI's newer name for the system role; chat templates know "system"
 
 
@@ -66,14 +70,45 @@ class GenerationRequest:
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object; 400 `invalid_request` when it is not valid JSON or not an object."""
+    """The request body as a JSON object; 400 `invalid_request` when it is not valid JSON or not an object.
+
+    Also refused: bodies nested deeper than `MAX_JSON_DEPTH` arrays/objects (so no later recursive walk
+    of the request can exhaust Python's stack) and strings holding a lone UTF-16 surrogate (`"\\ud800"`
+    is valid JSON but no Unicode text; tokenizers reject it).
+    """
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError("invalid_request", f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError("invalid_request", f"request body is nested too deeply (limit {MAX_JSON_DEPTH})") from None
     if not isinstance(body, dict):
         raise APIError("invalid_request", f"request body must be a JSON object, got {type(body).__name__}")
+    _check_structure(body)
     return body
+
+
+def _check_structure(body: dict[str, Any]) -> None:
+    """Raise 400 for nesting deeper than `MAX_JSON_DEPTH` or a string that is not valid Unicode (iterative walk)."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError("invalid_request", "request body has a string with a lone UTF-16 surrogate "
+                               f"(not valid Unicode): {json.dumps(item)[:80]}") from None
+            continue
+        if isinstance(item, dict):
+            children = [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise APIError("invalid_request", f"request body is nested too deeply (limit {MAX_JSON_DEPTH})")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (str, dict, list)))
 
 
 # --------------------------------------------------------------------------- field readers
@@ -159,7 +194,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     readers = {
         "temperature": lambda: _number(body, "temperature", 0.0, 2.0),
         "top_p": lambda: _number(body, "top_p", 0.0, 1.0, lo_open=True),
-        "top_k": lambda: _int(body, "top_k", -1),
+        "top_k": lambda: _int(body, "top_k", -1, MAX_TOP_K),
         "min_p": lambda: _number(body, "min_p", 0.0, 1.0),
         "presence_penalty": lambda: _number(body, "presence_penalty", -2.0, 2.0),
         "frequency_penalty": lambda: _number(body, "frequency_penalty", -2.0, 2.0),
