@@ -453,7 +453,7 @@ class AdmissionController:
             return self._reject(
                 "kv_timeout", self._arith(prompt, m, shared, blocks, wait), retry_after_seconds(wait),
                 f"the {blocks} KV blocks this request needs are estimated to be free in {wait:.0f} s, beyond the "
-                f"{cfg.max_wait_secs:.0f} s wait limit ({cfg.num_blocks - self._reserved} of {cfg.num_blocks} "
+                f"{cfg.max_wait_secs:g} s wait limit ({cfg.num_blocks - self._reserved} of {cfg.num_blocks} "
                 f"blocks available now, {depth} requests queued)",
             )
         ticket = self._new_ticket(now, prompt, m, shared, blocks, payload)
