@@ -24,9 +24,18 @@ logger = logging.getLogger("helexa.server")
 DONE = b"data: [DONE]\n\n"
 
 
+# Characters that `str.splitlines` (and so line readers built on it, such as httpx's `iter_lines`) takes
+# for line breaks but JSON leaves unescaped: escaped, a streamed token containing one cannot split an event.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: dict[str, Any], event: str | None = None) -> bytes:
-    """One server-sent event: an optional `event:` line, then `data:` with compact JSON, then a blank line."""
-    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    """One server-sent event: an optional `event:` line, then `data:` with compact JSON, then a blank line.
+
+    The JSON holds no character any common line splitter breaks on (control characters are escaped by
+    `json.dumps`; U+0085, U+2028 and U+2029 here), so each event is exactly its own lines.
+    """
+    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {payload}\n\n".encode()
 

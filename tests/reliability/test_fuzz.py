@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helexa.server.sse import sse
 from tests.reliability.helpers import DOCUMENTED_ERRORS, serving
 from tests.server.helpers import RunningServer, wait_for
 
@@ -232,3 +233,13 @@ def test_template_sandbox_fails_the_request_and_keeps_serving(server: RunningSer
                                                         if "messages" in body else {"input": "hi"})}, timeout=TIMEOUT)
     assert ok.status_code == 200, ok.text
     _assert_nothing_leaked(server)
+
+
+def test_streamed_line_separators_cannot_split_an_event() -> None:
+    """Sampled text may hold U+0085/U+2028/U+2029, which splitlines-based SSE readers (httpx's `iter_lines`)
+    take for line breaks; the soak found streams cut mid-JSON this way. Every event must stay on its own line."""
+    text = "a\u2028b\x85c\u2029d\x1ce\u00e9\n\rf"
+    raw = sse({"choices": [{"delta": {"content": text}}]}, event="x").decode()
+    lines = raw.splitlines()
+    assert lines[0] == "event: x" and lines[2:] == [""]
+    assert json.loads(lines[1].removeprefix("data: "))["choices"][0]["delta"]["content"] == text
