@@ -9,7 +9,8 @@ documented error (SPEC.md's status, code and Retry-After), within its deadline. 
 is reserved or allocated, every integrity check passes and the process RSS grew less than
 `RSS_BOUND_BYTES`.
 
-CI runs 200 requests (about 20-40 s on two cores); `HELEXA_SOAK=long` (`make soak`) runs 1,000.
+CI runs 200 requests (~7 s of load, ~15 s with set-up, on two cores); `HELEXA_SOAK=long` (`make soak`)
+runs 1,000 (~30 s of load).
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ from tests.server.helpers import wait_for
 LONG = os.environ.get("HELEXA_SOAK") == "long"
 NUM_REQUESTS = 1000 if LONG else 200
 NUM_CLIENTS = 32
-FAULT_STEPS = "40,900" if LONG else "40,250"  # both well inside the run (it takes > 1,000 model steps)
+FAULT_STEPS = "100,2000" if LONG else "100,400"  # after the warm-up (< 30 steps), inside the run (> 600 steps)
 MAX_MODEL_LEN = 1024
 REQUEST_DEADLINE_SECS = 60.0  # no single request may take longer (client read timeout)
 SOAK_DEADLINE_SECS = 600.0 if LONG else 180.0  # the whole run
-# RSS bound: the tiny model and its 256-block pool are under 10 MiB and are rebuilt (not added to) on each
-# reload, so steady-state growth comes only from per-request state that outlives its request. 200 requests
-# leaking even 512 KiB each (a block table, a detokenizer, a stream queue) would pass 100 MiB; allocator and
-# interpreter caches warming up account for the rest of the headroom (measured growth: ~10-25 MiB).
+# RSS bound: the tiny model and its 256-block pool are a few MiB and are rebuilt (not added to) on each
+# reload, so growth after the warm-up is allocator and interpreter caches settling plus anything a request
+# leaves behind. Measured on two cores: 5-23 MiB after 200 requests, 10-47 MiB after 1,000; in rounds of
+# 300 requests RSS levels off after ~600 and Python's object count stays flat. 96 MiB is twice the worst
+# measurement, and 200 requests each leaking half a MiB (a block table, a detokenizer, a stream's queue)
+# would pass it.
 RSS_BOUND_BYTES = 96 << 20
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -137,6 +140,22 @@ def _one(client: httpx.Client, url: str, seed: int) -> Outcome:
     return outcome
 
 
+def _warm_up(client: httpx.Client, url: str) -> None:
+    """Every route streamed and not, and one dropped stream: code paths, pools and caches before RSS is measured.
+
+    A few model steps only (< 30), so the injected faults land in the soak itself.
+    """
+    for route in ROUTES:
+        for stream in (False, True):
+            body, _ = _body(random.Random(7), route, stream)
+            body.update(max_output_tokens=2) if route == "/v1/responses" else body.update(max_tokens=2)
+            with client.stream("POST", url + route, json=body) as response:
+                assert response.status_code == 200, response.read()
+                response.read()
+    with client.stream("POST", url + ROUTES[1], json={"prompt": "warm", "max_tokens": 40, "stream": True}) as response:
+        next(response.iter_lines())
+
+
 @pytest.mark.timeout(SOAK_DEADLINE_SECS + 120)
 def test_soak(tiny_model_dir: Path) -> None:
     config = dict(num_blocks=256, max_num_seqs=8, max_queue_depth=16, max_num_batched_tokens=512,
@@ -146,8 +165,8 @@ def test_soak(tiny_model_dir: Path) -> None:
         limits = httpx.Limits(max_connections=NUM_CLIENTS * 2, max_keepalive_connections=NUM_CLIENTS)
         timeout = httpx.Timeout(10.0, read=REQUEST_DEADLINE_SECS)
         with httpx.Client(limits=limits, timeout=timeout) as client:
-            for seed in range(NUM_CLIENTS):  # warm-up: every code path once, 32 connections, thread pools, allocator
-                _one(client, url, seed)  # (seeds below 1000: not the soak's requests; not counted in RSS growth)
+            _warm_up(client, url)
+            assert engine.counters.device_faults == 0, "a fault hit the warm-up: move FAULT_STEPS later"
             gc.collect()
             rss_before = rss_bytes()
 
@@ -164,7 +183,7 @@ def test_soak(tiny_model_dir: Path) -> None:
                     try:
                         outcome = _one(client, url, 1000 + seed)
                     except Exception as exc:  # a timeout past the deadline, a reset, a parse error: all failures
-                        outcome = Outcome("bad", f"{type(exc).__name__}: {exc}")
+                        outcome = Outcome("bad", f"request seed {1000 + seed}: {type(exc).__name__}: {exc}")
                     with lock:
                         outcomes.append(outcome)
                     # A client that was told to retry later backs off a little (the real Retry-After, >= 1 s,
@@ -187,7 +206,7 @@ def test_soak(tiny_model_dir: Path) -> None:
         bad = [o for o in outcomes if o.kind == "bad"]
         assert not bad, f"{len(bad)} requests ended badly, e.g. {bad[:5]}"
         assert len(outcomes) == NUM_REQUESTS
-        assert kinds["ok"] >= NUM_REQUESTS // 3 and kinds["cancelled"] >= NUM_REQUESTS // 10
+        assert kinds["ok"] >= NUM_REQUESTS // 5 and kinds["cancelled"] >= NUM_REQUESTS // 20
         assert codes["400 context_length_exceeded"] >= 1 and codes["429 queue_full"] >= 1
 
         # Both injected faults hit, each recovered by one reload, invisible to the clients (no 500 above).
