@@ -11,18 +11,28 @@ Module map:
 """
 
 from helexa.engine.config import EngineConfig
-from helexa.engine.engine import Engine, EngineClosed, EngineCounters, EngineError, RequestHandle
+from helexa.engine.engine import (
+    DeviceFault,
+    Engine,
+    EngineClosed,
+    EngineCounters,
+    EngineError,
+    RequestFailed,
+    RequestHandle,
+)
 from helexa.engine.scheduler import ScheduledChunk, schedule
 from helexa.engine.stats import RateTracker
 from helexa.engine.stream import RequestStream, TokenEvent, TokenLogprob
 
 __all__ = [
+    "DeviceFault",
     "Engine",
     "EngineClosed",
     "EngineConfig",
     "EngineCounters",
     "EngineError",
     "RateTracker",
+    "RequestFailed",
     "RequestHandle",
     "RequestStream",
     "ScheduledChunk",

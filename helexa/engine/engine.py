@@ -42,6 +42,10 @@ class EngineError(RuntimeError):
     """A request failed because of the engine, not its input; the message carries the cause."""
 
 
+class RequestFailed(EngineError):
+    """One request failed because of its own parameters (its sampling raised); the others go on."""
+
+
 class DeviceFault(EngineError):
     """The model could not be recovered after repeated device faults (500 `device_fault`).
 
@@ -243,13 +247,13 @@ class Engine:
                 chunk.seq.num_computed += chunk.num_new
             t1 = time.perf_counter()
             self._faults.check(self._step_no)
-            samples = self.runner.execute(inputs, [s.generator for s in inputs.sampled])
+            samples, failures = self.runner.execute(inputs, [s.generator for s in inputs.sampled])
         except Exception as exc:  # any failure on the device side: recover and replay
             self._on_device_fault(exc, chunks)
             return True
         t2 = time.perf_counter()
         self._consecutive_faults = 0
-        self._postprocess(inputs, samples)
+        self._postprocess(inputs, samples, failures)
         t3 = time.perf_counter()
         self._record(inputs, t3 - t0, (t1 - t0) + (t3 - t2), t2 - t1)
         return True
@@ -339,7 +343,8 @@ class Engine:
             self._finish(seq, TokenEvent(finish_reason="abort", num_prompt_tokens=seq.prompt_len,
                                          num_output_tokens=seq.num_output))
 
-    def _postprocess(self, inputs: StepInputs, samples: SampleResult | None) -> None:
+    def _postprocess(self, inputs: StepInputs, samples: SampleResult | None,
+                     failures: dict[int, Exception] | None = None) -> None:
         """Append each sampled token, detokenise, check stops, stream the event, finish what ended.
 
         The whole step's progress reaches admission before any sequence is released, so its wait
@@ -349,6 +354,14 @@ class Engine:
         if samples is not None:
             now = time.monotonic()
             for row, seq in enumerate(inputs.sampled):
+                if failures and row in failures:  # this request's own parameters broke its sampling
+                    error = RequestFailed(f"sampling failed for this request: {type(failures[row]).__name__}: "
+                                        f"{failures[row]}")
+                    logger.warning("engine: request %s failed in sampling: %s", seq.request_id, error)
+                    finished.append((seq, TokenEvent(finish_reason="error", error=error,
+                                                     num_prompt_tokens=seq.prompt_len,
+                                                     num_output_tokens=seq.num_output)))
+                    continue
                 event = self._append_token(seq, samples, row, now)
                 if event.finished:
                     finished.append((seq, event))

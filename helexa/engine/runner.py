@@ -79,14 +79,44 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs, generators: list[torch.Generator | None]) -> SampleResult | None:
-        """Run the forward over the batch and sample one token for each sampling row (None if none)."""
+    def execute(self, inputs: StepInputs, generators: list[torch.Generator | None]
+                ) -> tuple[SampleResult | None, dict[int, Exception]]:
+        """Run the forward over the batch and sample one token for each sampling row.
+
+        Returns the samples (None when no row samples) and the rows whose sampling failed because
+        of their own parameters, with the error: a failure that one request's parameters cause is
+        that request's, never a device fault. Exceptions from the forward propagate.
+        """
         logits = self.model(inputs.input_ids, inputs.positions, inputs.attn, self._kv_caches, inputs.logits_indices)
         if not inputs.sampled:
-            return None
+            return None, {}
         if self.sample_vocab_size is not None and self.sample_vocab_size < logits.shape[1]:
             logits = logits[:, : self.sample_vocab_size]  # (S, V_tokenizer)
         seqs = inputs.sampled
+        try:
+            return self._sample(logits, seqs, generators), {}
+        except Exception:  # find the rows that cause it; the others keep their one vectorised call
+            failures: dict[int, Exception] = {}
+            for row, seq in enumerate(seqs):
+                try:
+                    self._sample(logits[row : row + 1], [seq], generators[row : row + 1])
+                except Exception as exc:
+                    failures[row] = exc
+            if not failures:
+                raise
+            ok = [row for row in range(len(seqs)) if row not in failures]
+            if not ok:
+                return SampleResult([], [], []), failures
+            partial = self._sample(logits[ok], [seqs[r] for r in ok], [generators[r] for r in ok])
+            merged = SampleResult([-1] * len(seqs), [None] * len(seqs), [None] * len(seqs))
+            for i, row in enumerate(ok):
+                merged.token_ids[row] = partial.token_ids[i]
+                merged.logprobs[row] = partial.logprobs[i]
+                merged.top_logprobs[row] = partial.top_logprobs[i]
+            return merged, failures
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator | None]
+                ) -> SampleResult:
         need_history = any(s.params.uses_penalties for s in seqs)
         return self.sampler.sample(
             logits,

@@ -36,6 +36,7 @@ import torch
 __all__ = ["MAX_LOGPROBS", "SampleResult", "Sampler", "SamplingParams", "make_generator"]
 
 MAX_LOGPROBS = 20  # most top-n logprobs a request may ask for (OpenAI's limit)
+_TOP_K_MAX = 2**31 - 1  # larger values mean "all tokens" anyway, and must fit a device integer
 _CANDIDATES = 1024  # tokens per row the filters examine before falling back to a full sort
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them would overflow)
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -85,8 +86,8 @@ class SamplingParams:
             raise bad("temperature", "a finite number >= 0")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", "-1 or 0 (disabled) or an integer >= 1")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= _TOP_K_MAX:
+            raise bad("top_k", f"-1 or 0 (disabled) or an integer in [1, {_TOP_K_MAX}]")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "in [0, 1]")
         if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from helexa.admission import AdmissionRejected
-from helexa.engine.engine import EngineClosed, EngineError, RequestHandle
+from helexa.engine.engine import DeviceFault, EngineClosed, EngineError, RequestFailed, RequestHandle
 from helexa.engine.stream import TokenEvent, TokenLogprob
 from helexa.model.sampling import SamplingParams
 
@@ -57,7 +57,8 @@ def event_error(event: TokenEvent) -> APIError | None:
     """The `APIError` a final event stands for (`error` or `abort`), or None for `stop` / `length`.
 
     - an admission rejection (a queued request that waited `--max-wait-secs`): its 503 kv_timeout;
-    - an `EngineError` (a device fault): 500 `device_fault`, the message carrying the cause;
+    - a `RequestFailed` (its own parameters broke its sampling): 400 `invalid_request`;
+    - a `DeviceFault` or other `EngineError`: 500 `device_fault`, the message carrying the cause;
     - `abort` reaching a client that is still connected: the server aborted it (shutting down): 503.
     """
     if event.finish_reason == "abort":
@@ -67,7 +68,9 @@ def event_error(event: TokenEvent) -> APIError | None:
     error = event.error
     if isinstance(error, AdmissionRejected):
         return from_admission(error)
-    if isinstance(error, EngineError):
+    if isinstance(error, RequestFailed):
+        return APIError("invalid_request", str(error))
+    if isinstance(error, (DeviceFault, EngineError)):
         return APIError("device_fault", str(error))
     return APIError("internal_error", f"generation failed: {type(error).__name__}")
 

@@ -75,3 +75,23 @@ def test_fault_injection_list_is_validated():
         FaultInjector.from_env("3,x")
     with pytest.raises(ValueError, match="HELEXA_FAULT_INJECT"):
         FaultInjector.from_env("0")
+
+
+def test_a_request_whose_own_sampling_fails_fails_alone(tiny_model_dir, monkeypatch):
+    engine = make_engine(tiny_model_dir)
+    real_sample = engine.runner.sampler.sample
+
+    def picky_sample(logits, params, *args, **kwargs):
+        if any(p.seed == 666 for p in params):
+            raise ValueError("this request's parameters cannot be sampled")
+        return real_sample(logits, params, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner.sampler, "sample", picky_sample)
+    good = engine.submit([3, 4, 5], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    bad = engine.submit([3, 4, 5], SamplingParams(max_tokens=6, temperature=1.0, seed=666, ignore_eos=True))
+    events = _drive(engine, [good, bad])
+    assert events[good.request_id][-1].finish_reason == "length" and len(_tokens(events[good.request_id])) == 6
+    final = events[bad.request_id][-1]
+    assert final.finish_reason == "error" and "cannot be sampled" in str(final.error)
+    assert engine.counters.device_faults == 0 and engine.model_state == "loaded"
+    _assert_released(engine)
