@@ -9,6 +9,7 @@ prefills, over chunks of queries to bound the score matrix).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from helexa.kernels._checks import check_paged_attention, check_write_kv
 
@@ -96,17 +97,25 @@ def paged_attention(
         key_pos = torch.arange(seq_len, device=q.device)  # (N,)
 
         chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, num_heads * seq_len))
+        if compute_dtype != torch.float64 and q_len == seq_len:
+            # A whole prompt in one call of torch's fused causal attention (the CPU serving path);
+            # float64 — the tests' oracle — keeps the explicit softmax below.
+            qs = q[q_start:q_end].to(compute_dtype).transpose(0, 1)[None]  # (1, H, L, D)
+            o = F.scaled_dot_product_attention(qs, k[None], v[None], is_causal=True, scale=scale,
+                                               enable_gqa=True)  # (1, H, L, D)
+            out[q_start:q_end] = o[0].transpose(0, 1).to(out.dtype)
+            continue
         for c0 in range(0, q_len, chunk):
             c1 = min(q_len, c0 + chunk)
             qs = q[q_start + c0 : q_start + c1].to(compute_dtype)  # (L, H, D)
             qs = qs.view(c1 - c0, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # (KVH, G, L, D)
-            scores = torch.einsum("kgld,knd->kgln", qs, k) * scale  # (KVH, G, L, N)
+            scores = torch.matmul(qs, k[:, None].transpose(-1, -2)) * scale  # (KVH, G, L, N)
             query_pos = seq_len - q_len + torch.arange(c0, c1, device=q.device)  # (L,)
             future = key_pos[None, :] > query_pos[:, None]  # (L, N)
             scores = scores.masked_fill(future, float("-inf"))
             probs = torch.softmax(scores, dim=-1)  # (KVH, G, L, N)
-            o = torch.einsum("kgln,knd->lkgd", probs, v)  # (L, KVH, G, D)
-            out[q_start + c0 : q_start + c1] = o.reshape(c1 - c0, num_heads, head_dim).to(out.dtype)
+            o = torch.matmul(probs, v[:, None])  # (KVH, G, L, D)
+            out[q_start + c0 : q_start + c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, num_heads, head_dim).to(out.dtype)
     return out
 
 

@@ -30,3 +30,21 @@ def test_batched_decode_equals_one_sequence_at_a_time():
         alone = reference.paged_attention(q[b : b + 1], k_cache, v_cache, tables[b : b + 1],
                                           torch.tensor([n], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))
         torch.testing.assert_close(out[b : b + 1], alone, rtol=1e-12, atol=1e-12)
+
+
+def test_batched_decode_float32_matches_the_float64_oracle():
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, block_size, kvh, group, d = 48, 16, 3, 3, 64
+    k_cache = torch.randn(num_blocks, block_size, kvh, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kvh, d, generator=gen)
+    lens = [3, 40, 77, 16, 120]
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * 8].view(len(lens), 8).int()
+    for b, n in enumerate(lens):  # NaN past each sequence's end, in its last block
+        last = int(tables[b, (n - 1) // block_size])
+        v_cache[last, (n - 1) % block_size + 1 :] = float("nan")
+    q = torch.randn(len(lens), kvh * group, d, generator=gen)
+    args = (tables, torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens) + 1, dtype=torch.int32))
+    fast = reference.paged_attention(q, k_cache, v_cache, *args)  # float32
+    oracle = reference.paged_attention(q.double(), k_cache.double(), v_cache.double(), *args)
+    assert torch.isfinite(fast).all()
+    torch.testing.assert_close(fast.double(), oracle, rtol=1e-5, atol=1e-5)
