@@ -159,11 +159,15 @@ def _decode_batched(
         n = nb * block_size
         pad = torch.arange(n, device=q.device)[None, :] >= seq_lens[:, None]  # (Bd, N)
         blocks = blocks.masked_fill(pad.view(len(batch), nb, block_size)[:, :, 0], 0)  # never index past the pool
-        k = k_cache[blocks].reshape(len(batch), n, num_kv_heads, head_dim).to(compute_dtype)  # (Bd, N, KVH, D)
-        v = v_cache[blocks].reshape(len(batch), n, num_kv_heads, head_dim).to(compute_dtype)  # (Bd, N, KVH, D)
-        v = v.masked_fill(pad[:, :, None, None], 0.0)
+        flat = blocks.flatten()  # (Bd*nb,)
+        # index_select, not advanced indexing: one contiguous gather (several times faster on CPU).
+        k = k_cache.index_select(0, flat).view(len(batch), n, num_kv_heads, head_dim).to(compute_dtype)
+        v = v_cache.index_select(0, flat).view(len(batch), n, num_kv_heads, head_dim).to(compute_dtype)
+        pad_rows = pad.flatten().nonzero().squeeze(1)  # (P,) padding positions of the gathered batch
+        v.view(len(batch) * n, num_kv_heads, head_dim).index_fill_(0, pad_rows, 0.0)  # (Bd, N, KVH, D)
+        kt = k.permute(0, 2, 3, 1).contiguous()  # (Bd, KVH, D, N)
         qs = q[rows].to(compute_dtype).view(len(batch), num_kv_heads, group, head_dim)  # (Bd, KVH, G, D)
-        scores = torch.matmul(qs, k.permute(0, 2, 3, 1)) * scale  # (Bd, KVH, G, N)
+        scores = torch.matmul(qs, kt) * scale  # (Bd, KVH, G, N)
         scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # (Bd, KVH, G, N)
         o = torch.matmul(probs, v.permute(0, 2, 1, 3))  # (Bd, KVH, G, D)
