@@ -30,8 +30,9 @@ class ModelRunner:
     """Owns the model, the pool's batch builder and the sampler; one `prepare` + `execute` per step.
 
     `prepare` extends each scheduled sequence's block table (allocating from the pool, which
-    admission has reserved for it, so it never runs out) and builds the step's tensors with one
-    host-to-device copy each. `execute` runs the forward and samples with one host transfer.
+    admission has reserved for it, so it never runs out) and builds the step's tensors: token ids,
+    positions and sampling rows travel in one host-to-device copy, the attention metadata in another
+    (the batch builder's). `execute` runs the forward and samples with one host transfer.
     """
 
     def __init__(self, model: CausalLM, pool: BlockPool, builder: BatchBuilder, device: torch.device,
@@ -67,12 +68,13 @@ class ModelRunner:
             else:
                 num_decode += chunk.num_new
         attn = self.builder.build([(chunk.seq.table, chunk.num_new) for chunk in chunks])
-        pin = self.device.type == "cuda"
+        packed = _to_device(ids + positions + sample_rows, self.device)  # (2T + S,): one transfer
+        num_tokens = len(ids)
         return StepInputs(
-            input_ids=_to_device(ids, self.device, pin),
-            positions=_to_device(positions, self.device, pin),
+            input_ids=packed[:num_tokens],
+            positions=packed[num_tokens : 2 * num_tokens],
             attn=attn,
-            logits_indices=_to_device(sample_rows, self.device, pin),
+            logits_indices=packed[2 * num_tokens :],
             sampled=sampled,
             num_decode_tokens=num_decode,
             num_prefill_tokens=num_prefill,
@@ -127,9 +129,9 @@ class ModelRunner:
         )
 
 
-def _to_device(values: list[int], device: torch.device, pin: bool) -> torch.Tensor:
-    """An int64 tensor of `values` on `device` (pinned + non-blocking copy on CUDA)."""
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of `values` on `device` (one pinned, non-blocking copy on CUDA)."""
     host = torch.tensor(values, dtype=torch.int64)
     if device.type == "cpu":
         return host
-    return (host.pin_memory() if pin else host).to(device, non_blocking=True)
+    return host.pin_memory().to(device, non_blocking=True)
