@@ -257,8 +257,8 @@ class Sampler:
     def _apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """Top-k, then top-p, then min-p, in sorted order; dropped tokens become -inf.
 
-        Fast path: the filters run on the `_CANDIDATES` best tokens of each row (one `topk`, not a
-        full sort of the vocabulary). A row takes it only when that is provably exact — its last
+        Fast path (CPU): the filters run on the `_CANDIDATES` best tokens of each row (one `topk`,
+        not a full sort of the vocabulary). A row takes it only when that is provably exact — its last
         candidate is dropped and lies strictly below every kept token, so every token outside the
         candidates would be dropped too; other rows go through the full sort. Rows without filters
         are returned unchanged.
@@ -266,7 +266,7 @@ class Sampler:
         rows, vocab = scaled.shape
         filtered = [p.uses_filters for p in params]
         k = min(vocab, max([_CANDIDATES] + [p.top_k for p in params]))
-        if k >= vocab:
+        if k >= vocab or scaled.device.type != "cpu":  # accelerators sort fast, and the check would sync
             return _filter_sorted_rows(scaled, params, filtered)
         full_lse = scaled.logsumexp(dim=-1)  # (S,)
         values, ids = scaled.topk(k, dim=-1)  # (S, K), descending
