@@ -6,6 +6,11 @@ import threading
 from dataclasses import dataclass
 
 from helexa.admission import EngineRates
+from helexa.admission.estimator import PRIOR_DECODE_STEP_SECONDS, PRIOR_PREFILL_TOKEN_SECONDS
+
+# One step may move an average by at most this factor: a stall (a page fault, a busy neighbour)
+# should not turn into a minutes-long Retry-After, while a real change still shows within a few steps.
+_MAX_JUMP = 4.0
 
 
 @dataclass
@@ -15,12 +20,13 @@ class RateTracker:
     `decode_step_seconds` is the wall time of one engine step that decodes (every running
     sequence advances one token per step, so a sequence with R tokens left needs about
     R × decode_step_seconds). `prefill_token_seconds` is the cost of one prompt token. Before the
-    first measurement both hold documented priors (50 ms per decode step, 1 ms per prefill token:
-    pessimistic for a GPU, about right for a small model on a laptop CPU).
+    first measurement both hold admission's priors (`PRIOR_DECODE_STEP_SECONDS`,
+    `PRIOR_PREFILL_TOKEN_SECONDS`). A sample more than `_MAX_JUMP` times the current average is
+    clipped to that before it is folded in, so one stalled step cannot inflate every estimate.
     """
 
-    decode_step_seconds: float = 0.05
-    prefill_token_seconds: float = 0.001
+    decode_step_seconds: float = PRIOR_DECODE_STEP_SECONDS
+    prefill_token_seconds: float = PRIOR_PREFILL_TOKEN_SECONDS
     alpha: float = 0.2
     decode_samples: int = 0
     prefill_samples: int = 0
@@ -55,7 +61,11 @@ class RateTracker:
                                                      self.decode_samples + self.prefill_samples - 1)
 
     def _ema(self, old: float, new: float, samples: int) -> float:
-        return new if samples == 0 else (1 - self.alpha) * old + self.alpha * new
+        if samples == 0:
+            return new
+        if old > 0:
+            new = min(new, _MAX_JUMP * old)
+        return (1 - self.alpha) * old + self.alpha * new
 
     def rates(self) -> EngineRates:
         """The current averages as the admission controller's `EngineRates` (a consistent snapshot)."""
