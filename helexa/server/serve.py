@@ -48,7 +48,7 @@ class HelexaServer(uvicorn.Server):
     """`uvicorn.Server` that drains the engine on the first signal instead of stopping at once.
 
     `engine`: the started engine the app serves. `bound_port` is the port actually bound (useful
-    with port 0) once `started` is True.
+    with port 0): None until start-up has finished (uvicorn's `started` turns True a moment earlier).
     """
 
     def __init__(self, app: Starlette, engine: Any, settings: ServerSettings) -> None:

@@ -63,9 +63,9 @@ class RunningServer:
         self.thread = threading.Thread(target=self.server.run, name="helexa-test-server", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
-        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not self.server.started:
+        while self.server.bound_port is None and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)  # uvicorn sets `started` before the port is read back: wait for the port
+        if self.server.bound_port is None:
             self.engine.shutdown(0.0)
             raise RuntimeError("the test server did not start within 30 s")
         self.url = f"http://127.0.0.1:{self.server.bound_port}"

@@ -157,8 +157,10 @@ def test_model_reloading(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) 
         holder = raw_post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 1500, "stream": True,
                                                    "ignore_eos": True})
         try:
-            read_until(holder, b"data: ")
-            assert wait_for(lambda: _health(url).status_code == 503, 5), "the injected fault never started a reload"
+            # Wait on the engine, not on the stream: the tiny model's first tokens may carry no text (held-back
+            # UTF-8 bytes), so the first SSE data can arrive only after the reload; step 3 faults regardless.
+            assert wait_for(lambda: engine.model_state == "reloading", 10), "the injected fault never started a reload"
+            assert _health(url).status_code == 503
             health = _health(url)
             assert health.json()["status"] == "reloading" and "fault_cause" not in health.json()
             _check(_post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 4}), 503, "model_reloading",
@@ -188,8 +190,8 @@ def test_device_fault(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> 
                                                    "ignore_eos": True})
         queued: list[httpx.Response] = []
         try:
-            read_until(holder, b"data: ")
-            assert wait_for(lambda: engine.model_state == "reloading", 5), "the injected fault never started a reload"
+            # Wait on the engine, not on the stream (see test_model_reloading).
+            assert wait_for(lambda: engine.model_state == "reloading", 10), "the injected fault never started a reload"
             waiter = threading.Thread(target=lambda: queued.append(
                 _post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4})))
             waiter.start()
