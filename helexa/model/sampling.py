@@ -268,8 +268,11 @@ class Sampler:
         k = min(vocab, max([_CANDIDATES] + [p.top_k for p in params]))
         if k >= vocab or scaled.device.type != "cpu":  # accelerators sort fast, and the check would sync
             return _filter_sorted_rows(scaled, params, filtered)
-        full_lse = scaled.logsumexp(dim=-1)  # (S,)
         values, ids = scaled.topk(k, dim=-1)  # (S, K), descending
+        # Top-p without top-k measures mass against the whole vocabulary: only then is the full
+        # log-sum-exp needed (a pass over `[S, V]`).
+        needs_full = any(p.top_p < 1 and not 0 < p.top_k <= k for p in params)
+        full_lse = scaled.logsumexp(dim=-1) if needs_full else None  # (S,)
         ids, perm = ids.sort(dim=-1)  # ties broken by token id, as the full stable sort does
         values, order = values.gather(1, perm).sort(dim=-1, descending=True, stable=True)
         ids = ids.gather(1, order)
