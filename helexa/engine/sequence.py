@@ -10,9 +10,9 @@ import torch
 from helexa.admission import Ticket
 from helexa.engine.stream import RequestStream
 from helexa.kvcache import BlockTable
-from helexa.model.detokenizer import IncrementalDetokenizer
+from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.sampling import SamplingParams
-from helexa.model.stopping import StopChecker
+from helexa.model.text.stopping import StopChecker
 
 
 @dataclass(eq=False)

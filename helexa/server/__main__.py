@@ -6,7 +6,7 @@ import logging
 import sys
 
 from helexa.engine.engine import Engine
-from helexa.model.pull import DownloadError
+from helexa.model.weights.pull import DownloadError
 from helexa.server.app import create_app
 from helexa.server.cli import build_parser, configs_from_args
 from helexa.server.serve import HelexaServer

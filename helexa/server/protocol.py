@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from helexa.model.chat_template import validate_messages
+from helexa.model.text.chat_template import validate_messages
 from helexa.model.sampling import MAX_LOGPROBS
 
 from helexa.server.errors import APIError

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from helexa.model.chat_template import ChatTemplate, ChatTemplateError, validate_messages
+from helexa.model.text.chat_template import ChatTemplate, ChatTemplateError, validate_messages
 
 CHATML_WITH_TOOLS = """\
 {%- if tools %}

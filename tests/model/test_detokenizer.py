@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from helexa.model.detokenizer import IncrementalDetokenizer
-from helexa.model.tokenizer import Tokenizer
+from helexa.model.text.detokenizer import IncrementalDetokenizer
+from helexa.model.text.tokenizer import Tokenizer
 
 _spec = importlib.util.spec_from_file_location("_helexa_tiny_tok", Path(__file__).with_name("test_tokenizer.py"))
 _tiny = importlib.util.module_from_spec(_spec)

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from helexa.model.gguf import SUPPORTED_TENSOR_TYPES, convert_gguf
+from helexa.model.weights.gguf import SUPPORTED_TENSOR_TYPES, convert_gguf
 
 Q = gguf.GGMLQuantizationType
 

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 import helexa
 from helexa.__main__ import main
-from helexa.model import pull as pull_mod
-from helexa.model.pull import DEFAULT_MODEL, KNOWN_MODELS, DownloadError, KnownModel, pull, resolve_model
+from helexa.model.weights import pull as pull_mod
+from helexa.model.weights.pull import DEFAULT_MODEL, KNOWN_MODELS, DownloadError, KnownModel, pull, resolve_model
 from tests.model.test_gguf import write_tiny_gguf
 
 REPO = Path(__file__).resolve().parents[2]

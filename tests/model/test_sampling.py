@@ -221,7 +221,7 @@ def test_logprobs_are_raw_model_logprobs() -> None:
 @pytest.mark.parametrize("quantised", [False, True])
 def test_candidate_filter_path_equals_full_sort(quantised: bool) -> None:
     """The topk fast path keeps exactly the tokens the full stable sort keeps, ties and fallbacks included."""
-    from helexa.model.sampling import _filter_sorted_rows
+    from helexa.model.sampling.sampler import _filter_sorted_rows
 
     gen = torch.Generator().manual_seed(11)
     vocab = 6000

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from helexa.model.sampling import SamplingParams
-from helexa.model.stopping import StopChecker, StopResult, finish_reason
+from helexa.model.text.stopping import StopChecker, StopResult, finish_reason
 
 
 def _run(stops: list[str], deltas: list[str]) -> tuple[str, bool, list[str]]:

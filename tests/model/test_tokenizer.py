@@ -13,8 +13,8 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from helexa.model.chat_template import ChatTemplateError
-from helexa.model.tokenizer import Tokenizer
+from helexa.model.text.chat_template import ChatTemplateError
+from helexa.model.text.tokenizer import Tokenizer
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 

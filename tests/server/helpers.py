@@ -18,7 +18,7 @@ from pathlib import Path
 
 from helexa.engine.config import EngineConfig
 from helexa.engine.engine import Engine
-from helexa.model.tokenizer import Tokenizer
+from helexa.model.text.tokenizer import Tokenizer
 from helexa.server.app import create_app
 from helexa.server.serve import HelexaServer
 from helexa.server.settings import ServerSettings

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from helexa.model.chat_template import ChatTemplate
+from helexa.model.text.chat_template import ChatTemplate
 from tests.server.helpers import RunningServer, raw_post, read_until, tiny_engine_config, wait_for
 
 MESSAGES = [{"role": "user", "content": "hello"}]

@@ -29,7 +29,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, processors
 
-from helexa.model.chat_template import ChatTemplate
+from helexa.model.text.chat_template import ChatTemplate
 
 __all__ = ["Tokenizer"]
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from helexa import __version__
-from helexa.model.gguf import convert_gguf
+from helexa.model.weights.gguf import convert_gguf
 
 __all__ = [
     "DEFAULT_MODEL",

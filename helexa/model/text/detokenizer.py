@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from helexa.model.tokenizer import Tokenizer
+from helexa.model.text.tokenizer import Tokenizer
 
 __all__ = ["IncrementalDetokenizer"]
 
