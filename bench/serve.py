@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -28,8 +27,10 @@ from helexa import LLM, SamplingParams  # noqa: E402
 from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
-_WORDS = ("the agent reads the file then calls a tool and waits for the result before it writes a short plan "
-          "with three steps about caching memory blocks latency queues and the next request in the session").split()
+_WORDS = (
+    "the agent reads the file then calls a tool and waits for the result before it writes a short plan "
+    "with three steps about caching memory blocks latency queues and the next request in the session"
+).split()
 
 
 @dataclass
@@ -50,8 +51,9 @@ def make_prompts(tokenizer, n: int, seed: int = 0, lo: int = 16, hi: int = 256) 
     for _ in range(n):
         words = int(round(lo * (hi / lo) ** rng.random()))
         content = " ".join(rng.choice(_WORDS) for _ in range(words))
-        prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                                     add_generation_prompt=True))
+        prompts.append(
+            tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        )
     return prompts
 
 
@@ -67,8 +69,14 @@ def bench_helexa(llm: LLM, prompts: list[list[int]], max_tokens: int, long_promp
 
     (single,) = llm.generate([prompts[0]], params, use_tqdm=False)
     itl = list(single.timings.inter_token)
-    rows["single"] = Row("helexa single stream decode", len(itl) / sum(itl), single.timings.ttft * 1e3, None,
-                         pct(itl, 0.5) * 1e3, pct(itl, 0.95) * 1e3)
+    rows["single"] = Row(
+        "helexa single stream decode",
+        len(itl) / sum(itl),
+        single.timings.ttft * 1e3,
+        None,
+        pct(itl, 0.5) * 1e3,
+        pct(itl, 0.95) * 1e3,
+    )
 
     counters = llm.engine.counters
     steps0, step_s0, model_s0 = counters.steps, counters.step_seconds, counters.model_seconds
@@ -81,21 +89,37 @@ def bench_helexa(llm: LLM, prompts: list[list[int]], max_tokens: int, long_promp
     steps = counters.steps - steps0
     overhead_ms = ((counters.step_seconds - step_s0) - (counters.model_seconds - model_s0)) / max(1, steps) * 1e3
     model_ms = (counters.model_seconds - model_s0) / max(1, steps) * 1e3
-    rows["concurrent"] = Row(f"helexa {len(prompts)} concurrent (aggregate)", total / wall, pct(ttfts, 0.5) * 1e3,
-                             pct(ttfts, 0.95) * 1e3, pct(itls, 0.5) * 1e3, pct(itls, 0.95) * 1e3,
-                             f"{steps} steps; per step: model {model_ms:.1f} ms, python {overhead_ms:.1f} ms")
+    rows["concurrent"] = Row(
+        f"helexa {len(prompts)} concurrent (aggregate)",
+        total / wall,
+        pct(ttfts, 0.5) * 1e3,
+        pct(ttfts, 0.95) * 1e3,
+        pct(itls, 0.5) * 1e3,
+        pct(itls, 0.95) * 1e3,
+        f"{steps} steps; per step: model {model_ms:.1f} ms, python {overhead_ms:.1f} ms",
+    )
     # Decode-only aggregate: once every prompt is in, each step emits one token per sequence.
-    rows["concurrent_decode"] = Row(f"helexa {len(prompts)} concurrent decode-only", len(prompts) / pct(itls, 0.5),
-                                    note="sequences / median inter-token gap")
+    rows["concurrent_decode"] = Row(
+        f"helexa {len(prompts)} concurrent decode-only",
+        len(prompts) / pct(itls, 0.5),
+        note="sequences / median inter-token gap",
+    )
 
     (pre,) = llm.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-    rows["prefill"] = Row(f"helexa prefill ({len(long_prompt)} tokens)", len(long_prompt) / pre.timings.ttft,
-                          pre.timings.ttft * 1e3)
+    rows["prefill"] = Row(
+        f"helexa prefill ({len(long_prompt)} tokens)", len(long_prompt) / pre.timings.ttft, pre.timings.ttft * 1e3
+    )
     return rows
 
 
-def bench_transformers(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], max_tokens: int,
-                       long_prompt: list[int], sequential: int) -> dict[str, Row]:
+def bench_transformers(
+    model_dir: Path,
+    dtype: torch.dtype,
+    prompts: list[list[int]],
+    max_tokens: int,
+    long_prompt: list[int],
+    sequential: int,
+) -> dict[str, Row]:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -111,8 +135,9 @@ def bench_transformers(model_dir: Path, dtype: torch.dtype, prompts: list[list[i
         for p in tqdm(prompts[:sequential], desc="transformers batch-1", unit="req"):
             model.generate(torch.tensor([p]), **gen)
         wall = time.perf_counter() - start
-        rows["hf_single"] = Row("transformers batch-1 sequential", sequential * max_tokens / wall,
-                                note=f"{sequential} prompts")
+        rows["hf_single"] = Row(
+            "transformers batch-1 sequential", sequential * max_tokens / wall, note=f"{sequential} prompts"
+        )
 
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
@@ -127,8 +152,9 @@ def bench_transformers(model_dir: Path, dtype: torch.dtype, prompts: list[list[i
         start = time.perf_counter()
         model(torch.tensor([long_prompt]))
         wall = time.perf_counter() - start
-        rows["hf_prefill"] = Row(f"transformers prefill ({len(long_prompt)} tokens)", len(long_prompt) / wall,
-                                 wall * 1e3)
+        rows["hf_prefill"] = Row(
+            f"transformers prefill ({len(long_prompt)} tokens)", len(long_prompt) / wall, wall * 1e3
+        )
     return rows
 
 
@@ -152,30 +178,52 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = resolve_model(args.model)
     dtype = getattr(torch, args.dtype)
-    llm = LLM(str(model_dir), dtype=args.dtype, attention_backend=args.attention_backend,
-              max_num_seqs=max(16, args.num_prompts), max_num_batched_tokens=2048, num_blocks=2048)
+    llm = LLM(
+        str(model_dir),
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        max_num_seqs=max(16, args.num_prompts),
+        max_num_batched_tokens=2048,
+        num_blocks=2048,
+    )
     prompts = make_prompts(llm.tokenizer, args.num_prompts)
     rng = random.Random(1)
     long_prompt = [rng.randrange(100, 40000) for _ in range(args.long_prompt)]
-    print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} prompts={args.num_prompts} "
-          f"prompt_tokens={sorted(len(p) for p in prompts)} max_tokens={args.max_tokens}")
+    print(
+        f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} prompts={args.num_prompts} "
+        f"prompt_tokens={sorted(len(p) for p in prompts)} max_tokens={args.max_tokens}"
+    )
 
     h = bench_helexa(llm, prompts, args.max_tokens, long_prompt)
     del llm
     t = bench_transformers(model_dir, dtype, prompts, args.max_tokens, long_prompt, args.hf_sequential)
 
     ratios = [
-        ("aggregate (concurrent) vs transformers batch-1", h["concurrent"].tokens_per_s / t["hf_single"].tokens_per_s, 4.0),
-        ("aggregate (concurrent) vs transformers static batch", h["concurrent"].tokens_per_s / t["hf_static"].tokens_per_s, 1.5),
+        (
+            "aggregate (concurrent) vs transformers batch-1",
+            h["concurrent"].tokens_per_s / t["hf_single"].tokens_per_s,
+            4.0,
+        ),
+        (
+            "aggregate (concurrent) vs transformers static batch",
+            h["concurrent"].tokens_per_s / t["hf_static"].tokens_per_s,
+            1.5,
+        ),
         ("single stream vs transformers batch-1", h["single"].tokens_per_s / t["hf_single"].tokens_per_s, 1.5),
         ("prefill vs transformers", h["prefill"].tokens_per_s / t["hf_prefill"].tokens_per_s, 1.0),
     ]
-    lines = [f"# serve benchmark — {time.strftime('%Y-%m-%d')}, {args.model}, {args.dtype}, CPU "
-             f"({torch.get_num_threads()} threads)", "",
-             "| run | tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | note |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# serve benchmark — {time.strftime('%Y-%m-%d')}, {args.model}, {args.dtype}, CPU "
+        f"({torch.get_num_threads()} threads)",
+        "",
+        "| run | tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in list(h.values()) + list(t.values()):
-        lines.append(f"| {row.name} | {fmt(row.tokens_per_s)} | {fmt(row.ttft_p50_ms)} | {fmt(row.ttft_p95_ms)} | "
-                     f"{fmt(row.itl_p50_ms)} | {fmt(row.itl_p95_ms)} | {row.note} |")
+        lines.append(
+            f"| {row.name} | {fmt(row.tokens_per_s)} | {fmt(row.ttft_p50_ms)} | {fmt(row.ttft_p95_ms)} | "
+            f"{fmt(row.itl_p50_ms)} | {fmt(row.itl_p95_ms)} | {row.note} |"
+        )
     lines += ["", "| ratio | measured | target |", "|---|---|---|"]
     lines += [f"| {name} | {value:.2f}x | >= {target}x |" for name, value, target in ratios]
     table = "\n".join(lines)
@@ -195,8 +243,11 @@ def _plot(rows: list[Row], ratios, path: Path, args) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     names = [r.name for r in rows]
-    ax1.barh(names, [r.tokens_per_s for r in rows], color=["tab:blue" if n.startswith("helexa") else "tab:gray"
-                                                          for n in names])
+    ax1.barh(
+        names,
+        [r.tokens_per_s for r in rows],
+        color=["tab:blue" if n.startswith("helexa") else "tab:gray" for n in names],
+    )
     ax1.set_xlabel("tokens / s")
     ax1.set_title(f"{args.model} {args.dtype} on CPU")
     ax1.invert_yaxis()

@@ -2,7 +2,7 @@
 
 State: a 4,096-block pool, 64 sequences in flight holding most of it, 1,000 requests queued FIFO.
 Each helexa number is printed beside the naive baseline measured in the same run: re-simulating
-the whole queue for every decision (`estimate_starts` over running + queued + the newcomer), which
+the whole queue for every decision (a fresh `FifoPlan` over running + queued + the newcomer), which
 is what a controller without the incremental plan would do. Rejections log their warning line
 through a handler that formats every record (so formatting is counted, I/O is not); rejections
 are also measured with logging off, to separate Python's logging cost from the decision.
@@ -16,8 +16,15 @@ import random
 
 import pytest
 
-from helexa.admission import AdmissionConfig, AdmissionController, AdmissionRejected, EngineRates, SeqWork, TicketState
-from helexa.admission import estimate_starts
+from helexa.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    AdmissionRejected,
+    Capacity,
+    EngineRates,
+    FifoPlan,
+    TicketState,
+)
 
 QUEUED, RUNNING, NUM_BLOCKS, BLOCK_SIZE = 1000, 64, 4096, 16
 NOW = 1000.0
@@ -48,9 +55,12 @@ def log_mode(request):
 def _loaded(max_wait_secs: float = 1e9, max_queue_depth: int = 4 * QUEUED, replan: float = 0.25) -> AdmissionController:
     """64 running + 1,000 queued, the same every call (seeded), on a clock that stands still."""
     rng = random.Random(0)
-    cfg = AdmissionConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_model_len=32768, max_num_seqs=RUNNING,
-                          max_queue_depth=max_queue_depth, max_wait_secs=max_wait_secs, replan_interval_secs=replan)
-    c = AdmissionController(cfg, clock=lambda: NOW, rates=EngineRates(0.03, 0.0002), debug=False)
+    cfg = AdmissionConfig(
+        max_num_seqs=RUNNING, max_queue_depth=max_queue_depth, max_wait_secs=max_wait_secs, replan_interval_secs=replan
+    )
+    c = AdmissionController(
+        cfg, Capacity(BLOCK_SIZE, NUM_BLOCKS, 32768), clock=lambda: NOW, rates=EngineRates(0.03, 0.0002), debug=False
+    )
     for _ in range(RUNNING):
         t = c.submit(rng.randint(200, 1200), rng.randint(64, 256))  # ~54 blocks each, ~3,400 in all
         assert t.state is TicketState.GRANTED
@@ -79,12 +89,14 @@ def _report(benchmark, name: str, baseline: str | None = "naive re-simulation") 
 def test_decision_baseline_naive_resimulation(benchmark) -> None:
     c = _loaded()
     rates = c.rates
-    running = [SeqWork(t.blocks_reserved, t.prefill_tokens_left, t.decode_tokens_left) for t in c._running.values()]
-    queued = [SeqWork(t.blocks_reserved, t.prefill_tokens_left, t.max_tokens) for t in c._queue.values()]
-    newcomer = SeqWork(c.config.blocks_for(800 + 256), 800, 256)
+    running = [(t.blocks_reserved, t.prefill_tokens_left, t.decode_tokens_left) for t in c._running.values()]
+    queued = [(t.blocks_reserved, t.prefill_tokens_left, t.max_tokens) for t in c._queue.values()]
+    newcomer = (c.capacity.blocks_for(800 + 256), 800, 256)
 
     def decide() -> float:
-        starts = estimate_starts(NOW, rates, c.blocks_available, RUNNING - c.in_flight, running, queued + [newcomer])
+        releases = [(NOW + rates.run_seconds(p, d), b) for b, p, d in running]
+        plan = FifoPlan(NOW, c.blocks_available, RUNNING - c.in_flight, releases)
+        starts = plan.extend((b, rates.run_seconds(p, d)) for b, p, d in queued + [newcomer])
         return starts[-1] - NOW
 
     wait = benchmark(decide)
@@ -173,5 +185,7 @@ def test_engine_poll_and_progress_per_step(benchmark) -> None:
     stats = getattr(benchmark, "stats", None)
     if stats:
         median = stats.stats.median
-        print(f"\nadmission engine step bookkeeping: {median * 1e6:.1f} us (median; 1 poll + {RUNNING} progress "
-              f"calls, {median * 1e6 / (RUNNING + 1):.2f} us each)")
+        print(
+            f"\nadmission engine step bookkeeping: {median * 1e6:.1f} us (median; 1 poll + {RUNNING} progress "
+            f"calls, {median * 1e6 / (RUNNING + 1):.2f} us each)"
+        )

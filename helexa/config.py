@@ -1,10 +1,365 @@
-"""helexa's configuration tree: frozen dataclasses validated once, and the flags built from them."""
+"""helexa's configuration: one frozen tree — `AdmissionConfig` nested in `EngineConfig` — validated once.
+
+Every field is declared with `option(...)`: its default, its help text, the rule its value must
+keep, and the flag group it belongs to. The server's command line is built from these fields
+(`add_flags`, `from_flags`), so each default, rule and help text is written exactly once.
+Importing this module loads nothing heavy (no torch).
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import math
 import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, TypeVar
+
+__all__ = [
+    "ADMISSION_POLICIES",
+    "AdmissionConfig",
+    "EngineConfig",
+    "Rule",
+    "add_flags",
+    "debug_enabled",
+    "from_flags",
+    "option",
+    "parse_size",
+    "validate",
+]
+
+ADMISSION_POLICIES = ("fifo", "backfill")
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_UNITS = {"": 1, "b": 1, **{u: 1024**i for i, u in enumerate(("k", "m", "g", "t"), 1)}}
+_UNITS.update({f"{u}ib": 1024**i for i, u in enumerate(("k", "m", "g", "t"), 1)})
+_UNITS.update({f"{u}b": 1000**i for i, u in enumerate(("k", "m", "g", "t"), 1)})
 
 
 def debug_enabled() -> bool:
     """True when `HELEXA_DEBUG` is set to anything but `0`: invariant checks that cost a sync run after every change."""
     return os.environ.get("HELEXA_DEBUG", "0") not in ("", "0")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in a size such as "512MiB", "2GiB", "1.5G", "4096" (an int is returned as is).
+
+    KiB/MiB/GiB/TiB and bare K/M/G/T are powers of 1024; KB/MB/GB/TB powers of 1000; case is
+    ignored. Raises `ValueError` for anything else or a size below one byte.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"not a size: {text!r}")
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE_RE.match(str(text))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(f"not a size: {text!r} (expected e.g. 512MiB, 2GiB, 1.5G, 4096)")
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(f"size must be at least 1 byte, got {text!r}")
+    return value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a field's value must be: `expected` says it in words, `test` checks it, `parse` reads a flag."""
+
+    expected: str
+    test: Callable[[Any], bool]
+    parse: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+    @staticmethod
+    def at_least(low: int) -> Rule:
+        return Rule(f"an integer >= {low}", lambda v: _is_int(v) and v >= low, int, metavar="N")
+
+    @staticmethod
+    def seconds(*, positive: bool = False) -> Rule:
+        if positive:
+            return Rule("a finite number of seconds > 0", lambda v: _is_number(v) and v > 0, float, metavar="S")
+        return Rule("a finite number of seconds >= 0", lambda v: _is_number(v) and v >= 0, float, metavar="S")
+
+    @staticmethod
+    def one_of(*choices: str) -> Rule:
+        return Rule(f"one of {', '.join(choices)}", lambda v: v in choices, str, choices)
+
+
+ANY_INT = Rule("an integer", _is_int, int, metavar="N")
+FRACTION = Rule("a fraction in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1, float, metavar="F")
+SIZE = Rule(
+    "a size of at least 1 byte (e.g. 512MiB, 2GiB)", lambda v: _is_int(v) and v >= 1, parse_size, metavar="SIZE"
+)
+POWER_OF_TWO = Rule("a power of two in [1, 128]", lambda v: _is_int(v) and 1 <= v <= 128 and not v & (v - 1), int)
+TEXT = Rule("a non-empty string", lambda v: isinstance(v, str) and bool(v.strip()))
+
+# Flag groups of `python -m helexa.server --help`, in order, with their descriptions.
+GROUPS: dict[str, str | None] = {
+    "model and placement": None,
+    "KV budget": "give at most one of --num-blocks, --kv-cache-memory, --gpu-memory-utilization",
+    "scheduling and admission": None,
+    "device faults": "after a fault the engine reloads the model and replays in-flight requests; past the "
+    "retries it stays poisoned and answers 500 device_fault",
+    "HTTP server": None,
+}
+
+
+def option(
+    default: Any,
+    help: str,
+    rule: Rule | None,
+    *,
+    group: str,
+    optional: bool = False,
+    flag: str | None = None,
+    metavar: str | None = None,
+    exclusive: str | None = None,
+    cli: bool = True,
+) -> Any:
+    """A config field: `default`, its `help` text, the `rule` its value keeps (None: any value).
+
+    `optional`: None is allowed too. `flag`: the command-line name (default `--field-name`);
+    `exclusive`: fields sharing this name are mutually exclusive flags; `cli=False`: no flag.
+    """
+    meta = {
+        "help": help,
+        "rule": rule,
+        "group": group,
+        "optional": optional,
+        "flag": flag,
+        "metavar": metavar,
+        "exclusive": exclusive,
+        "cli": cli,
+    }
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def validate(config: Any) -> None:
+    """Raise `ValueError` naming the first field of `config` whose value breaks its rule."""
+    for f in fields(config):
+        value, rule = getattr(config, f.name), f.metadata.get("rule")
+        if rule is None or (value is None and f.metadata["optional"]):
+            continue
+        if not rule.test(value):
+            raise ValueError(f"{f.name} must be {rule.expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """How admission gates, queues and times out requests; fixed while a model is loaded."""
+
+    max_num_seqs: int = option(
+        64, "most sequences in flight at once", Rule.at_least(1), group="scheduling and admission"
+    )
+    max_queue_depth: int = option(
+        1024, "most requests waiting for admission (0: none wait)", Rule.at_least(0), group="scheduling and admission"
+    )
+    # Long enough for a 70-150 s agentic turn to wait behind two or three others of its size.
+    max_wait_secs: float = option(
+        600.0, "longest a request may wait for admission", Rule.seconds(positive=True), group="scheduling and admission"
+    )
+    default_max_tokens: int = option(
+        4096,
+        "output tokens reserved for a request that gives no max_tokens (capped by what is left of the "
+        "context after the prompt)",
+        Rule.at_least(1),
+        group="scheduling and admission",
+    )
+    policy: str = option(
+        "fifo",
+        "fifo: the queue's head blocks everything behind it; backfill: a request behind the head may "
+        "start now if it is estimated to end before the head could start",
+        Rule.one_of(*ADMISSION_POLICIES),
+        group="scheduling and admission",
+        flag="--admission-policy",
+    )
+    # Wait estimates are re-simulated at once after a grant, release or cancel, and at most this
+    # often when only decode progress or measured rates changed (0: always).
+    replan_interval_secs: float = option(0.25, "", Rule.seconds(), group="scheduling and admission", cli=False)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes a loaded engine; the same config always gives the same KV block count.
+
+    KV budget: at most one of `num_blocks`, `kv_cache_memory` (bytes) or `gpu_memory_utilization`
+    (CUDA); with none the budget's default for the device applies. `max_model_len=None` is the
+    model's `max_position_embeddings`. After `max_fault_retries` consecutive device faults the
+    engine stays poisoned; the n-th consecutive reload waits `fault_backoff_secs × 2^(n−1)`.
+    Build one from flat names with `EngineConfig.of(max_num_seqs=8, num_blocks=64, ...)`.
+    """
+
+    model: str | None = option(
+        None,
+        "a Hugging Face style directory or a known model name (default: smollm2-135m-instruct)",
+        TEXT,
+        group="model and placement",
+        optional=True,
+        metavar="PATH|NAME",
+    )
+    device: str = option(
+        "auto", "where the model runs", Rule.one_of("auto", "cpu", "cuda"), group="model and placement"
+    )
+    dtype: str = option(
+        "auto",
+        "weights and KV cache dtype (auto: float32 on CPU, the checkpoint's on CUDA)",
+        Rule.one_of("auto", "float32", "bfloat16", "float16"),
+        group="model and placement",
+    )
+    attention_backend: str = option(
+        "auto",
+        "kernel implementation (auto: Triton on CUDA, torch on CPU)",
+        Rule.one_of("auto", "triton", "torch"),
+        group="model and placement",
+    )
+    block_size: int = option(16, "tokens per KV block", POWER_OF_TWO, group="KV budget")
+    num_blocks: int | None = option(
+        None, "an exact KV block count", Rule.at_least(1), group="KV budget", optional=True, exclusive="budget"
+    )
+    kv_cache_memory: int | None = option(
+        None, "KV pool size in bytes, e.g. 512MiB, 2GiB", SIZE, group="KV budget", optional=True, exclusive="budget"
+    )
+    gpu_memory_utilization: float | None = option(
+        None,
+        "fraction of device memory for weights, activations and KV (CUDA)",
+        FRACTION,
+        group="KV budget",
+        optional=True,
+        exclusive="budget",
+    )
+    max_model_len: int | None = option(
+        None,
+        "longest sequence (prompt + output) accepted (default: the model's)",
+        Rule.at_least(1),
+        group="scheduling and admission",
+        optional=True,
+    )
+    max_num_batched_tokens: int = option(
+        2048,
+        "most tokens one engine step runs (decode tokens and prefill chunks)",
+        Rule.at_least(1),
+        group="scheduling and admission",
+    )
+    seed: int = option(
+        0, "seeds the default generator unseeded requests sample from", ANY_INT, group="scheduling and admission"
+    )
+    max_fault_retries: int = option(
+        3,
+        "consecutive device faults the engine recovers from before it gives up",
+        Rule.at_least(0),
+        group="device faults",
+    )
+    fault_backoff_secs: float = option(
+        0.5, "wait before the n-th consecutive reload: this x 2^(n-1) seconds", Rule.seconds(), group="device faults"
+    )
+    admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.max_num_batched_tokens < self.admission.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.admission.max_num_seqs}) so every running sequence can decode each step"
+            )
+        given = [n for n in ("num_blocks", "kv_cache_memory", "gpu_memory_utilization") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"give at most one KV budget (--num-blocks, --kv-cache-memory, "
+                f"--gpu-memory-utilization); got {', '.join(given)}"
+            )
+
+    @classmethod
+    def of(cls, **values: Any) -> EngineConfig:
+        """An `EngineConfig` from flat field names: `AdmissionConfig`'s (`max_num_seqs`, ...) go into `admission`.
+
+        Raises `TypeError` for an unknown name and `ValueError` for a bad value.
+        """
+        nested = {f.name for f in fields(AdmissionConfig)}
+        admission = values.pop("admission", None) or AdmissionConfig()
+        moved = {name: values.pop(name) for name in list(values) if name in nested}
+        return cls(admission=dataclasses.replace(admission, **moved), **values)
+
+    def replace(self, **values: Any) -> EngineConfig:
+        """A copy with some fields changed, by flat name as in `of`."""
+        return EngineConfig.of(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **values})
+
+
+T = TypeVar("T")
+
+
+def _nested(f: dataclasses.Field) -> type | None:
+    factory = f.default_factory
+    return factory if isinstance(factory, type) and is_dataclass(factory) else None
+
+
+def add_flags(parser: argparse.ArgumentParser, config_type: type, groups: dict[str, Any] | None = None) -> None:
+    """Add one flag per field of `config_type` (and of its nested configs), in `GROUPS`' argument groups."""
+    groups = {} if groups is None else groups
+    for f in fields(config_type):
+        if (inner := _nested(f)) is not None:
+            add_flags(parser, inner, groups)
+            continue
+        meta = f.metadata
+        if not meta.get("cli"):
+            continue
+        if meta["group"] not in groups:
+            groups[meta["group"]] = parser.add_argument_group(meta["group"], GROUPS[meta["group"]])
+        target = groups[meta["group"]]
+        if meta["exclusive"]:
+            key = ("exclusive", meta["exclusive"])
+            if key not in groups:
+                groups[key] = target.add_mutually_exclusive_group()
+            target = groups[key]
+        rule: Rule = meta["rule"]
+        kwargs: dict[str, Any] = {"default": f.default, "help": meta["help"], "dest": f.name}
+        if rule.choices:
+            kwargs["choices"] = rule.choices
+        else:
+            kwargs["type"], kwargs["metavar"] = _flag_type(rule), meta["metavar"] or rule.metavar
+        target.add_argument(meta["flag"] or "--" + f.name.replace("_", "-"), **kwargs)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _flag_type(rule: Rule) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = rule.parse(text)
+        except ValueError:
+            value = None
+        if value is None or not rule.test(value):
+            raise argparse.ArgumentTypeError(f"expected {rule.expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+def from_flags(config_type: type[T], args: argparse.Namespace) -> T:
+    """The `config_type` the parsed flags describe (fields without a flag keep their defaults)."""
+    values = {}
+    for f in fields(config_type):  # type: ignore[arg-type]
+        if (inner := _nested(f)) is not None:
+            values[f.name] = from_flags(inner, args)
+        elif hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
+    return config_type(**values)

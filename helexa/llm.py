@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from helexa.engine.config import EngineConfig
+from helexa.config import EngineConfig
 from helexa.engine.engine import Engine, RequestHandle
 from helexa.engine.stream import TokenLogprob
 from helexa.model.sampling import SamplingParams
@@ -53,7 +53,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         engine_args.setdefault("max_queue_depth", 1 << 20)
-        self.engine = Engine(EngineConfig(model=model, **engine_args))
+        self.engine = Engine(EngineConfig.of(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
     def generate(
@@ -131,8 +131,16 @@ class _Collector:
             total=(times[-1] - start) if times else 0.0,
             inter_token=tuple(b - a for a, b in zip(times, times[1:])),
         )
-        return RequestOutput(handle.request_id, prompt, ids, "".join(self.text), self.ids,
-                             self.finish_reason or "abort", self.logprobs or None, timings)
+        return RequestOutput(
+            handle.request_id,
+            prompt,
+            ids,
+            "".join(self.text),
+            self.ids,
+            self.finish_reason or "abort",
+            self.logprobs or None,
+            timings,
+        )
 
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -1,36 +1,33 @@
 """helexa.admission: block-exact admission — two gates, one FIFO queue, deadlines, estimated Retry-After.
 
-Module map:
-- `config`     `AdmissionConfig`: pool geometry, gates, queue limit, deadline, policy.
-- `controller` `AdmissionController`: submit / poll / progress / release / cancel, snapshot, integrity.
-- `estimator`  `EngineRates` and the FIFO simulation behind every wait estimate.
-- `ticket`     `Ticket`, `TicketState`, `PollResult`: a request's place in admission.
-- `errors`     `AdmissionRejected` (reason, HTTP status, OpenAI code, Retry-After, arithmetic).
+- `controller`  `AdmissionController`, `Capacity`: submit / poll / progress / release / cancel, snapshot, integrity.
+- `ticket`      `Ticket`, `TicketState`, `PollResult`: a request's place in admission.
+- `estimator`   `FifoPlan`: the FIFO simulation behind every wait estimate; `retry_after_seconds`.
+- `rates`       `EngineRates`, `RateTracker`: the engine's measured speed the estimates use.
+- `rejections`  `AdmissionRejected` (reason, message with the numbers, Retry-After, arithmetic).
+
+Plain Python, no torch. Its configuration is `helexa.config.AdmissionConfig`.
 """
 
-from helexa.admission.config import DEFAULT_MAX_TOKENS, DEFAULT_MAX_WAIT_SECS, AdmissionConfig
-from helexa.admission.controller import MODEL_STATES, REJECTION_REASONS, AdmissionController, AdmissionObserver
-from helexa.admission.errors import REJECTIONS, AdmissionIntegrityError, AdmissionRejected
-from helexa.admission.estimator import EngineRates, FifoPlan, SeqWork, estimate_starts, retry_after_seconds
+from helexa.admission.controller import AdmissionController, Capacity
+from helexa.admission.estimator import FifoPlan, retry_after_seconds
+from helexa.admission.rates import EngineRates, RateTracker
+from helexa.admission.rejections import REJECTION_REASONS, AdmissionIntegrityError, AdmissionRejected
 from helexa.admission.ticket import PollResult, Ticket, TicketState
+from helexa.config import AdmissionConfig
 
 __all__ = [
-    "DEFAULT_MAX_TOKENS",
-    "DEFAULT_MAX_WAIT_SECS",
-    "MODEL_STATES",
-    "REJECTIONS",
     "REJECTION_REASONS",
     "AdmissionConfig",
     "AdmissionController",
     "AdmissionIntegrityError",
-    "AdmissionObserver",
     "AdmissionRejected",
+    "Capacity",
     "EngineRates",
     "FifoPlan",
     "PollResult",
-    "SeqWork",
+    "RateTracker",
     "Ticket",
     "TicketState",
-    "estimate_starts",
     "retry_after_seconds",
 ]

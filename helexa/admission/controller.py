@@ -1,56 +1,61 @@
 """Block-exact admission: two gates, one FIFO queue, deadlines, and Retry-After from live estimates.
 
-Life of a request (see `AdmissionController`):
+Life of a request:
 
-1. The server calls `submit(prompt_tokens, max_tokens, payload=...)`. The request needs
-   `ceil((prompt + max_tokens) / block_size) - shared_blocks` blocks. It is rejected at once and
-   for good (`kv_unservable`, 400) when it can never fit this node; granted at once when nobody
-   is waiting and both gates pass (sequences in flight < `max_num_seqs`, blocks available >= its
-   need); rejected when the queue is full (`queue_full`, 429, or `model_reloading`, 503, while the
-   model reloads) or when its estimated wait already exceeds `max_wait_secs` (`kv_timeout`, 503);
-   queued otherwise.
-2. The engine calls `poll()` each step: it receives the tickets granted since the last poll, the
-   ones that expired in the queue (kv_timeout), and running ones the client cancelled.
-3. While a granted ticket runs, the engine reports `progress(...)`: output tokens, prefilled
-   prompt tokens, physical blocks taken from the reservation.
-4. At finish, error or abort the engine calls `release(ticket)`: the whole reservation returns
-   and the queue is served again, head first.
+1. `submit(prompt_tokens, max_tokens, payload=...)`: the request needs
+   `ceil((prompt + max_tokens) / block_size) - shared_blocks` blocks. Rejected at once and for good
+   (`kv_unservable`) when it can never fit this node; granted at once when nobody waits and both
+   gates pass (sequences in flight < `max_num_seqs`, blocks available >= its need); rejected when the
+   queue is full (`queue_full`, or `model_reloading` while the model reloads) or its estimated wait
+   already exceeds `max_wait_secs` (`kv_timeout`); queued otherwise.
+2. The engine's `poll()` each step hands over grants, queued requests that expired (kv_timeout), and
+   running ones the client cancelled.
+3. While a ticket runs the engine reports `progress(...)`: output tokens, prefilled prompt tokens,
+   physical blocks taken from the reservation.
+4. At finish, error or abort the engine calls `release(ticket)`: the whole reservation returns and
+   the queue is served again, head first.
 
-Accounting: `blocks_available = blocks_total - blocks_reserved`, where `blocks_reserved` is the sum
-of live reservations. A reservation counts only the blocks a sequence does not share from the
-prefix cache (`shared_blocks`); evictable cached blocks are not reserved by anyone and so count
-as available already. When the prefix cache lands, blocks it pins for running sequences join
-`blocks_reserved` through those sequences' tickets, and `blocks_cached` is read from its provider.
+Accounting: `blocks_available = blocks_total - blocks_reserved`, the sum of live reservations. A
+reservation counts only the blocks a sequence does not share (`shared_blocks`).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-from helexa.admission.config import AdmissionConfig
-from helexa.admission.errors import AdmissionIntegrityError, AdmissionRejected
-from helexa.admission.estimator import EngineRates, FifoPlan, retry_after_seconds
+from helexa.admission import rejections as why
+from helexa.admission.estimator import FifoPlan, retry_after_seconds
+from helexa.admission.rates import EngineRates
+from helexa.admission.rejections import REJECTION_REASONS, AdmissionIntegrityError, AdmissionRejected
 from helexa.admission.ticket import PollResult, Ticket, TicketState
+from helexa.config import AdmissionConfig, debug_enabled
 
 logger = logging.getLogger("helexa.admission")
 
-MODEL_STATES = ("loaded", "reloading", "poisoned")
-REJECTION_REASONS = ("queue_full", "kv_timeout", "kv_unservable", "model_reloading")
 
+@dataclass(frozen=True)
+class Capacity:
+    """What the loaded engine can hold: its KV pool's geometry and the longest sequence it accepts."""
 
-class AdmissionObserver(Protocol):
-    """Receives every admission and rejection (e.g. to feed Prometheus); called outside the lock."""
+    block_size: int
+    num_blocks: int
+    max_model_len: int
 
-    def on_admitted(self, wait_seconds: float) -> None:
-        """A ticket was granted after waiting `wait_seconds` (0.0 when granted at submit)."""
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Capacity.{name} must be a positive int, got {value!r}")
 
-    def on_rejected(self, reason: str) -> None:
-        """A request was rejected (at submit, or expired in the queue) for `reason`."""
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens: `ceil(num_tokens / block_size)`."""
+        return -(-num_tokens // self.block_size)
 
 
 class _Fields:
@@ -69,52 +74,44 @@ def _seconds(x: float) -> float:
     return round(x, 3)
 
 
-def _debug_from_env() -> bool:
-    return os.environ.get("HELEXA_DEBUG", "0") not in ("", "0")
-
-
 class AdmissionController:
     """Admits requests against a fixed pool of KV blocks and a sequence-count limit, FIFO.
 
-    Thread-safe: one lock guards all state and nothing slow runs under it (log records, observer
-    calls and the wake-up callback run after it is released). `submit` and `cancel` may be called
-    from any thread; `poll`, `progress` and `release` belong to the engine's thread.
+    Thread-safe: one lock guards all state and nothing slow runs under it (log records and the
+    wake-up run after it is released). `submit` and `cancel` may be called from any thread; `poll`,
+    `progress` and `release` belong to the engine's thread.
 
-    Arguments:
-    - `config`: pool geometry, gates, queue limit, deadline, policy.
-    - `clock`: seconds, monotonic (`time.monotonic`); tests inject a fake.
-    - `rates`: the engine's speed until it reports a measurement (`EngineRates()` priors).
-    - `observer`: `on_admitted(wait_seconds)` / `on_rejected(reason)` for metrics.
-    - `wakeup`: called (no arguments) after `submit`, `cancel` or `release` changed something the
-      engine loop should see, so an idle engine need not poll on a timer.
-    - `blocks_free`: the pool's exact physical free count (`lambda: pool.num_free_blocks`); without
-      it `snapshot()` reports `total - allocated` from `progress`.
-    - `blocks_cached`: the prefix cache's cached-block count (0 without it).
-    - `debug`: run `check_integrity()` after every change (default: `HELEXA_DEBUG=1`).
+    - `clock`: monotonic seconds (tests inject a fake); `rates`: the engine's speed until it measures.
+    - `wakeup()`: called after `submit`, `cancel` or `release` changed something the engine loop should see.
+    - `blocks_free()`: the pool's exact physical free count for `snapshot()` (else `total - allocated`).
+    - `blocks_cached()`: the prefix cache's cached-block count (0 without one).
+    - `reload_status()`: None while the model serves, else the estimated seconds until it serves again
+      (a full queue then answers `model_reloading`).
+    - `debug`: run `check_integrity()` after every change (default: `HELEXA_DEBUG`).
     """
 
     def __init__(
         self,
         config: AdmissionConfig,
+        capacity: Capacity,
         *,
         clock: Callable[[], float] = time.monotonic,
         rates: EngineRates | None = None,
-        observer: AdmissionObserver | None = None,
         wakeup: Callable[[], None] | None = None,
         blocks_free: Callable[[], int] | None = None,
         blocks_cached: Callable[[], int] | None = None,
+        reload_status: Callable[[], float | None] | None = None,
         debug: bool | None = None,
     ) -> None:
-        if not isinstance(config, AdmissionConfig):
-            raise ValueError(f"config must be an AdmissionConfig, got {type(config).__name__}")
         self.config = config
+        self.capacity = capacity
         self._clock = clock
         self._rates = rates if rates is not None else EngineRates()
-        self._observer = observer
         self._wakeup = wakeup
-        self._blocks_free_provider = blocks_free
-        self._blocks_cached_provider = blocks_cached
-        self._debug = _debug_from_env() if debug is None else debug
+        self._blocks_free = blocks_free
+        self._blocks_cached = blocks_cached
+        self._reload_status: Callable[[], float | None] = reload_status or (lambda: None)
+        self._debug = debug_enabled() if debug is None else debug
 
         self._lock = threading.Lock()
         self._queue: collections.OrderedDict[int, Ticket] = collections.OrderedDict()  # FIFO, by ticket id
@@ -124,7 +121,7 @@ class AdmissionController:
         self._next_id = 1
         self._new_grants: list[Ticket] = []  # granted since the last poll
         self._new_cancels: list[Ticket] = []  # granted, seen by the engine, then cancelled
-        self._effects: list[Callable[[], None]] = []  # run after the lock is released
+        self._effects: list[Callable[[], None]] = []  # log records, written after the lock is released
 
         # The FIFO simulation behind every wait estimate (see estimator.py).
         self._plan: FifoPlan | None = None
@@ -137,19 +134,11 @@ class AdmissionController:
         self._admitted_total = 0
         self._admitted_after_wait = 0
         self._wait_seconds_sum = 0.0
-        self._model_state = "loaded"
-        self._fault_since: float | None = None
-        self._last_reload_seconds: float | None = None
 
     # ------------------------------------------------------------------ server side
 
     def submit(
-        self,
-        prompt_tokens: int,
-        max_tokens: int | None = None,
-        *,
-        shared_blocks: int = 0,
-        payload: Any = None,
+        self, prompt_tokens: int, max_tokens: int | None = None, *, shared_blocks: int = 0, payload: Any = None
     ) -> Ticket:
         """Admit a tokenised request: returns its `Ticket` (granted or queued) or raises `AdmissionRejected`.
 
@@ -162,10 +151,10 @@ class AdmissionController:
         if max_tokens is not None:
             _check_int("max_tokens", max_tokens, 1)
         _check_int("shared_blocks", shared_blocks, 0)
-        if shared_blocks > prompt_tokens // self.config.block_size:
+        if shared_blocks > prompt_tokens // self.capacity.block_size:
             raise ValueError(
-                f"shared_blocks={shared_blocks} exceeds the {prompt_tokens // self.config.block_size} full blocks "
-                f"of a {prompt_tokens}-token prompt (block_size={self.config.block_size})"
+                f"shared_blocks={shared_blocks} exceeds the {prompt_tokens // self.capacity.block_size} full blocks "
+                f"of a {prompt_tokens}-token prompt (block_size={self.capacity.block_size})"
             )
         with self._lock:
             outcome = self._submit_locked(self._clock(), prompt_tokens, max_tokens, shared_blocks, payload)
@@ -322,29 +311,6 @@ class AdmissionController:
         """The speed estimates use now."""
         return self._rates
 
-    def set_model_state(self, state: str) -> None:
-        """Record the model's state: `loaded`, `reloading` or `poisoned` (after a device fault).
-
-        While not loaded, requests still queue (reservations outlive a reload), but a full queue
-        answers 503 `model_reloading` with the remaining reload time estimated from the last reload's
-        duration (or, before any reload finished, as long again as this one has taken so far).
-        """
-        if state not in MODEL_STATES:
-            raise ValueError(f"model state must be one of {MODEL_STATES}, got {state!r}")
-        with self._lock:
-            now = self._clock()
-            if state != "loaded" and self._fault_since is None:
-                self._fault_since = now
-            elif state == "loaded" and self._fault_since is not None:
-                self._last_reload_seconds = now - self._fault_since
-                self._fault_since = None
-            self._model_state = state
-
-    @property
-    def model_state(self) -> str:
-        """`loaded`, `reloading` or `poisoned`."""
-        return self._model_state
-
     # ------------------------------------------------------------------ visibility
 
     @property
@@ -365,20 +331,20 @@ class AdmissionController:
     @property
     def blocks_available(self) -> int:
         """`blocks_total - blocks_reserved`: what the next grant may reserve."""
-        return self.config.num_blocks - self._reserved
+        return self.capacity.num_blocks - self._reserved
 
     def snapshot(self) -> dict[str, Any]:
-        """The `GET /v1/admission` body (SPEC.md), plus admitted/wait counters and the rates in use."""
-        blocks_free = self._blocks_free_provider() if self._blocks_free_provider is not None else None
-        blocks_cached = self._blocks_cached_provider() if self._blocks_cached_provider is not None else 0
-        cfg = self.config
+        """The `GET /v1/admission` numbers: pool, gates, queue, rejections, admitted/wait counters, rates."""
+        blocks_free = self._blocks_free() if self._blocks_free is not None else None
+        blocks_cached = self._blocks_cached() if self._blocks_cached is not None else 0
+        cfg, total = self.config, self.capacity.num_blocks
         with self._lock:
             return {
-                "block_size": cfg.block_size,
-                "blocks_total": cfg.num_blocks,
-                "blocks_free": cfg.num_blocks - self._allocated if blocks_free is None else blocks_free,
+                "block_size": self.capacity.block_size,
+                "blocks_total": total,
+                "blocks_free": total - self._allocated if blocks_free is None else blocks_free,
                 "blocks_reserved": self._reserved,
-                "blocks_available": cfg.num_blocks - self._reserved,
+                "blocks_available": total - self._reserved,
                 "blocks_cached": blocks_cached,
                 "blocks_allocated": self._allocated,
                 "in_flight": len(self._running),
@@ -393,7 +359,6 @@ class AdmissionController:
                 "admission_wait_seconds_sum": _seconds(self._wait_seconds_sum),
                 "decode_step_seconds": self._rates.decode_step_seconds,
                 "prefill_token_seconds": self._rates.prefill_token_seconds,
-                "model_state": self._model_state,
             }
 
     def check_integrity(self) -> None:
@@ -411,17 +376,17 @@ class AdmissionController:
     def _submit_locked(
         self, now: float, prompt: int, max_tokens: int | None, shared: int, payload: Any
     ) -> Ticket | AdmissionRejected:
-        cfg = self.config
-        m = max_tokens if max_tokens is not None else max(1, min(cfg.max_model_len - prompt, cfg.default_max_tokens))
-        blocks = cfg.blocks_for(prompt + m) - shared
-        if prompt >= cfg.max_model_len or prompt + m > cfg.max_model_len or blocks > cfg.num_blocks:
-            return self._reject_unservable(prompt, m, shared, blocks)
+        cfg, cap = self.config, self.capacity
+        m = max_tokens if max_tokens is not None else max(1, min(cap.max_model_len - prompt, cfg.default_max_tokens))
+        blocks = cap.blocks_for(prompt + m) - shared
+        if prompt >= cap.max_model_len or prompt + m > cap.max_model_len or blocks > cap.num_blocks:
+            message = why.unservable_message(prompt, m, blocks, cap.block_size, cap.num_blocks, cap.max_model_len)
+            arith = self._arith(prompt, m, shared, blocks, None, max_model_len=cap.max_model_len)
+            return self._reject("kv_unservable", arith, None, message)
 
-        run_seconds = self._rates.run_seconds(prompt - shared * cfg.block_size, m)
-        fits_now = blocks <= cfg.num_blocks - self._reserved and len(self._running) < cfg.max_num_seqs
-        if fits_now and (
-            not self._queue or cfg.policy == "backfill" and self._backfill_fits(now, run_seconds)
-        ):
+        run_seconds = self._rates.run_seconds(prompt - shared * cap.block_size, m)
+        fits_now = blocks <= cap.num_blocks - self._reserved and len(self._running) < cfg.max_num_seqs
+        if fits_now and (not self._queue or cfg.policy == "backfill" and self._backfill_fits(now, run_seconds)):
             ticket = self._new_ticket(now, prompt, m, shared, blocks, payload)
             ticket.backfilled = bool(self._queue)
             self._grant(ticket, now, from_queue=False)
@@ -432,29 +397,24 @@ class AdmissionController:
             plan = self._ensure_plan(now)
             head_start = next(iter(self._queue.values())).est_start if self._queue else plan.start_of(blocks)
             wait = max(0.0, head_start - now)
-            if self._model_state != "loaded":
-                left = self._reload_seconds_left(now)
-                return self._reject(
-                    "model_reloading", self._arith(prompt, m, shared, blocks, wait, reload_left_s=_seconds(left)),
-                    retry_after_seconds(left),
-                    f"the model is reloading after a device fault and the admission queue is full ({depth} of "
-                    f"{cfg.max_queue_depth} waiting); estimated {left:.0f} s until it serves again",
-                )
+            reload_left = self._reload_status()
+            message = why.queue_full_message(depth, cfg.max_queue_depth, len(self._running), wait, reload_left)
+            if reload_left is not None:
+                arith = self._arith(prompt, m, shared, blocks, wait, reload_left_s=_seconds(reload_left))
+                return self._reject("model_reloading", arith, retry_after_seconds(reload_left), message)
             return self._reject(
-                "queue_full", self._arith(prompt, m, shared, blocks, wait), retry_after_seconds(wait),
-                f"the admission queue is full ({depth} of {cfg.max_queue_depth} waiting, {len(self._running)} "
-                f"running); a place is estimated to free in {wait:.0f} s",
+                "queue_full", self._arith(prompt, m, shared, blocks, wait), retry_after_seconds(wait), message
             )
 
         plan = self._ensure_plan(now)
         start, appended = plan.append_if_starts_by(blocks, run_seconds, now + cfg.max_wait_secs)
         wait = max(0.0, start - now)
         if not appended:
+            message = why.too_long_message(
+                blocks, wait, cfg.max_wait_secs, cap.num_blocks - self._reserved, cap.num_blocks, depth
+            )
             return self._reject(
-                "kv_timeout", self._arith(prompt, m, shared, blocks, wait), retry_after_seconds(wait),
-                f"the {blocks} KV blocks this request needs are estimated to be free in {wait:.0f} s, beyond the "
-                f"{cfg.max_wait_secs:g} s wait limit ({cfg.num_blocks - self._reserved} of {cfg.num_blocks} "
-                f"blocks available now, {depth} requests queued)",
+                "kv_timeout", self._arith(prompt, m, shared, blocks, wait), retry_after_seconds(wait), message
             )
         ticket = self._new_ticket(now, prompt, m, shared, blocks, payload)
         ticket.est_wait_at_arrival = wait
@@ -465,32 +425,23 @@ class AdmissionController:
             self._effects.append(lambda: logger.debug("admission: queued ticket=%d %s", ticket.id, fields))
         return ticket
 
-    def _reject_unservable(self, prompt: int, m: int, shared: int, blocks: int) -> AdmissionRejected:
-        cfg = self.config
-        arith = self._arith(prompt, m, shared, blocks, None, max_model_len=cfg.max_model_len)
-        if prompt >= cfg.max_model_len:
-            message = (f"prompt of {prompt} tokens leaves no room for output: the maximum context length is "
-                       f"{cfg.max_model_len} tokens")
-        elif prompt + m > cfg.max_model_len:
-            message = (f"prompt of {prompt} tokens + max_tokens {m} = {prompt + m} tokens exceeds the maximum "
-                       f"context length of {cfg.max_model_len} tokens")
-        else:
-            message = (f"prompt of {prompt} tokens + max_tokens {m} needs {blocks} KV blocks of {cfg.block_size} "
-                       f"tokens, more than this node's whole pool of {cfg.num_blocks} blocks")
-        return self._reject("kv_unservable", arith, None, message)
-
     def _new_ticket(self, now: float, prompt: int, m: int, shared: int, blocks: int, payload: Any) -> Ticket:
         ticket = Ticket(
-            id=self._next_id, prompt_tokens=prompt, max_tokens=m, shared_blocks=shared, blocks_reserved=blocks,
-            payload=payload, arrival=now, deadline=now + self.config.max_wait_secs, est_wait_at_arrival=0.0,
-            prompt_prefilled=shared * self.config.block_size,
+            id=self._next_id,
+            prompt_tokens=prompt,
+            max_tokens=m,
+            shared_blocks=shared,
+            blocks_reserved=blocks,
+            payload=payload,
+            arrival=now,
+            deadline=now + self.config.max_wait_secs,
+            est_wait_at_arrival=0.0,
+            prompt_prefilled=shared * self.capacity.block_size,
         )
         self._next_id += 1
         return ticket
 
-    def _arith(
-        self, prompt: int, m: int, shared: int, blocks: int, wait: float | None, **extra: Any
-    ) -> dict[str, Any]:
+    def _arith(self, prompt: int, m: int, shared: int, blocks: int, wait: float | None, **extra: Any) -> dict[str, Any]:
         """The numbers behind a decision, in log-line order (`est_wait_s`/`deadline_s` when a wait was estimated)."""
         arith: dict[str, Any] = {"prompt": prompt, "max_tokens": m, "shared_blocks": shared, "blocks_needed": blocks}
         arith.update(self._gauges())
@@ -510,7 +461,10 @@ class AdmissionController:
         cfg, queue = self.config, self._queue
         while queue:
             head = next(iter(queue.values()))
-            if head.blocks_reserved > cfg.num_blocks - self._reserved or len(self._running) >= cfg.max_num_seqs:
+            if (
+                head.blocks_reserved > self.capacity.num_blocks - self._reserved
+                or len(self._running) >= cfg.max_num_seqs
+            ):
                 break
             queue.popitem(last=False)
             self._grant(head, now, from_queue=True)
@@ -528,7 +482,7 @@ class AdmissionController:
         tickets = iter(queue.values())
         shadow = next(tickets).est_start  # the head's estimated start: a backfill must end by then
         rates, picked = self._rates, []
-        available = cfg.num_blocks - self._reserved
+        available = self.capacity.num_blocks - self._reserved
         slots = cfg.max_num_seqs - len(self._running)
         for t in tickets:
             if slots == 0:
@@ -552,20 +506,23 @@ class AdmissionController:
         wait = now - ticket.arrival
         self._admitted_total += 1
         self._wait_seconds_sum += wait
-        if self._observer is not None:
-            observer = self._observer
-            self._effects.append(lambda: observer.on_admitted(wait))
         if not from_queue:
             return
         self._admitted_after_wait += 1
         if logger.isEnabledFor(logging.INFO):
-            fields = _Fields({
-                "prompt": ticket.prompt_tokens, "max_tokens": ticket.max_tokens,
-                "shared_blocks": ticket.shared_blocks, "blocks_needed": ticket.blocks_reserved,
-                **self._gauges(), "waited_s": _seconds(wait),
-                "est_wait_s": _seconds(ticket.est_wait_at_arrival), "deadline_s": self.config.max_wait_secs,
-                "backfilled": ticket.backfilled,
-            })
+            fields = _Fields(
+                {
+                    "prompt": ticket.prompt_tokens,
+                    "max_tokens": ticket.max_tokens,
+                    "shared_blocks": ticket.shared_blocks,
+                    "blocks_needed": ticket.blocks_reserved,
+                    **self._gauges(),
+                    "waited_s": _seconds(wait),
+                    "est_wait_s": _seconds(ticket.est_wait_at_arrival),
+                    "deadline_s": self.config.max_wait_secs,
+                    "backfilled": ticket.backfilled,
+                }
+            )
             self._effects.append(lambda: logger.info("admission: admitted ticket=%d %s", ticket.id, fields))
 
     def _end(self, ticket: Ticket, now: float, state: TicketState) -> None:
@@ -583,15 +540,23 @@ class AdmissionController:
         left = max(0.0, ticket.est_start - now)
         waited = now - ticket.arrival
         arith: dict[str, Any] = {
-            "prompt": ticket.prompt_tokens, "max_tokens": ticket.max_tokens, "shared_blocks": ticket.shared_blocks,
-            "blocks_needed": ticket.blocks_reserved, **self._gauges(), "waited_s": _seconds(waited),
-            "est_wait_s": _seconds(left), "deadline_s": cfg.max_wait_secs,
+            "prompt": ticket.prompt_tokens,
+            "max_tokens": ticket.max_tokens,
+            "shared_blocks": ticket.shared_blocks,
+            "blocks_needed": ticket.blocks_reserved,
+            **self._gauges(),
+            "waited_s": _seconds(waited),
+            "est_wait_s": _seconds(left),
+            "deadline_s": cfg.max_wait_secs,
         }
         ticket.state, ticket.ended_at = TicketState.EXPIRED, now
         ticket.error = self._reject(
-            "kv_timeout", arith, retry_after_seconds(left),
-            f"waited {waited:.0f} s (the limit) for {ticket.blocks_reserved} KV blocks without admission "
-            f"({arith['blocks_available']} of {cfg.num_blocks} available); estimated {left:.0f} s more",
+            "kv_timeout",
+            arith,
+            retry_after_seconds(left),
+            why.expired_message(
+                waited, ticket.blocks_reserved, arith["blocks_available"], self.capacity.num_blocks, left
+            ),
         )
 
     def _reject(self, reason: str, arith: dict[str, Any], retry_after: int | None, message: str) -> AdmissionRejected:
@@ -602,19 +567,16 @@ class AdmissionController:
         if logger.isEnabledFor(logging.WARNING):
             fields = _Fields(error.arithmetic)
             self._effects.append(lambda: logger.warning("admission: rejected %s %s", reason, fields))
-        if self._observer is not None:
-            observer = self._observer
-            self._effects.append(lambda: observer.on_rejected(reason))
         return error
 
     def _gauges(self) -> dict[str, Any]:
-        cfg = self.config
+        total = self.capacity.num_blocks
         return {
-            "blocks_available": cfg.num_blocks - self._reserved,
+            "blocks_available": total - self._reserved,
             "blocks_reserved": self._reserved,
-            "blocks_total": cfg.num_blocks,
+            "blocks_total": total,
             "in_flight": len(self._running),
-            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_seqs": self.config.max_num_seqs,
             "queue_depth": len(self._queue),
         }
 
@@ -632,11 +594,13 @@ class AdmissionController:
             return plan
         cfg, rates = self.config, self._rates
         releases = [
-            (now if t.cancel_requested else now + rates.run_seconds(t.prefill_tokens_left, t.decode_tokens_left),
-             t.blocks_reserved)
+            (
+                now if t.cancel_requested else now + rates.run_seconds(t.prefill_tokens_left, t.decode_tokens_left),
+                t.blocks_reserved,
+            )
             for t in self._running.values()
         ]
-        plan = FifoPlan(now, cfg.num_blocks - self._reserved, cfg.max_num_seqs - len(self._running), releases)
+        plan = FifoPlan(now, self.capacity.num_blocks - self._reserved, cfg.max_num_seqs - len(self._running), releases)
         decode, prefill = rates.decode_step_seconds, rates.prefill_token_seconds
         queued = self._queue.values()
         starts = plan.extend(
@@ -648,12 +612,6 @@ class AdmissionController:
         self._plan, self._plan_time = plan, now
         self._plan_stale = self._plan_drifted = False
         return plan
-
-    def _reload_seconds_left(self, now: float) -> float:
-        elapsed = 0.0 if self._fault_since is None else now - self._fault_since
-        if self._last_reload_seconds is None:
-            return elapsed
-        return max(0.0, self._last_reload_seconds - elapsed)
 
     def _check_owned(self, ticket: Ticket) -> None:
         if not isinstance(ticket, Ticket):
@@ -680,8 +638,8 @@ class AdmissionController:
         allocated = sum(t.blocks_allocated for t in self._running.values())
         if reserved != self._reserved:
             problems.append(f"sum of live reservations {reserved} != blocks_reserved {self._reserved}")
-        if self._reserved > cfg.num_blocks or self._reserved < 0:
-            problems.append(f"blocks_reserved {self._reserved} outside [0, blocks_total={cfg.num_blocks}]")
+        if not 0 <= self._reserved <= self.capacity.num_blocks:
+            problems.append(f"blocks_reserved {self._reserved} outside [0, blocks_total={self.capacity.num_blocks}]")
         if allocated != self._allocated:
             problems.append(f"sum of allocated blocks {allocated} != blocks_allocated {self._allocated}")
         if len(self._running) > cfg.max_num_seqs:
@@ -708,5 +666,3 @@ class AdmissionController:
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-

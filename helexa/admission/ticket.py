@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from helexa.admission.errors import AdmissionRejected
+from helexa.admission.rejections import AdmissionRejected
 
 
 class TicketState(str, enum.Enum):
@@ -28,10 +28,12 @@ class TicketState(str, enum.Enum):
 class Ticket:
     """One admitted (queued or granted) request. The controller owns every field; others read them.
 
-    `max_tokens` is the effective output limit (the request's, or the default the controller
-    chose): the engine must stop the sequence there, since the reservation was sized for it.
-    `blocks_reserved` is the reservation: `ceil((prompt_tokens + max_tokens) / block_size) -
-    shared_blocks`. Progress fields are set through `AdmissionController.progress`.
+    `max_tokens` is the output limit admission decided (the request's, or the default for a request
+    that gave none): the one place it is decided, and where the engine stops the sequence, since the
+    reservation was sized for it. `blocks_reserved` is the reservation:
+    `ceil((prompt_tokens + max_tokens) / block_size) - shared_blocks`. `payload` is the submitter's
+    own object (the engine's request), carried untouched. Progress fields are set through
+    `AdmissionController.progress`.
     """
 
     id: int

@@ -1,16 +1,15 @@
 """helexa.engine: the continuous-batching loop over the paged KV cache.
 
-Module map:
-- `config`     `EngineConfig`: every knob of a loaded engine, validated once.
-- `engine`     `Engine`: submit / abort / step / start / shutdown; `RequestHandle`, `EngineClosed`, `EngineError`.
+- `engine`     `Engine`: submit / abort / step / start / shutdown; `RequestHandle`, its errors.
 - `scheduler`  `schedule`: decode tokens first, then prefill chunks, under the token budget.
-- `runner`     `ModelRunner`: builds each step's inputs once, runs the model, samples.
-- `sequence`   `Sequence`: a running request's tokens, cache position and output plumbing.
+- `runner`     `ModelRunner`: the model and its KV pool (loaded, and on a fault reloaded, as one); each step's forward.
+- `output`     a sampled token → its `TokenEvent`: finish reason, detokenised and stop-trimmed text, logprobs.
+- `sequence`   `Request` (what rides through admission) and `Sequence` (a running request).
 - `stream`     `RequestStream`, `TokenEvent`: per-request events for threads and asyncio.
-- `stats`      `RateTracker`: moving averages of step costs that admission estimates waits from.
+- `faults`     `ModelHealth` (the model's state), `FaultInjector` (`HELEXA_FAULT_INJECT`).
 """
 
-from helexa.engine.config import EngineConfig
+from helexa.config import EngineConfig
 from helexa.engine.engine import (
     DeviceFault,
     Engine,
@@ -20,18 +19,19 @@ from helexa.engine.engine import (
     RequestFailed,
     RequestHandle,
 )
+from helexa.engine.faults import MODEL_STATES, ModelHealth
 from helexa.engine.scheduler import ScheduledChunk, schedule
-from helexa.engine.stats import RateTracker
 from helexa.engine.stream import RequestStream, TokenEvent, TokenLogprob
 
 __all__ = [
+    "MODEL_STATES",
     "DeviceFault",
     "Engine",
     "EngineClosed",
     "EngineConfig",
     "EngineCounters",
     "EngineError",
-    "RateTracker",
+    "ModelHealth",
     "RequestFailed",
     "RequestHandle",
     "RequestStream",

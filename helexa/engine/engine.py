@@ -2,34 +2,32 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import itertools
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from helexa.admission import AdmissionConfig, AdmissionController, AdmissionObserver, AdmissionRejected, Ticket
-from helexa.engine.config import EngineConfig
-from helexa.engine.faults import FaultInjector
+from helexa.admission import AdmissionController, Capacity, RateTracker, Ticket
+from helexa.config import EngineConfig
+from helexa.engine.faults import FaultInjector, ModelHealth
+from helexa.engine.output import append_token
 from helexa.engine.runner import ModelRunner, StepInputs
-from helexa.engine.scheduler import schedule
-from helexa.engine.sequence import Sequence
-from helexa.engine.stats import RateTracker
-from helexa.engine.stream import RequestStream, TokenEvent, TokenLogprob
-from helexa.kvcache import BatchBuilder, BlockPool, estimate_activation_bytes, kv_budget
+from helexa.engine.scheduler import ScheduledChunk, schedule
+from helexa.engine.sequence import Request, Sequence
+from helexa.engine.stream import RequestStream, TokenEvent
+from helexa.kvcache import BlockPool, KVBudget
 from helexa.model.config import ModelConfig
-from helexa.model.text.detokenizer import IncrementalDetokenizer
-from helexa.model.loader import load_model, resolve_dtype
-from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model
+from helexa.model.loader import resolve_dtype
 from helexa.model.sampling import SampleResult, SamplingParams, make_generator
-from helexa.model.text.stopping import StopChecker, finish_reason
+from helexa.model.text.detokenizer import IncrementalDetokenizer
+from helexa.model.text.stopping import StopChecker
 from helexa.model.text.tokenizer import Tokenizer
+from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model
 
 logger = logging.getLogger("helexa.engine")
 
@@ -47,15 +45,15 @@ class RequestFailed(EngineError):
 
 
 class DeviceFault(EngineError):
-    """The model could not be recovered after repeated device faults (500 `device_fault`).
-
-    The message carries the last fault's underlying error text.
-    """
+    """The model could not be recovered after repeated device faults; the message carries the last cause."""
 
 
 @dataclass(frozen=True)
 class RequestHandle:
-    """A submitted request: read its `stream` until the final event; `abort` it by `request_id`."""
+    """A submitted request: read its `stream` until the final event; `abort` it by `request_id`.
+
+    `max_tokens` is the output limit admission decided (the request's, or the node's default).
+    """
 
     request_id: str
     stream: RequestStream
@@ -75,6 +73,7 @@ class EngineCounters:
     model_seconds: float = 0.0
     device_faults: int = 0
     model_reloads: int = 0
+    prefix_cache_hit_tokens: int = 0
 
 
 class Engine:
@@ -86,34 +85,33 @@ class Engine:
     in the batch. `step()` may be driven directly (offline use) or by `start()`'s thread — not both.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, observer: AdmissionObserver | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         load_start = time.perf_counter()
         self.device = _resolve_device(config.device)
-        model_dir = resolve_model(config.model if config.model is not None else DEFAULT_MODEL)
-        self.model_dir: Path = model_dir
+        torch.manual_seed(config.seed)  # the default generator unseeded requests draw from
         self.model_name = config.model if config.model is not None else DEFAULT_MODEL
-        self.model_config = ModelConfig.from_pretrained(model_dir)
+        self.model_dir = resolve_model(self.model_name)
+        self.model_config = ModelConfig.from_pretrained(self.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.dtype)
-        self.max_model_len = self._max_model_len(config, self.model_config)
-        self.tokenizer = Tokenizer.from_pretrained(model_dir)
-        self._load()
-        self.first_num_blocks = self.budget.num_blocks
+        self.max_model_len = _max_model_len(config, self.model_config)
+        self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        self.runner: ModelRunner | None = self._load_runner()
+        self.first_num_blocks = self.runner.budget.num_blocks
+        self.health = ModelHealth()
         self.rates = RateTracker()
         self.counters = EngineCounters()
         self.admission = AdmissionController(
-            AdmissionConfig(block_size=config.block_size, num_blocks=self.budget.num_blocks,
-                            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-                            max_queue_depth=config.max_queue_depth, max_wait_secs=config.max_wait_secs,
-                            default_max_tokens=config.default_max_tokens, policy=config.admission_policy),
-            rates=self.rates.rates(), observer=observer, wakeup=self._wake,
-            blocks_free=lambda: self.pool.num_free_blocks if self.pool is not None else 0,
+            config.admission,
+            Capacity(config.block_size, self.first_num_blocks, self.max_model_len),
+            rates=self.rates.rates(),
+            wakeup=self._wake,
+            reload_status=self.health.reload_seconds_left,
+            blocks_free=lambda: self.runner.pool.num_free_blocks if self.runner is not None else 0,
         )
         self._faults = FaultInjector.from_env()
         self._step_no = 0  # steps that ran the model, counted from 1 (HELEXA_FAULT_INJECT counts these)
         self._consecutive_faults = 0
-        self.fault_cause: str | None = None  # set when the node gives up: why it is poisoned
-        self.last_reload_seconds: float | None = None
         self._running: list[Sequence] = []
         self._pending: dict[str, RequestHandle] = {}  # submitted, not ended; any thread, under _lock
         self._aborts: set[str] = set()  # abort requests for running sequences, under _lock
@@ -125,64 +123,54 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.load_seconds = time.perf_counter() - load_start
-        logger.info("engine: loaded %s on %s %s in %.2fs; max_model_len=%d max_num_seqs=%d "
-                    "max_num_batched_tokens=%d attention=%s", self.model_name, self.device, _dtype_name(self.dtype),
-                    self.load_seconds, self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
-                    config.attention_backend)
-
-    def _load(self) -> None:
-        """Load the weights and allocate the KV pool from the config (at start and on every reload).
-
-        The budget is a function of the config and the model's shapes only, so every load gives
-        the same block count.
-        """
-        config, mc = self.config, self.model_config
-        model = load_model(self.model_dir, dtype=self.dtype, device=self.device,
-                           attention_backend=config.attention_backend)
-        self.budget = kv_budget(
-            block_size=config.block_size, num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim, dtype=self.dtype, device=self.device,
-            weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-            activation_reserve_bytes=estimate_activation_bytes(
-                hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-                num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
-                vocab_size=mc.vocab_size, max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs, dtype=self.dtype),
-            num_blocks=config.num_blocks, kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
+        logger.info(
+            "engine: loaded %s on %s %s in %.2fs; max_model_len=%d max_num_seqs=%d "
+            "max_num_batched_tokens=%d attention=%s",
+            self.model_name,
+            self.device,
+            _dtype_name(self.dtype),
+            self.load_seconds,
+            self.max_model_len,
+            config.admission.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.attention_backend,
         )
-        logger.info("%s", self.budget.describe())
-        self.pool: BlockPool | None = BlockPool(self.budget.num_blocks, config.block_size, mc.num_hidden_layers,
-                                                mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
-        self._builder = BatchBuilder(self.pool, config.max_num_seqs, self.max_model_len)
-        self.runner = ModelRunner(model, self.pool, self._builder, self.device,
-                                  sample_vocab_size=min(self.tokenizer.vocab_size, mc.vocab_size))
 
-    def _unload(self) -> None:
-        """Drop the model and the pool and give their device memory back."""
-        self.runner = None  # type: ignore[assignment]
-        self._builder = None  # type: ignore[assignment]
-        self.pool = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+    def _load_runner(self) -> ModelRunner:
+        """The model and its KV pool, loaded from the config (at start and on every reload)."""
+        return ModelRunner.load(
+            self.config,
+            self.model_dir,
+            self.model_config,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            self.tokenizer.vocab_size,
+        )
 
     @property
-    def model_state(self) -> str:
-        """`loaded`, `reloading` or `poisoned`."""
-        return self.admission.model_state
+    def budget(self) -> KVBudget:
+        """The KV budget of the loaded pool (its block count never changes across reloads)."""
+        return self._live_runner().budget
+
+    @property
+    def pool(self) -> BlockPool:
+        """The KV block pool (rebuilt with the same block count after a device fault)."""
+        return self._live_runner().pool
+
+    def _live_runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError(f"the model is not loaded (state: {self.health.state})")
+        return self.runner
 
     # ------------------------------------------------------------------ requests (any thread)
-
-    def default_max_tokens(self, prompt_tokens: int) -> int:
-        """Output tokens reserved for a request that gives no `max_tokens` (at least 1)."""
-        return max(1, min(self.max_model_len - prompt_tokens, self.config.default_max_tokens))
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
         """Queue a tokenised request for generation; thread-safe.
 
-        Raises `AdmissionRejected` (never fits, queue full, wait beyond the deadline),
-        `ValueError` (empty prompt, token ids outside the vocabulary, bad params) or `EngineClosed`.
+        `params.max_tokens=None` lets admission reserve the node's default. Raises `AdmissionRejected`
+        (never fits, queue full, wait beyond the deadline), `ValueError` (empty prompt, token ids
+        outside the vocabulary, bad params), `DeviceFault` (the node gave up) or `EngineClosed`.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -194,16 +182,17 @@ class Engine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         with self._lock:
-            if self.fault_cause is not None:
-                raise DeviceFault(self.fault_cause)
+            if self.health.fault_cause is not None:
+                raise DeviceFault(self.health.fault_cause)
             if self._closed:
                 raise EngineClosed("the engine is shutting down and admits no new requests")
             request_id = request_id or f"req-{next(self._ids)}"
             if request_id in self._pending:
                 raise ValueError(f"request id {request_id!r} is already in use")
             stream = RequestStream(request_id)
-            seq_args = (request_id, prompt, params, stream)
-            ticket = self.admission.submit(len(prompt), params.max_tokens, payload=seq_args)
+            ticket = self.admission.submit(
+                len(prompt), params.max_tokens, payload=Request(request_id, prompt, params, stream)
+            )
             handle = RequestHandle(request_id, stream, len(prompt), ticket.max_tokens, ticket)
             self._pending[request_id] = handle
         return handle
@@ -222,7 +211,7 @@ class Engine:
 
     def snapshot(self) -> dict[str, Any]:
         """The `/v1/admission` body: pool and admission numbers and the model state."""
-        return self.admission.snapshot()
+        return {**self.admission.snapshot(), "model_state": self.health.state}
 
     # ------------------------------------------------------------------ the loop
 
@@ -232,9 +221,9 @@ class Engine:
         A failure while running the batch is a device fault: it is logged with its cause, the model
         and pool are rebuilt with the same config, and the running sequences are replayed.
         """
-        if self.fault_cause is not None:
+        if self.health.fault_cause is not None or self.runner is None:
             return False
-        self._take_admitted()
+        self._take_admitted(self.runner)
         self._apply_aborts()
         chunks = schedule(self._running, self.config.max_num_batched_tokens)
         if not chunks:
@@ -283,56 +272,63 @@ class Engine:
             ids = list(self._pending)
         for request_id in ids:
             self.abort(request_id)
-        if self._thread is not None:
-            bound = time.monotonic() + 30
-            while self.has_work() and time.monotonic() < bound and self._thread.is_alive():
-                time.sleep(0.01)
-            with self._wakeup:
-                self._stopping = True
-                self._wakeup.notify_all()
-            self._thread.join(timeout=30)
-            self._thread = None
-        else:
+        if self._thread is None:
             self.step()
+            return
+        bound = time.monotonic() + 30
+        while self.has_work() and time.monotonic() < bound and self._thread.is_alive():
+            time.sleep(0.01)
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify_all()
+        self._thread.join(timeout=30)
+        self._thread = None
 
     def check_integrity(self) -> None:
         """Engine-level invariants: pool and admission consistent; tables cover exactly the computed tokens."""
-        self.pool.check_integrity()
+        runner = self._live_runner()
+        runner.pool.check_integrity()
+        runner.builder.check_integrity()
         self.admission.check_integrity()
-        self._builder.check_integrity()
         for seq in self._running:
-            if seq.table is None or seq.table.num_tokens != seq.num_computed:
-                raise AssertionError(f"{seq.request_id}: block table covers {seq.table and seq.table.num_tokens} "
-                                     f"tokens, {seq.num_computed} computed")
+            if seq.table.num_tokens != seq.num_computed:
+                raise AssertionError(
+                    f"{seq.request_id}: block table covers {seq.table.num_tokens} tokens, {seq.num_computed} computed"
+                )
             if seq.table.num_blocks > seq.ticket.blocks_reserved:
-                raise AssertionError(f"{seq.request_id}: {seq.table.num_blocks} blocks over its reservation "
-                                     f"of {seq.ticket.blocks_reserved}")
+                raise AssertionError(
+                    f"{seq.request_id}: {seq.table.num_blocks} blocks over its reservation "
+                    f"of {seq.ticket.blocks_reserved}"
+                )
 
     # ------------------------------------------------------------------ step phases
 
-    def _take_admitted(self) -> None:
+    def _take_admitted(self, runner: ModelRunner) -> None:
         """Turn newly granted tickets into running sequences; end expired and cancelled ones."""
         polled = self.admission.poll()
         for ticket in polled.expired:
-            handle = self._pending.get(ticket.payload[0])
+            handle = self._pending.get(ticket.payload.request_id)
             if handle is not None:
                 self._end_unstarted(handle, TokenEvent(finish_reason="error", error=ticket.error))
         for ticket in polled.granted:
-            request_id, prompt, params, stream = ticket.payload
-            params = dataclasses.replace(params, max_tokens=ticket.max_tokens)
-            seq = Sequence(
-                request_id=request_id, prompt_len=len(prompt), token_ids=list(prompt), params=params,
-                ticket=ticket, stream=stream,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt),
-                stop_checker=StopChecker(params.stop),
-                generator=make_generator(params.seed, self.device) if params.seed is not None else None,
-                arrival=ticket.arrival,
+            req: Request = ticket.payload
+            self._running.append(
+                Sequence(
+                    request_id=req.request_id,
+                    prompt_len=len(req.prompt),
+                    token_ids=list(req.prompt),
+                    params=req.params,
+                    ticket=ticket,
+                    stream=req.stream,
+                    detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt),
+                    stop_checker=StopChecker(req.params.stop),
+                    table=runner.builder.new_table(),
+                    generator=make_generator(req.params.seed, self.device) if req.params.seed is not None else None,
+                )
             )
-            seq.table = self._builder.new_table()
-            self._running.append(seq)
         for ticket in polled.cancelled:
             with self._lock:
-                self._aborts.add(ticket.payload[0])
+                self._aborts.add(ticket.payload.request_id)
 
     def _apply_aborts(self) -> None:
         with self._lock:
@@ -340,29 +336,26 @@ class Engine:
                 return
             aborts, self._aborts = self._aborts, set()
         for seq in [s for s in self._running if s.request_id in aborts]:
-            self._finish(seq, TokenEvent(finish_reason="abort", num_prompt_tokens=seq.prompt_len,
-                                         num_output_tokens=seq.num_output))
+            self._finish(seq, _final(seq, "abort"))
 
-    def _postprocess(self, inputs: StepInputs, samples: SampleResult | None,
-                     failures: dict[int, Exception] | None = None) -> None:
-        """Append each sampled token, detokenise, check stops, stream the event, finish what ended.
+    def _postprocess(self, inputs: StepInputs, samples: SampleResult | None, failures: dict[int, Exception]) -> None:
+        """Stream each sampled token's event and finish what ended.
 
         The whole step's progress reaches admission before any sequence is released, so its wait
         estimates never see half a step.
         """
         finished: list[tuple[Sequence, TokenEvent]] = []
         if samples is not None:
-            now = time.monotonic()
             for row, seq in enumerate(inputs.sampled):
-                if failures and row in failures:  # this request's own parameters broke its sampling
-                    error = RequestFailed(f"sampling failed for this request: {type(failures[row]).__name__}: "
-                                        f"{failures[row]}")
+                if row in failures:  # this request's own parameters broke its sampling
+                    error = RequestFailed(
+                        f"sampling failed for this request: {type(failures[row]).__name__}: {failures[row]}"
+                    )
                     logger.warning("engine: request %s failed in sampling: %s", seq.request_id, error)
-                    finished.append((seq, TokenEvent(finish_reason="error", error=error,
-                                                     num_prompt_tokens=seq.prompt_len,
-                                                     num_output_tokens=seq.num_output)))
+                    finished.append((seq, _final(seq, "error", error)))
                     continue
-                event = self._append_token(seq, samples, row, now)
+                event = append_token(seq, samples, row, self.tokenizer.eos_token_ids)
+                self.counters.generation_tokens += 1
                 if event.finished:
                     finished.append((seq, event))
                 else:
@@ -370,42 +363,20 @@ class Engine:
         ending = {id(seq) for seq, _ in finished}
         for seq in self._running:
             if id(seq) not in ending:
-                self.admission.progress(seq.ticket, prompt_prefilled=min(seq.num_computed, seq.prompt_len),
-                                        tokens_generated=seq.num_output, blocks_allocated=seq.table.num_blocks)
+                self.admission.progress(
+                    seq.ticket,
+                    prompt_prefilled=min(seq.num_computed, seq.prompt_len),
+                    tokens_generated=seq.num_output,
+                    blocks_allocated=seq.table.num_blocks,
+                )
         for seq, event in finished:
             self._finish(seq, event)
 
-    def _append_token(self, seq: Sequence, samples: SampleResult, row: int, now: float) -> TokenEvent:
-        """Record one sampled token on `seq` and build its event (final when the sequence ends)."""
-        token = samples.token_ids[row]
-        seq.token_ids.append(token)
-        if seq.first_token_at is None:
-            seq.first_token_at = now
-        self.counters.generation_tokens += 1
-        reason = finish_reason(token, seq.num_output, seq.params, self.tokenizer.eos_token_ids)
-        text = ""
-        if reason != "stop":  # a stop token or EOS is never shown
-            result = seq.stop_checker.feed(seq.detokenizer.push(token))
-            text = result.emit
-            if result.stopped:
-                reason = "stop"
-            elif reason is not None:  # length: release everything held back
-                text += seq.stop_checker.feed(seq.detokenizer.flush()).emit
-                if not seq.stop_checker.stopped:
-                    text += seq.stop_checker.flush()
-        logprobs: tuple[TokenLogprob, ...] = ()
-        if seq.params.logprobs is not None:
-            top = samples.top_logprobs[row] or ()
-            logprobs = (TokenLogprob(token, float(samples.logprobs[row]), tuple(top)),)
-        return TokenEvent(token_ids=(token,), text=text, logprobs=logprobs, finish_reason=reason,
-                          num_prompt_tokens=seq.prompt_len, num_output_tokens=seq.num_output)
-
     def _finish(self, seq: Sequence, final: TokenEvent) -> None:
         """End a running sequence: its blocks and reservation return, its stream gets the final event."""
-        seq.finished_at = time.monotonic()
         self._running.remove(seq)
-        if seq.table is not None and not seq.table.released and self._builder is seq.table._builder:
-            self._builder.release(seq.table)  # (tables of a pool dropped by a reload need no release)
+        if self.runner is not None and not seq.table.released and seq.table._builder is self.runner.builder:
+            self.runner.builder.release(seq.table)  # (tables of a pool dropped by a reload need no release)
         self.admission.release(seq.ticket)
         with self._lock:
             self._pending.pop(seq.request_id, None)
@@ -428,72 +399,92 @@ class Engine:
 
     # ------------------------------------------------------------------ device faults
 
-    def _on_device_fault(self, exc: BaseException, chunks: list) -> None:
+    def _on_device_fault(self, exc: BaseException, chunks: list[ScheduledChunk[Sequence]]) -> None:
         """Log the fault with its cause and the batch shape, then reload and replay, or give up."""
         self.counters.device_faults += 1
         self._consecutive_faults += 1
         cause = f"{type(exc).__name__}: {exc}"
-        logger.error("engine: device fault at step %d (batch: %d sequences, %d tokens; consecutive=%d/%d): %s",
-                     self._step_no, len(chunks), sum(c.num_new for c in chunks), self._consecutive_faults,
-                     self.config.max_fault_retries, cause, exc_info=exc)
-        self.admission.set_model_state("poisoned")
+        logger.error(
+            "engine: device fault at step %d (batch: %d sequences, %d tokens; consecutive=%d/%d): %s",
+            self._step_no,
+            len(chunks),
+            sum(c.num_new for c in chunks),
+            self._consecutive_faults,
+            self.config.max_fault_retries,
+            cause,
+            exc_info=exc,
+        )
+        self.health.set("poisoned")
         if self._consecutive_faults > self.config.max_fault_retries:
             self._give_up(f"device fault not recovered after {self.config.max_fault_retries} reloads: {cause}")
-            return
-        self._reload(cause)
+        else:
+            self._reload(cause)
 
     def _reload(self, cause: str) -> None:
-        """Rebuild the model and pool with the same config and replay every running sequence.
+        """Rebuild the runner (model + pool) with the same config and replay every running sequence.
 
         Reservations in admission survive unchanged; only the physical blocks are rebuilt. A block
-        count different from the first load's keeps the node poisoned rather than serve with another budget.
+        count different from the first load's keeps the node poisoned rather than serve another budget.
         """
-        self.admission.set_model_state("reloading")
-        start = time.perf_counter()
+        self.health.set("reloading")
         backoff = self.config.fault_backoff_secs * 2 ** (self._consecutive_faults - 1)
         while True:
             time.sleep(min(backoff, 30.0))
             try:
-                self._unload()
-                self._load()
+                self.runner = None  # drop the model and the pool, and give their device memory back
+                gc.collect()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self.runner = self._load_runner()
                 break
             except Exception as exc:  # a failed reload is one more consecutive fault
                 self.counters.device_faults += 1
                 self._consecutive_faults += 1
                 cause = f"{type(exc).__name__}: {exc}"
-                logger.error("engine: reload failed (consecutive=%d/%d): %s", self._consecutive_faults,
-                             self.config.max_fault_retries, cause, exc_info=exc)
+                logger.error(
+                    "engine: reload failed (consecutive=%d/%d): %s",
+                    self._consecutive_faults,
+                    self.config.max_fault_retries,
+                    cause,
+                    exc_info=exc,
+                )
                 if self._consecutive_faults > self.config.max_fault_retries:
                     self._give_up(f"model reload failed {self._consecutive_faults} times in a row: {cause}")
                     return
                 backoff *= 2
-        if self.budget.num_blocks != self.first_num_blocks:
-            logger.error("engine: reload gave %d KV blocks, first load gave %d; staying poisoned",
-                         self.budget.num_blocks, self.first_num_blocks)
-            self._give_up(f"KV budget changed across reload ({self.first_num_blocks} -> {self.budget.num_blocks} "
-                          f"blocks) after device fault: {cause}")
+        num_blocks = self.runner.budget.num_blocks
+        if num_blocks != self.first_num_blocks:
+            logger.error(
+                "engine: reload gave %d KV blocks, first load gave %d; staying poisoned",
+                num_blocks,
+                self.first_num_blocks,
+            )
+            self._give_up(
+                f"KV budget changed across reload ({self.first_num_blocks} -> {num_blocks} blocks) "
+                f"after device fault: {cause}"
+            )
             return
         for seq in self._running:  # replay: re-prefill prompt + tokens generated so far
             seq.num_computed = 0
-            seq.table = self._builder.new_table()
+            seq.table = self.runner.builder.new_table()
             self.admission.progress(seq.ticket, prompt_prefilled=0, blocks_allocated=0)
         self.counters.model_reloads += 1
-        self.last_reload_seconds = time.perf_counter() - start
-        self.admission.set_model_state("loaded")
-        logger.warning("engine: reloaded after device fault in %.2fs (%d KV blocks, as at first load); "
-                       "replaying %d sequences", self.last_reload_seconds, self.budget.num_blocks,
-                       len(self._running))
+        self.health.set("loaded")
+        logger.warning(
+            "engine: reloaded after device fault in %.2fs (%d KV blocks, as at first load); replaying %d sequences",
+            self.health.last_reload_seconds,
+            num_blocks,
+            len(self._running),
+        )
 
     def _give_up(self, cause: str) -> None:
         """Stay poisoned: fail running and queued requests with `DeviceFault`; refuse new ones."""
         logger.error("engine: model poisoned for good: %s", cause)
         error = DeviceFault(cause)
         with self._lock:
-            self.fault_cause = cause
-        self.admission.set_model_state("poisoned")
+            self.health.give_up(cause)
         for seq in list(self._running):
-            self._finish(seq, TokenEvent(finish_reason="error", error=error, num_prompt_tokens=seq.prompt_len,
-                                         num_output_tokens=seq.num_output))
+            self._finish(seq, _final(seq, "error", error))
         with self._lock:
             waiting = list(self._pending.values())  # queued, or granted and not yet running
         for handle in waiting:
@@ -515,9 +506,10 @@ class Engine:
             try:
                 worked = self.step()
             except Exception as exc:  # a bug outside the device work must not kill the loop
-                logger.exception("engine: step failed outside the model with %d running sequences",
-                                 len(self._running))
-                self._fail_running(exc)
+                logger.exception("engine: step failed outside the model with %d running sequences", len(self._running))
+                error = EngineError(f"engine error: {type(exc).__name__}: {exc}")
+                for seq in list(self._running):
+                    self._finish(seq, _final(seq, "error", error))
                 worked = True
             if worked:
                 continue
@@ -528,21 +520,20 @@ class Engine:
                     self._wakeup.wait(timeout)
                 self._woken = False
 
-    def _fail_running(self, exc: BaseException) -> None:
-        error = EngineError(f"engine error: {type(exc).__name__}: {exc}")
-        for seq in list(self._running):
-            self._finish(seq, TokenEvent(finish_reason="error", error=error, num_prompt_tokens=seq.prompt_len,
-                                         num_output_tokens=seq.num_output))
 
-    @staticmethod
-    def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-        limit = model_config.max_model_len
-        if config.max_model_len is None:
-            return limit
-        if config.max_model_len > limit:
-            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {limit}")
-        return config.max_model_len
+def _final(seq: Sequence, reason: str, error: BaseException | None = None) -> TokenEvent:
+    return TokenEvent(
+        finish_reason=reason, error=error, num_prompt_tokens=seq.prompt_len, num_output_tokens=seq.num_output
+    )
+
+
+def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_model_len
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's max_position_embeddings {limit}")
+    return config.max_model_len
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -1,16 +1,27 @@
-"""The model runner: turns a step's scheduled chunks into model inputs, runs the model, samples."""
+"""The model runner: the loaded model with its KV pool — built and dropped as one — and each step's forward.
+
+`ModelRunner.load` loads the weights, derives the KV budget and allocates the pool, so a reload after
+a device fault swaps the whole runner and nothing else.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from helexa.config import EngineConfig
 from helexa.engine.scheduler import ScheduledChunk
 from helexa.engine.sequence import Sequence
-from helexa.kvcache import AttentionMetadata, BatchBuilder, BlockPool
+from helexa.kvcache import AttentionMetadata, BatchBuilder, BlockPool, KVBudget, estimate_activation_bytes, kv_budget
+from helexa.model.config import ModelConfig
+from helexa.model.loader import load_model
 from helexa.model.sampling import Sampler, SampleResult
 from helexa.model.transformer import CausalLM
+
+logger = logging.getLogger("helexa.engine")
 
 
 @dataclass(frozen=True)
@@ -27,7 +38,7 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model, the pool's batch builder and the sampler; one `prepare` + `execute` per step.
+    """Owns the model, its KV pool and batch builder, and the sampler; one `prepare` + `execute` per step.
 
     `prepare` extends each scheduled sequence's block table (allocating from the pool, which
     admission has reserved for it, so it never runs out) and builds the step's tensors: token ids,
@@ -35,9 +46,17 @@ class ModelRunner:
     (the batch builder's). `execute` runs the forward and samples with one host transfer.
     """
 
-    def __init__(self, model: CausalLM, pool: BlockPool, builder: BatchBuilder, device: torch.device,
-                 sample_vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        budget: KVBudget,
+        pool: BlockPool,
+        builder: BatchBuilder,
+        device: torch.device,
+        sample_vocab_size: int | None = None,
+    ) -> None:
         self.model = model
+        self.budget = budget
         # Checkpoints often pad the embedding past the tokenizer's vocabulary; those ids can never be
         # detokenised, so sampling only ever sees the tokenizer's columns.
         self.sample_vocab_size = sample_vocab_size
@@ -47,7 +66,61 @@ class ModelRunner:
         self.sampler = Sampler()
         self._kv_caches = pool.kv_caches()
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+    @classmethod
+    def load(
+        cls,
+        config: EngineConfig,
+        model_dir: Path,
+        mc: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        tokenizer_vocab: int,
+    ) -> ModelRunner:
+        """Load the weights and allocate the KV pool the config gives.
+
+        The block count is a function of the config and the model's shapes only (never of a live
+        free-memory reading), so every load of the same config gives the same count.
+        """
+        model = load_model(model_dir, dtype=dtype, device=device, attention_backend=config.attention_backend)
+        max_num_seqs = config.admission.max_num_seqs
+        budget = kv_budget(
+            block_size=config.block_size,
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            dtype=dtype,
+            device=device,
+            weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+            activation_reserve_bytes=estimate_activation_bytes(
+                hidden_size=mc.hidden_size,
+                intermediate_size=mc.intermediate_size,
+                num_heads=mc.num_attention_heads,
+                num_kv_heads=mc.num_key_value_heads,
+                head_dim=mc.head_dim,
+                vocab_size=mc.vocab_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                dtype=dtype,
+            ),
+            num_blocks=config.num_blocks,
+            kv_cache_memory=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+        )
+        logger.info("%s", budget.describe())
+        pool = BlockPool(
+            budget.num_blocks,
+            config.block_size,
+            mc.num_hidden_layers,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            dtype,
+            device,
+        )
+        builder = BatchBuilder(pool, max_num_seqs, max_model_len)
+        return cls(model, budget, pool, builder, device, sample_vocab_size=min(tokenizer_vocab, mc.vocab_size))
+
+    def prepare(self, chunks: list[ScheduledChunk[Sequence]]) -> StepInputs:
         """Allocate the chunks' blocks and build the flattened varlen batch for them."""
         ids: list[int] = []
         positions: list[int] = []
@@ -56,7 +129,6 @@ class ModelRunner:
         num_decode = num_prefill = 0
         for chunk in chunks:
             seq = chunk.seq
-            assert isinstance(seq, Sequence)
             start = seq.num_computed
             ids.extend(seq.token_ids[start : start + chunk.num_new])
             positions.extend(range(start, start + chunk.num_new))
@@ -81,8 +153,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs, generators: list[torch.Generator | None]
-                ) -> tuple[SampleResult | None, dict[int, Exception]]:
+    def execute(
+        self, inputs: StepInputs, generators: list[torch.Generator | None]
+    ) -> tuple[SampleResult | None, dict[int, Exception]]:
         """Run the forward over the batch and sample one token for each sampling row.
 
         Returns the samples (None when no row samples) and the rows whose sampling failed because
@@ -117,8 +190,9 @@ class ModelRunner:
                 merged.top_logprobs[row] = partial.top_logprobs[i]
             return merged, failures
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator | None]
-                ) -> SampleResult:
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator | None]
+    ) -> SampleResult:
         need_history = any(s.params.uses_penalties for s in seqs)
         return self.sampler.sample(
             logits,

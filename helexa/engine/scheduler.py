@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Generic, Protocol, TypeVar
 
 
 class Schedulable(Protocol):
@@ -16,17 +17,20 @@ class Schedulable(Protocol):
     def num_computed(self) -> int: ...  # tokens whose K/V are in the cache
 
 
+S = TypeVar("S", bound=Schedulable)
+
+
 @dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(Generic[S]):
     """`num_new` tokens of `seq` (from position `seq.num_computed`) run this step; `samples` says
     whether the step ends at the sequence's last known token and so samples its next one."""
 
-    seq: Schedulable
+    seq: S
     num_new: int
     samples: bool
 
 
-def schedule(running: Sequence[Schedulable], max_num_batched_tokens: int) -> list[ScheduledChunk]:
+def schedule(running: Sequence[S], max_num_batched_tokens: int) -> list[ScheduledChunk[S]]:
     """Pick this step's work under `max_num_batched_tokens`.
 
     Guarantees: every sequence that only needs its next token (a decode) is scheduled before any
@@ -36,8 +40,8 @@ def schedule(running: Sequence[Schedulable], max_num_batched_tokens: int) -> lis
     appears at most once; sequences with nothing to compute are skipped.
     """
     budget = max_num_batched_tokens
-    chunks: list[ScheduledChunk] = []
-    prefills: list[Schedulable] = []
+    chunks: list[ScheduledChunk[S]] = []
+    prefills: list[S] = []
     for seq in running:
         pending = seq.num_tokens - seq.num_computed
         if pending == 1 and budget > 0:

@@ -1,27 +1,36 @@
-"""A running request as the engine sees it: its tokens, cache position, blocks and output plumbing."""
+"""A request as the engine carries it through admission (`Request`), and once it runs (`Sequence`)."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from helexa.admission import Ticket
 from helexa.engine.stream import RequestStream
 from helexa.kvcache import BlockTable
-from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.sampling import SamplingParams
+from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.text.stopping import StopChecker
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a submitted request carries through admission (a ticket's `payload`) until it runs."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    stream: RequestStream
 
 
 @dataclass(eq=False)
 class Sequence:
     """One request being generated.
 
-    `token_ids` is prompt + output so far; `num_computed` counts the leading tokens whose K/V are
-    in the cache (the next step computes from there). `params.max_tokens` is the effective limit
-    the admission reservation was sized for.
+    `token_ids` is prompt + output so far; `num_computed` counts the leading tokens whose K/V are in
+    the cache (the next step computes from there). It stops at `ticket.max_tokens`, the output limit
+    admission sized its reservation for.
     """
 
     request_id: str
@@ -32,12 +41,9 @@ class Sequence:
     stream: RequestStream
     detokenizer: IncrementalDetokenizer
     stop_checker: StopChecker
+    table: BlockTable
     generator: torch.Generator | None = None
-    table: BlockTable | None = None
     num_computed: int = 0
-    arrival: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    finished_at: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +54,11 @@ class Sequence:
     def num_output(self) -> int:
         """Tokens generated so far."""
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def max_tokens(self) -> int:
+        """The output limit admission decided."""
+        return self.ticket.max_tokens
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
 
 
 @dataclass(frozen=True)

@@ -28,37 +28,26 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from helexa.engine.stream import TokenEvent
+from helexa.engine import Engine, TokenEvent
 from helexa.server.errors import APIError, error_response
+from helexa.server.formats import FORMATS, ApiFormat, LogprobFormatter
 from helexa.server.generation import Choice, GenerationRun, event_error
 from helexa.server.metrics import CONTENT_TYPE, ServerMetrics
 from helexa.server.middleware import AuthMiddleware, BodyLimitMiddleware, RequestContextMiddleware, request_id_of
-from helexa.server.protocol import GenerationRequest, decode_json, parse_chat, parse_completion, parse_response
+from helexa.server.protocol import GenerationRequest, decode_json
 from helexa.server.settings import ServerSettings
-from helexa.server.shaping import (
-    LogprobFormatter,
-    ResponseEvents,
-    Usage,
-    chat_chunk,
-    chat_completion,
-    completion,
-    completion_chunk,
-    response_object,
-)
-from helexa.server.sse import DONE, EventStreamResponse, sse, until_disconnected
+from helexa.server.sse import EventStreamResponse, sse, until_disconnected
 
-__all__ = ["GENERATION_PATHS", "ServerState", "create_app"]
+__all__ = ["ServerState", "create_app"]
 
 logger = logging.getLogger("helexa.server")
-
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 @dataclass
 class ServerState:
     """What every route reads: the engine, the settings, the metrics, and whether the server is draining."""
 
-    engine: Any
+    engine: Engine
     settings: ServerSettings
     metrics: ServerMetrics
     logprobs: LogprobFormatter
@@ -80,16 +69,18 @@ def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[list[int]]:
         try:
             return [tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tools=req.tools)]
         except ValueError as exc:  # ChatTemplateError is a ValueError
-            raise APIError("invalid_request", f"chat template: {exc}",
-                           param="input" if req.kind == "response" else "messages") from None
+            raise APIError(
+                "invalid_request", f"chat template: {exc}", param="input" if req.kind == "response" else "messages"
+            ) from None
     ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
     if any(not p for p in ids):
         raise APIError("invalid_request", "the prompt is empty after tokenisation", param="prompt")
     return ids
 
 
-async def _start(request: Request, parse: Callable[[dict[str, Any]], GenerationRequest], prefix: str
-                 ) -> tuple[ServerState, GenerationRequest, GenerationRun]:
+async def _start(
+    request: Request, parse: Callable[[dict[str, Any]], GenerationRequest], prefix: str
+) -> tuple[ServerState, GenerationRequest, GenerationRun]:
     """Parse, tokenise and submit; raises `APIError` for every answer but a granted or queued run."""
     state = _state(request)
     if state.draining:
@@ -126,8 +117,11 @@ async def _collect(request: Request, run: GenerationRun) -> bool:
     finished = await _race_disconnect(request, asyncio.ensure_future(drain()))
     if not finished:
         run.abort()
-        logger.info("request %s: client disconnected before completion; aborted %d choices",
-                    request_id_of(request.scope), len(run.handles))
+        logger.info(
+            "request %s: client disconnected before completion; aborted %d choices",
+            request_id_of(request.scope),
+            len(run.handles),
+        )
     return finished
 
 
@@ -145,8 +139,9 @@ def _observe(state: ServerState, run: GenerationRun) -> None:
         state.metrics.observe_ttft(run.first_token_at - run.started)
 
 
-async def _stream_start(request: Request, run: GenerationRun
-                        ) -> tuple[tuple[Choice, TokenEvent], AsyncGenerator[tuple[Choice, TokenEvent], None]] | None:
+async def _stream_start(
+    request: Request, run: GenerationRun
+) -> tuple[tuple[Choice, TokenEvent], AsyncGenerator[tuple[Choice, TokenEvent], None]] | None:
     """Wait for the run's first event (so admission errors become real HTTP errors); None if the client left."""
     events = run.events()
     first = asyncio.ensure_future(events.__anext__())
@@ -162,195 +157,63 @@ async def _stream_start(request: Request, run: GenerationRun
     return item, events
 
 
-async def _chain(first: tuple[Choice, TokenEvent], rest: AsyncIterator[tuple[Choice, TokenEvent]]
-                 ) -> AsyncIterator[tuple[Choice, TokenEvent]]:
+async def _chain(
+    first: tuple[Choice, TokenEvent], rest: AsyncIterator[tuple[Choice, TokenEvent]]
+) -> AsyncIterator[tuple[Choice, TokenEvent]]:
     yield first
     async for item in rest:
         yield item
 
 
-def _stream_error(error: APIError, request: Request) -> bytes:
-    logger.warning("request %s: stream ended with %s: %s", request_id_of(request.scope), error.code, error.message)
-    return sse(error.body())
+# --------------------------------------------------------------------------- the generation route
 
 
-# --------------------------------------------------------------------------- chat completions
-
-
-async def chat_completions(request: Request) -> Response:
-    """`POST /v1/chat/completions`."""
-    state, req, run = await _start(request, parse_chat, "chatcmpl-")
-    model, created = state.engine.model_name, int(time.time())
+async def generate(request: Request) -> Response:
+    """`POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`: one route, shaped by the path's format."""
+    fmt_type = FORMATS[request.url.path]
+    state, req, run = await _start(request, fmt_type.parse, fmt_type.id_prefix)
+    fmt = fmt_type(req, run, state.engine.model_name, state.logprobs)
     if req.stream:
         started = await _stream_start(request, run)
         if started is None:
             return Response(status_code=499)
-        return EventStreamResponse(_chat_stream(state, req, run, created, *started, request), run.abort)
+        return EventStreamResponse(_stream(state, fmt, *started, request), run.abort)
     try:
         if not await _collect(request, run):
             return Response(status_code=499)
         _raise_choice_error(run)
-        choices = [{"index": c.index, "text": c.output_text, "finish_reason": c.finish_reason,
-                    "logprobs": state.logprobs.chat(c.logprobs) if req.logprobs is not None else None}
-                   for c in run.choices]
-        usage = Usage(run.prompt_tokens, run.completion_tokens)
-        return JSONResponse(chat_completion(run.request_id, created, model, choices, usage))
+        return JSONResponse(fmt.body())
     finally:
         _observe(state, run)
 
 
-async def _chat_stream(state: ServerState, req: GenerationRequest, run: GenerationRun, created: int,
-                       first: tuple[Choice, TokenEvent], events: AsyncGenerator, request: Request
-                       ) -> AsyncGenerator[bytes, None]:
-    model, rid, usage_on = state.engine.model_name, run.request_id, req.include_usage
+async def _stream(
+    state: ServerState,
+    fmt: ApiFormat,
+    first: tuple[Choice, TokenEvent],
+    events: AsyncGenerator[tuple[Choice, TokenEvent], None],
+    request: Request,
+) -> AsyncGenerator[bytes, None]:
+    failed = False
     try:
-        for choice in run.choices:
-            yield sse(chat_chunk(rid, created, model, choice.index, delta={"role": "assistant", "content": ""},
-                                 include_usage=usage_on))
+        for chunk in fmt.start():
+            yield chunk
         async for choice, event in _chain(first, events):
             error = event_error(event)
             if error is not None:
-                yield _stream_error(error, request)
+                logger.warning(
+                    "request %s: stream ended with %s: %s", request_id_of(request.scope), error.code, error.message
+                )
+                yield sse(error.body())
+                failed = True
                 break
-            logprobs = state.logprobs.chat(event.logprobs) if req.logprobs is not None else None
-            if not event.text and not event.finished and not event.logprobs:
-                continue
-            yield sse(chat_chunk(rid, created, model, choice.index, delta={"content": event.text} if event.text else {},
-                                 logprobs=logprobs, finish_reason=event.finish_reason, include_usage=usage_on))
-        else:
-            if usage_on:
-                yield sse(chat_chunk(rid, created, model, None, usage=Usage(run.prompt_tokens, run.completion_tokens)))
-        yield DONE
+            for chunk in fmt.event(choice, event):
+                yield chunk
+        for chunk in fmt.end(failed):
+            yield chunk
     finally:
         await events.aclose()
-        _observe(state, run)
-
-
-# --------------------------------------------------------------------------- completions
-
-
-def _echo_text(state: ServerState, run: GenerationRun, req: GenerationRequest, choice: Choice) -> str:
-    if not req.echo:
-        return ""
-    prompt = req.prompts[choice.index // req.n]
-    return prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(prompt)
-
-
-async def completions(request: Request) -> Response:
-    """`POST /v1/completions`."""
-    state, req, run = await _start(request, parse_completion, "cmpl-")
-    model, created = state.engine.model_name, int(time.time())
-    if req.stream:
-        started = await _stream_start(request, run)
-        if started is None:
-            return Response(status_code=499)
-        return EventStreamResponse(_completion_stream(state, req, run, created, *started, request), run.abort)
-    try:
-        if not await _collect(request, run):
-            return Response(status_code=499)
-        _raise_choice_error(run)
-        choices = []
-        for c in run.choices:
-            echo = _echo_text(state, run, req, c)
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = state.logprobs.completion(c.logprobs, len(echo), want_top=req.logprobs > 0)
-            choices.append({"index": c.index, "text": echo + c.output_text, "finish_reason": c.finish_reason,
-                            "logprobs": logprobs})
-        usage = Usage(run.prompt_tokens, run.completion_tokens)
-        return JSONResponse(completion(run.request_id, created, model, choices, usage))
-    finally:
-        _observe(state, run)
-
-
-async def _completion_stream(state: ServerState, req: GenerationRequest, run: GenerationRun, created: int,
-                             first: tuple[Choice, TokenEvent], events: AsyncGenerator, request: Request
-                             ) -> AsyncGenerator[bytes, None]:
-    model, rid, usage_on = state.engine.model_name, run.request_id, req.include_usage
-    offsets = {c.index: 0 for c in run.choices}  # text offset of each choice's next token
-    try:
-        for choice in run.choices:
-            echo = _echo_text(state, run, req, choice)
-            if echo:
-                offsets[choice.index] = len(echo)
-                yield sse(completion_chunk(rid, created, model, choice.index, text=echo, include_usage=usage_on))
-        async for choice, event in _chain(first, events):
-            error = event_error(event)
-            if error is not None:
-                yield _stream_error(error, request)
-                break
-            if not event.text and not event.finished and not event.logprobs:
-                continue
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = state.logprobs.completion(event.logprobs, offsets[choice.index], want_top=req.logprobs > 0)
-            offsets[choice.index] += len(event.text)
-            yield sse(completion_chunk(rid, created, model, choice.index, text=event.text, logprobs=logprobs,
-                                       finish_reason=event.finish_reason, include_usage=usage_on))
-        else:
-            if usage_on:
-                yield sse(completion_chunk(rid, created, model, None,
-                                           usage=Usage(run.prompt_tokens, run.completion_tokens)))
-        yield DONE
-    finally:
-        await events.aclose()
-        _observe(state, run)
-
-
-# --------------------------------------------------------------------------- responses
-
-
-def _response(state: ServerState, req: GenerationRequest, run: GenerationRun, created: int, message_id: str,
-              text: str | None, status: str, usage: Usage | None) -> dict[str, Any]:
-    return response_object(
-        run.request_id, created, state.engine.model_name, message_id=message_id, text=text, status=status,
-        usage=usage, instructions=req.instructions, max_output_tokens=req.max_tokens,
-        temperature=req.sampling.get("temperature"), top_p=req.sampling.get("top_p"),
-    )
-
-
-async def responses(request: Request) -> Response:
-    """`POST /v1/responses`."""
-    state, req, run = await _start(request, parse_response, "resp_")
-    created, message_id = int(time.time()), f"msg_{uuid.uuid4().hex}"
-    if req.stream:
-        started = await _stream_start(request, run)
-        if started is None:
-            return Response(status_code=499)
-        return EventStreamResponse(_response_stream(state, req, run, created, message_id, *started, request), run.abort)
-    try:
-        if not await _collect(request, run):
-            return Response(status_code=499)
-        _raise_choice_error(run)
-        (choice,) = run.choices
-        status = "incomplete" if choice.finish_reason == "length" else "completed"
-        usage = Usage(run.prompt_tokens, run.completion_tokens)
-        return JSONResponse(_response(state, req, run, created, message_id, choice.output_text, status, usage))
-    finally:
-        _observe(state, run)
-
-
-async def _response_stream(state: ServerState, req: GenerationRequest, run: GenerationRun, created: int,
-                           message_id: str, first: tuple[Choice, TokenEvent], events: AsyncGenerator,
-                           request: Request) -> AsyncGenerator[bytes, None]:
-    stream = ResponseEvents(message_id)
-    try:
-        yield stream.start(_response(state, req, run, created, message_id, None, "in_progress", None))
-        async for choice, event in _chain(first, events):
-            error = event_error(event)
-            if error is not None:
-                yield _stream_error(error, request)
-                return
-            if event.text:
-                yield stream.delta(event.text)
-            if event.finished:
-                status = "incomplete" if event.finish_reason == "length" else "completed"
-                usage = Usage(run.prompt_tokens, run.completion_tokens)
-                final = _response(state, req, run, created, message_id, choice.output_text, status, usage)
-                yield stream.finish(choice.output_text, final)
-    finally:
-        await events.aclose()
-        _observe(state, run)
+        _observe(state, fmt.run)
 
 
 # --------------------------------------------------------------------------- the other routes
@@ -360,14 +223,24 @@ async def models(request: Request) -> Response:
     """`GET /v1/models`: the one model this server serves."""
     state = _state(request)
     engine = state.engine
-    return JSONResponse({"object": "list", "data": [{
-        "id": engine.model_name, "object": "model", "created": state.created, "owned_by": "helexa",
-        "max_model_len": engine.max_model_len,
-    }]})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": engine.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "helexa",
+                    "max_model_len": engine.max_model_len,
+                }
+            ],
+        }
+    )
 
 
 async def admission(request: Request) -> Response:
-    """`GET /v1/admission`: the engine's admission snapshot (SPEC.md's fields and more)."""
+    """`GET /v1/admission`: the engine's admission snapshot: pool, gates, queue, rejections, rates, model state."""
     return JSONResponse(_state(request).engine.snapshot())
 
 
@@ -377,14 +250,14 @@ async def health(request: Request) -> Response:
     A node poisoned by repeated device faults also says why (`fault_cause`, the last fault's error text).
     """
     state = _state(request)
-    model_state = state.engine.snapshot()["model_state"]
+    health = state.engine.health
+    model_state = health.state
     if state.draining:
         return JSONResponse({"status": "shutting_down", "model_state": model_state}, status_code=503)
     if model_state != "loaded":
         body = {"status": model_state, "model_state": model_state}
-        fault_cause = getattr(state.engine, "fault_cause", None)
-        if fault_cause is not None:  # poisoned for good: say why
-            body["fault_cause"] = fault_cause
+        if health.fault_cause is not None:  # poisoned for good: say why
+            body["fault_cause"] = health.fault_cause
         return JSONResponse(body, status_code=503)
     return JSONResponse({"status": "ok", "model_state": model_state, "model": state.engine.model_name})
 
@@ -412,30 +285,30 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(error, dict(exc.headers or {}))
 
 
-def create_app(engine: Any, settings: ServerSettings | None = None) -> Starlette:
+def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starlette:
     """The OpenAI-compatible app over a started `engine`; `app.state.helexa` is its `ServerState`.
 
     Middleware: request ids and the last-resort 500 handler, Bearer auth on `/v1/*` when
     `settings.api_key` is set, the request-body limit.
     """
     settings = settings or ServerSettings()
-    state = ServerState(engine=engine, settings=settings, metrics=ServerMetrics(engine),
-                        logprobs=LogprobFormatter(engine.tokenizer))
+    state = ServerState(
+        engine=engine, settings=settings, metrics=ServerMetrics(engine), logprobs=LogprobFormatter(engine.tokenizer)
+    )
     routes = [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/responses", responses, methods=["POST"]),
+        *(Route(path, generate, methods=["POST"]) for path in FORMATS),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/admission", admission, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
     middleware = [
-        Middleware(RequestContextMiddleware, metrics=state.metrics, generation_paths=GENERATION_PATHS),
+        Middleware(RequestContextMiddleware, metrics=state.metrics, generation_paths=frozenset(FORMATS)),
         Middleware(AuthMiddleware, api_key=settings.api_key),
         Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes),
     ]
-    app = Starlette(routes=routes, middleware=middleware,
-                    exception_handlers={APIError: _api_error, HTTPException: _http_error})
+    app = Starlette(
+        routes=routes, middleware=middleware, exception_handlers={APIError: _api_error, HTTPException: _http_error}
+    )
     app.state.helexa = state
     return app

@@ -1,8 +1,7 @@
 """OpenAI-shaped errors: one exception type the routes raise, and the JSON response it becomes.
 
-Every error the server sends is `{"error": {"message", "type", "code", "param"}}` with the status
-and `code` SPEC.md's error table assigns. Admission's own rejections (`AdmissionRejected`) already
-carry their status, code and Retry-After; `from_admission` only reshapes them.
+Every error the server sends is `{"error": {"message", "type", "code", "param"}}`. The status, code
+and type of each case are decided here, admission's rejections included (`from_admission`).
 """
 
 from __future__ import annotations
@@ -13,7 +12,15 @@ from starlette.responses import JSONResponse
 
 from helexa.admission import AdmissionRejected
 
-__all__ = ["APIError", "error_body", "error_response", "from_admission"]
+__all__ = ["ADMISSION_ERRORS", "APIError", "error_body", "error_response", "from_admission"]
+
+# Admission's rejection reason -> (HTTP status, OpenAI error code, OpenAI error type).
+ADMISSION_ERRORS: dict[str, tuple[int, str, str]] = {
+    "kv_unservable": (400, "context_length_exceeded", "invalid_request_error"),  # permanent: no Retry-After
+    "queue_full": (429, "queue_full", "rate_limit_error"),
+    "kv_timeout": (503, "kv_timeout", "service_unavailable_error"),
+    "model_reloading": (503, "model_reloading", "service_unavailable_error"),
+}
 
 # code -> (HTTP status, OpenAI error type) for the errors the server itself decides.
 _SERVER_ERRORS: dict[str, tuple[int, str]] = {
@@ -77,14 +84,9 @@ def error_body(message: str, error_type: str, code: str, param: str | None = Non
 
 
 def from_admission(rejection: AdmissionRejected) -> APIError:
-    """The `APIError` for an admission rejection: its status, code, type, message and Retry-After."""
-    return APIError(
-        rejection.code,
-        rejection.message,
-        status=rejection.status,
-        error_type=rejection.error_type,
-        retry_after=rejection.retry_after,
-    )
+    """The `APIError` for an admission rejection: its reason's status, code and type; its message and Retry-After."""
+    status, code, error_type = ADMISSION_ERRORS[rejection.reason]
+    return APIError(code, rejection.message, status=status, error_type=error_type, retry_after=rejection.retry_after)
 
 
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -13,13 +13,10 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from helexa.admission import AdmissionRejected
-from helexa.engine.engine import DeviceFault, EngineClosed, EngineError, RequestFailed, RequestHandle
-from helexa.engine.stream import TokenEvent, TokenLogprob
+from helexa.engine import Engine, EngineClosed, EngineError, RequestFailed, RequestHandle, TokenEvent, TokenLogprob
 from helexa.model.sampling import SamplingParams
-
 from helexa.server.errors import APIError, from_admission
 from helexa.server.protocol import GenerationRequest
 
@@ -70,7 +67,7 @@ def event_error(event: TokenEvent) -> APIError | None:
         return from_admission(error)
     if isinstance(error, RequestFailed):
         return APIError("invalid_request", str(error))
-    if isinstance(error, (DeviceFault, EngineError)):
+    if isinstance(error, EngineError):
         return APIError("device_fault", str(error))
     return APIError("internal_error", f"generation failed: {type(error).__name__}")
 
@@ -83,7 +80,9 @@ class GenerationRun:
     choice), `admission_waits` (seconds each choice waited for its reservation).
     """
 
-    def __init__(self, engine: Any, request_id: str, prompt_ids: list[list[int]], request: GenerationRequest) -> None:
+    def __init__(
+        self, engine: Engine, request_id: str, prompt_ids: list[list[int]], request: GenerationRequest
+    ) -> None:
         self.engine = engine
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -96,13 +95,15 @@ class GenerationRun:
         self._done: set[int] = set()  # choices whose final event arrived
         self._seen: set[int] = set()  # choices that produced any event
 
-    def sampling_params(self, prompt_len: int, choice: int) -> SamplingParams:
-        """The `SamplingParams` of choice `choice` (its seed is the request's + choice number)."""
+    def sampling_params(self, choice: int) -> SamplingParams:
+        """The `SamplingParams` of choice `choice` (its seed is the request's + choice number).
+
+        `max_tokens` is the client's, or None: admission then reserves the node's default.
+        """
         req = self.request
-        max_tokens = req.max_tokens if req.max_tokens is not None else self.engine.default_max_tokens(prompt_len)
         seed = None if req.seed is None else req.seed + choice % req.n
         try:
-            return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=req.logprobs, **req.sampling)
+            return SamplingParams(max_tokens=req.max_tokens, seed=seed, logprobs=req.logprobs, **req.sampling)
         except ValueError as exc:
             raise APIError("invalid_request", str(exc), param=str(exc).split(" ", 1)[0]) from None
 
@@ -118,7 +119,7 @@ class GenerationRun:
             for p, ids in enumerate(self.prompt_ids):
                 for i in range(n):
                     k = p * n + i
-                    params = self.sampling_params(len(ids), k)
+                    params = self.sampling_params(k)
                     handle = self.engine.submit(ids, params, request_id=f"{self.request_id}-{k}")
                     self.handles.append(handle)
                     self.choices.append(Choice(index=k, prompt_tokens=handle.prompt_tokens))

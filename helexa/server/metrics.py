@@ -3,26 +3,24 @@
 Gauges and the engine's counters are read at scrape time from `engine.snapshot()` and
 `engine.counters` by a custom collector, so they can never drift from admission's own numbers;
 the server itself counts requests by HTTP status and observes the three latency histograms.
-Every metric name is SPEC.md's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from helexa.admission import MODEL_STATES, REJECTION_REASONS
+from helexa.admission import REJECTION_REASONS
+from helexa.engine import MODEL_STATES, Engine
 
 __all__ = ["CONTENT_TYPE", "METRIC_NAMES", "ServerMetrics"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-# Every metric SPEC.md names (families: counters without their `_total` sample suffix in the text format's
-# family name, with it here as SPEC.md spells them).
+# Every metric the server exports (counters with their `_total` sample suffix).
 METRIC_NAMES = (
     "helexa_kv_blocks_total", "helexa_kv_blocks_free", "helexa_kv_blocks_reserved", "helexa_kv_blocks_available",
     "helexa_kv_blocks_cached", "helexa_requests_in_flight", "helexa_queue_depth", "helexa_model_state",
@@ -47,7 +45,7 @@ _SNAPSHOT_GAUGES = (
     ("queue_depth", "helexa_queue_depth", "Requests waiting for admission."),
 )
 
-# engine counter attribute -> (counter name, help); attributes an engine does not have yet read as 0.
+# engine counter attribute -> (counter name, help).
 _ENGINE_COUNTERS = (
     ("prompt_tokens", "helexa_prompt_tokens", "Prompt tokens prefilled."),
     ("generation_tokens", "helexa_generation_tokens", "Tokens generated."),
@@ -60,7 +58,7 @@ _ENGINE_COUNTERS = (
 class _EngineCollector(Collector):
     """Reads the engine's snapshot and counters at each scrape."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -68,20 +66,24 @@ class _EngineCollector(Collector):
         for key, name, doc in _SNAPSHOT_GAUGES:
             yield GaugeMetricFamily(name, doc, value=snap[key])
         total = snap["blocks_total"]
-        yield GaugeMetricFamily("helexa_kv_cache_usage_ratio", "Reserved KV blocks / total (0-1).",
-                                value=snap["blocks_reserved"] / total if total else 0.0)
+        yield GaugeMetricFamily(
+            "helexa_kv_cache_usage_ratio",
+            "Reserved KV blocks / total (0-1).",
+            value=snap["blocks_reserved"] / total if total else 0.0,
+        )
         state = GaugeMetricFamily("helexa_model_state", "1 for the model's current state.", labels=["state"])
         for name in MODEL_STATES:
             state.add_metric([name], 1.0 if snap["model_state"] == name else 0.0)
         yield state
-        rejected = CounterMetricFamily("helexa_admission_rejected", "Requests admission rejected, by reason.",
-                                       labels=["reason"])
+        rejected = CounterMetricFamily(
+            "helexa_admission_rejected", "Requests admission rejected, by reason.", labels=["reason"]
+        )
         for reason in REJECTION_REASONS:
             rejected.add_metric([reason], snap["rejected"].get(reason, 0))
         yield rejected
-        counters = getattr(self._engine, "counters", None)
+        counters = self._engine.counters
         for attr, name, doc in _ENGINE_COUNTERS:
-            yield CounterMetricFamily(name, doc, value=getattr(counters, attr, 0))
+            yield CounterMetricFamily(name, doc, value=getattr(counters, attr))
 
 
 class ServerMetrics:
@@ -91,17 +93,30 @@ class ServerMetrics:
     `observe_admission_wait`, `observe_ttft`, `observe_duration` in seconds; `render()` the text format.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
-        self._requests = Counter("helexa_requests", "Generation requests, by HTTP status.", ["status"],
-                                 registry=self.registry)
-        self._admission_wait = Histogram("helexa_admission_wait_seconds", "Seconds from submit to KV reservation.",
-                                         buckets=_WAIT_BUCKETS, registry=self.registry)
-        self._ttft = Histogram("helexa_time_to_first_token_seconds", "Seconds from request to first token.",
-                               buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self._duration = Histogram("helexa_request_duration_seconds", "Seconds from request to its last byte.",
-                                   buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self._requests = Counter(
+            "helexa_requests", "Generation requests, by HTTP status.", ["status"], registry=self.registry
+        )
+        self._admission_wait = Histogram(
+            "helexa_admission_wait_seconds",
+            "Seconds from submit to KV reservation.",
+            buckets=_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self._ttft = Histogram(
+            "helexa_time_to_first_token_seconds",
+            "Seconds from request to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._duration = Histogram(
+            "helexa_request_duration_seconds",
+            "Seconds from request to its last byte.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
 
     def count_request(self, status: int) -> None:
         """One generation request answered with HTTP `status`."""

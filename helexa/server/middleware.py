@@ -20,17 +20,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from helexa.server.errors import APIError
 
-__all__ = [
-    "DEFAULT_MAX_BODY_BYTES",
-    "AuthMiddleware",
-    "BodyLimitMiddleware",
-    "RequestContextMiddleware",
-    "send_error",
-]
+__all__ = ["AuthMiddleware", "BodyLimitMiddleware", "RequestContextMiddleware", "send_error"]
 
 logger = logging.getLogger("helexa.server")
 
-DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: a 128k-token prompt as JSON-escaped text, with room to spare
 _DRAIN_LIMIT_BYTES = 64 << 20  # an oversized body is read and dropped up to this much, so the client sees the 413
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -38,8 +31,12 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 async def send_error(send: Send, error: APIError, extra_headers: dict[str, str] | None = None) -> None:
     """Send `error` as a complete OpenAI-shaped JSON response on a raw ASGI `send`."""
     body = json.dumps(error.body()).encode()
-    headers = {"content-type": "application/json", "content-length": str(len(body)), **error.headers(),
-               **(extra_headers or {})}
+    headers = {
+        "content-type": "application/json",
+        "content-length": str(len(body)),
+        **error.headers(),
+        **(extra_headers or {}),
+    }
     raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     await send({"type": "http.response.start", "status": error.status, "headers": raw})
     await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -123,7 +120,7 @@ class BodyLimitMiddleware:
     After the body, `receive` passes through, so the app still sees `http.disconnect`.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.app = app
@@ -154,8 +151,10 @@ class BodyLimitMiddleware:
                 chunks.append(chunk)
         if too_large:
             shown = int(declared) if declared is not None and declared.isdigit() else size
-            error = APIError("request_too_large", f"request body of {shown} bytes exceeds the limit of "
-                             f"{self.max_bytes} bytes (--max-body-size)")
+            error = APIError(
+                "request_too_large",
+                f"request body of {shown} bytes exceeds the limit of {self.max_bytes} bytes (--max-body-size)",
+            )
             await send_error(send, error, {"connection": "close"})
             return
         body = b"".join(chunks)

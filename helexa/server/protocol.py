@@ -14,9 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from helexa.model.text.chat_template import validate_messages
 from helexa.model.sampling import MAX_LOGPROBS
-
+from helexa.model.text.chat_template import validate_messages
 from helexa.server.errors import APIError
 
 __all__ = [
@@ -97,8 +96,11 @@ def _check_structure(body: dict[str, Any]) -> None:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:
-                raise APIError("invalid_request", "request body has a string with a lone UTF-16 surrogate "
-                               f"(not valid Unicode): {json.dumps(item)[:80]}") from None
+                raise APIError(
+                    "invalid_request",
+                    "request body has a string with a lone UTF-16 surrogate "
+                    f"(not valid Unicode): {json.dumps(item)[:80]}",
+                ) from None
             continue
         if isinstance(item, dict):
             children = [*item.keys(), *item.values()]
@@ -337,16 +339,24 @@ def _response_input(value: Any) -> list[dict[str, Any]]:
         where = f"input[{i}]"
         if not isinstance(item, dict) or item.get("type", "message") != "message":
             raise APIError(
-                "invalid_request", f"{where} must be a message item ({{'role', 'content'}}); "
-                "other item types are not supported", param=where)
+                "invalid_request",
+                f"{where} must be a message item ({{'role', 'content'}}); other item types are not supported",
+                param=where,
+            )
         content = item.get("content")
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") not in _INPUT_PART_TYPES or not isinstance(
-                        part.get("text"), str):
-                    raise APIError("invalid_request", f"{where}.content[{j}] must be a text part "
-                                   f"({{'type': 'input_text', 'text': ...}})", param=f"{where}.content")
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") not in _INPUT_PART_TYPES
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise APIError(
+                        "invalid_request",
+                        f"{where}.content[{j}] must be a text part ({{'type': 'input_text', 'text': ...}})",
+                        param=f"{where}.content",
+                    )
                 texts.append(part["text"])
             content = "".join(texts)
         messages.append({"role": item.get("role"), "content": content})
@@ -359,15 +369,20 @@ def parse_response(body: dict[str, Any]) -> GenerationRequest:
     if body.get("input") is None:
         raise APIError("invalid_request", "'input' is required", param="input")
     if body.get("previous_response_id") is not None:
-        raise APIError("invalid_request", "'previous_response_id' is not supported: responses are not stored; "
-                       "send the whole conversation as 'input'", param="previous_response_id")
+        raise APIError(
+            "invalid_request",
+            "'previous_response_id' is not supported: responses are not stored; send the whole conversation as 'input'",
+            param="previous_response_id",
+        )
     messages = _response_input(body["input"])
     instructions = _str(body, "instructions")
     if instructions:
         messages = [{"role": "system", "content": instructions}, *messages]
     sampling: dict[str, Any] = {}
-    for name, value in (("temperature", _number(body, "temperature", 0.0, 2.0)),
-                        ("top_p", _number(body, "top_p", 0.0, 1.0, lo_open=True))):
+    for name, value in (
+        ("temperature", _number(body, "temperature", 0.0, 2.0)),
+        ("top_p", _number(body, "top_p", 0.0, 1.0, lo_open=True)),
+    ):
         if value is not None:
             sampling[name] = value
     return GenerationRequest(

@@ -13,11 +13,11 @@ import logging
 import signal
 import socket
 from types import FrameType
-from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
 
+from helexa.engine import Engine
 from helexa.server.settings import ServerSettings
 
 __all__ = ["HelexaServer", "startup_line"]
@@ -31,7 +31,7 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
-def startup_line(engine: Any, host: str, port: int) -> str:
+def startup_line(engine: Engine, host: str, port: int) -> str:
     """The one line printed when the server listens: address, model, device, dtype, KV budget in blocks and tokens."""
     budget = engine.budget
     shown_host = f"[{host}]" if ":" in host else host
@@ -51,10 +51,15 @@ class HelexaServer(uvicorn.Server):
     with port 0): None until start-up has finished (uvicorn's `started` turns True a moment earlier).
     """
 
-    def __init__(self, app: Starlette, engine: Any, settings: ServerSettings) -> None:
+    def __init__(self, app: Starlette, engine: Engine, settings: ServerSettings) -> None:
         config = uvicorn.Config(
-            app, host=settings.host, port=settings.port, log_config=None, log_level=settings.log_level,
-            lifespan="off", timeout_graceful_shutdown=int(_AFTER_DRAIN_SECS),
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_config=None,
+            log_level=settings.log_level,
+            lifespan="off",
+            timeout_graceful_shutdown=int(_AFTER_DRAIN_SECS),
         )
         super().__init__(config)
         self.app = app
@@ -74,8 +79,11 @@ class HelexaServer(uvicorn.Server):
         self.bound_port = self.servers[0].sockets[0].getsockname()[1]
         logger.info("%s", startup_line(self.engine, self.settings.host, self.bound_port))
         if self.settings.exposed_without_key:
-            logger.warning("listening on %s without an API key: anyone who can reach this address can use the "
-                           "model; pass --api-key or set HELEXA_API_KEY", self.settings.host)
+            logger.warning(
+                "listening on %s without an API key: anyone who can reach this address can use the "
+                "model; pass --api-key or set HELEXA_API_KEY",
+                self.settings.host,
+            )
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """First signal: start the drain. Second: exit now. (Unlike uvicorn's, never re-raises the signal.)"""
@@ -83,8 +91,11 @@ class HelexaServer(uvicorn.Server):
             logger.warning("second %s: exiting without waiting for in-flight requests", signal.Signals(sig).name)
             self.should_exit = self.force_exit = True
             return
-        logger.info("%s: draining; new requests get 503, in-flight ones have %.0f s to finish",
-                    signal.Signals(sig).name, self.settings.shutdown_grace_secs)
+        logger.info(
+            "%s: draining; new requests get 503, in-flight ones have %.0f s to finish",
+            signal.Signals(sig).name,
+            self.settings.shutdown_grace_secs,
+        )
         self._drain_requested = True
         self._loop.call_soon_threadsafe(self._start_drain)
 

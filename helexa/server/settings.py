@@ -1,16 +1,15 @@
-"""The server's own settings (the engine's are `EngineConfig`): one frozen dataclass, validated once."""
+"""The server's own settings (the engine's are `EngineConfig`), declared like the rest of the config tree."""
 
 from __future__ import annotations
 
 import ipaddress
-import math
 from dataclasses import dataclass
 
-from helexa.server.middleware import DEFAULT_MAX_BODY_BYTES
+from helexa.config import SIZE, TEXT, Rule, option, validate
 
-__all__ = ["DEFAULT_SHUTDOWN_GRACE_SECS", "ServerSettings", "is_loopback"]
+__all__ = ["ServerSettings", "is_loopback"]
 
-DEFAULT_SHUTDOWN_GRACE_SECS = 30.0
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def is_loopback(host: str) -> bool:
@@ -25,33 +24,42 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """Where and how the HTTP server listens.
+    """Where and how the HTTP server listens; `api_key` set means `/v1/*` needs `Authorization: Bearer KEY`."""
 
-    - `host`, `port`: the bind address (port 0: any free port).
-    - `api_key`: when set, `/v1/*` requires `Authorization: Bearer <api_key>`.
-    - `max_body_bytes`: largest request body; larger ones get 413 `request_too_large`.
-    - `shutdown_grace_secs`: on SIGTERM/SIGINT, how long in-flight requests may run before they are aborted.
-    - `log_level`: the `logging` level name for helexa's and uvicorn's loggers.
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    shutdown_grace_secs: float = DEFAULT_SHUTDOWN_GRACE_SECS
-    log_level: str = "info"
+    host: str = option("127.0.0.1", "bind address", TEXT, group="HTTP server")
+    port: int = option(
+        8000,
+        "bind port (0: any free port)",
+        Rule("a port in [0, 65535]", lambda v: isinstance(v, int) and 0 <= v <= 65535, int, metavar="N"),
+        group="HTTP server",
+    )
+    api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer KEY' on /v1/* (default: $HELEXA_API_KEY; the key is never printed)",
+        TEXT,
+        group="HTTP server",
+        optional=True,
+    )
+    # 8 MiB: a 128k-token prompt as JSON-escaped text, with room to spare.
+    max_body_bytes: int = option(
+        8 << 20,
+        "largest request body accepted (413 beyond), e.g. 8MiB",
+        SIZE,
+        group="HTTP server",
+        flag="--max-body-size",
+    )
+    shutdown_grace_secs: float = option(
+        30.0,
+        "on SIGTERM/SIGINT, how long in-flight requests may finish before they are aborted",
+        Rule.seconds(),
+        group="HTTP server",
+    )
+    log_level: str = option(
+        "info", "log level of helexa's and uvicorn's loggers", Rule.one_of(*LOG_LEVELS), group="HTTP server"
+    )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
-        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
-        if not (self.shutdown_grace_secs >= 0 and math.isfinite(self.shutdown_grace_secs)):
-            raise ValueError(f"shutdown_grace_secs must be a finite number >= 0, got {self.shutdown_grace_secs!r}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("api_key must not be empty")
-        if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug"):
-            raise ValueError(f"log_level must be critical, error, warning, info or debug; got {self.log_level!r}")
+        validate(self)
 
     @property
     def exposed_without_key(self) -> bool:

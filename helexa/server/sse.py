@@ -65,8 +65,12 @@ class EventStreamResponse:
     ) -> None:
         self.chunks = chunks
         self.on_disconnect = on_disconnect
-        self.headers = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
-                        "x-accel-buffering": "no", **(headers or {})}
+        self.headers = {
+            "content-type": "text/event-stream; charset=utf-8",
+            "cache-control": "no-cache",
+            "x-accel-buffering": "no",
+            **(headers or {}),
+        }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]

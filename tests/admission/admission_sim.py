@@ -9,9 +9,60 @@ its prefill and gains one token, reported for all of them before the ones that r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
-from helexa.admission import AdmissionController, Ticket
+from helexa.admission import AdmissionConfig, AdmissionController, Capacity, EngineRates, FifoPlan, Ticket
+
+
+def controller(
+    block_size: int,
+    num_blocks: int,
+    max_model_len: int,
+    *,
+    clock: Any = None,
+    rates: Any = None,
+    wakeup: Any = None,
+    blocks_free: Any = None,
+    reload_status: Any = None,
+    debug: bool | None = None,
+    **config: Any,
+) -> AdmissionController:
+    """An AdmissionController over a pool of `num_blocks` blocks; `config`: `AdmissionConfig` fields."""
+    kwargs = {"clock": clock} if clock is not None else {}
+    return AdmissionController(
+        AdmissionConfig(**config),
+        Capacity(block_size, num_blocks, max_model_len),
+        rates=rates,
+        wakeup=wakeup,
+        blocks_free=blocks_free,
+        reload_status=reload_status,
+        debug=debug,
+        **kwargs,
+    )
+
+
+class SeqWork(NamedTuple):
+    """A sequence as the oracle sees it: the blocks it holds (or will hold) and the work it has left."""
+
+    blocks: int
+    prefill_tokens: int
+    decode_tokens: int
+
+
+def estimate_starts(
+    now: float,
+    rates: EngineRates,
+    blocks_available: int,
+    slots_available: int,
+    running: Sequence[SeqWork],
+    waiting: Sequence[SeqWork],
+) -> list[float]:
+    """The oracle: each waiting request's estimated start (FIFO), simulated from scratch."""
+    releases = [(now + rates.run_seconds(w.prefill_tokens, w.decode_tokens), w.blocks) for w in running]
+    plan = FifoPlan(now, blocks_available, slots_available, releases)
+    return plan.extend((w.blocks, rates.run_seconds(w.prefill_tokens, w.decode_tokens)) for w in waiting)
 
 
 class FakeClock:
@@ -52,7 +103,7 @@ class FakeEngine:
         self.clock.advance(self.step_seconds)
         for t in self.running:  # report the whole step's progress first, then release what finished
             n = t.tokens_generated + 1
-            blocks = self.controller.config.blocks_for(t.prompt_tokens + n) - t.shared_blocks
+            blocks = self.controller.capacity.blocks_for(t.prompt_tokens + n) - t.shared_blocks
             self.controller.progress(t, tokens_generated=n, prompt_prefilled=t.prompt_tokens, blocks_allocated=blocks)
         for t in [t for t in self.running if t.tokens_generated >= self.stop_early.get(t.id, t.max_tokens)]:
             self._end(t)

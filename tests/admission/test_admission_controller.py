@@ -1,4 +1,4 @@
-"""AdmissionController behaviour: the DESIGN.md incident, rejections, deadlines, FIFO, backfill, cancel."""
+"""AdmissionController: the incident helexa is built against, rejections, deadlines, FIFO, backfill, cancel."""
 
 from __future__ import annotations
 
@@ -8,47 +8,47 @@ import threading
 import time
 
 import pytest
-from admission_sim import FakeClock, FakeEngine
+from admission_sim import FakeClock, FakeEngine, controller
 
 from helexa.admission import (
     AdmissionConfig,
     AdmissionController,
     AdmissionIntegrityError,
     AdmissionRejected,
+    Capacity,
     EngineRates,
     TicketState,
 )
+from helexa.engine.faults import ModelHealth
+from helexa.server.errors import from_admission
 
 EXACT = EngineRates(decode_step_seconds=0.5, prefill_token_seconds=0.0)
 
 
-def make(clock: FakeClock | None = None, rates: EngineRates = EXACT, observer=None, **overrides) -> AdmissionController:
-    cfg = dict(block_size=16, num_blocks=100, max_model_len=4096, max_num_seqs=4, max_queue_depth=4,
-               max_wait_secs=600.0, replan_interval_secs=0.0)
+def make(clock: FakeClock | None = None, rates: EngineRates = EXACT, **overrides):
+    cfg = dict(
+        block_size=16,
+        num_blocks=100,
+        max_model_len=4096,
+        max_num_seqs=4,
+        max_queue_depth=4,
+        max_wait_secs=600.0,
+        replan_interval_secs=0.0,
+    )
     cfg.update(overrides)
-    return AdmissionController(AdmissionConfig(**cfg), clock=clock or FakeClock(), rates=rates, observer=observer,
-                               debug=True)
+    return controller(clock=clock or FakeClock(), rates=rates, debug=True, **cfg)
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.waits: list[float] = []
-        self.reasons: list[str] = []
-
-    def on_admitted(self, wait_seconds: float) -> None:
-        self.waits.append(wait_seconds)
-
-    def on_rejected(self, reason: str) -> None:
-        self.reasons.append(reason)
+def http(e: AdmissionRejected) -> tuple[int, str, dict[str, str]]:
+    """The status, code and headers the server answers a rejection with."""
+    error = from_admission(e)
+    return error.status, error.code, error.headers()
 
 
 def test_incident_in_miniature_third_long_request_queues_then_runs(caplog: pytest.LogCaptureFixture) -> None:
     # Two long turns hold the whole pool (50 blocks each); a third arrives. It must wait, not 503.
-    clock, rec = FakeClock(), Recorder()
-    c = AdmissionController(
-        AdmissionConfig(block_size=16, num_blocks=100, max_model_len=4096, max_num_seqs=4, replan_interval_secs=0.0),
-        clock=clock, rates=EXACT, observer=rec, debug=True,
-    )
+    clock = FakeClock()
+    c = controller(16, 100, 4096, max_num_seqs=4, replan_interval_secs=0.0, clock=clock, rates=EXACT, debug=True)
     engine = FakeEngine(c, clock, step_seconds=0.5)
     first, second = c.submit(600, 200), c.submit(600, 200)
     assert first.state is second.state is TicketState.GRANTED
@@ -59,7 +59,11 @@ def test_incident_in_miniature_third_long_request_queues_then_runs(caplog: pytes
         third = c.submit(600, 200)
         assert third.state is TicketState.QUEUED
         assert c.queue_depth == 1 and c.snapshot()["rejected"] == {
-            "queue_full": 0, "kv_timeout": 0, "kv_unservable": 0, "model_reloading": 0}
+            "queue_full": 0,
+            "kv_timeout": 0,
+            "kv_unservable": 0,
+            "model_reloading": 0,
+        }
         # 199 tokens left for each holder at 0.5 s per step, seen 0.25 s after the last step
         assert third.est_wait_at_arrival == pytest.approx(99.5)
         while third.state is TicketState.QUEUED:
@@ -69,19 +73,22 @@ def test_incident_in_miniature_third_long_request_queues_then_runs(caplog: pytes
     assert third.waited_seconds == pytest.approx(99.5)  # exactly the estimate
     lines = [r.getMessage() for r in caplog.records if r.name == "helexa.admission" and r.levelno == logging.INFO]
     assert len(lines) == 1
-    assert lines[0].startswith(f"admission: admitted ticket={third.id} prompt=600 max_tokens=200 shared_blocks=0 "
-                               "blocks_needed=50 blocks_available=0 blocks_reserved=100 blocks_total=100 in_flight=2")
+    assert lines[0].startswith(
+        f"admission: admitted ticket={third.id} prompt=600 max_tokens=200 shared_blocks=0 "
+        "blocks_needed=50 blocks_available=0 blocks_reserved=100 blocks_total=100 in_flight=2"
+    )
     assert "waited_s=99.5" in lines[0] and "est_wait_s=99.5" in lines[0] and "deadline_s=600.0" in lines[0]
     engine.run_until_idle()
     assert third.state is TicketState.RELEASED and third.tokens_generated == 200
     assert (c.blocks_reserved, c.in_flight, c.queue_depth) == (0, 0, 0)
     assert c.snapshot()["blocks_free"] == 100
-    assert rec.waits == [0.0, 0.0, pytest.approx(99.5)] and rec.reasons == []
+    snap = c.snapshot()
+    assert (snap["admitted_total"], snap["admitted_after_wait"]) == (3, 1)
+    assert snap["admission_wait_seconds_sum"] == pytest.approx(99.5) and sum(snap["rejected"].values()) == 0
 
 
 def test_unservable_rejected_at_once_without_touching_the_queue(caplog: pytest.LogCaptureFixture) -> None:
-    rec = Recorder()
-    c = make(max_queue_depth=1, observer=rec)
+    c = make(max_queue_depth=1)
     c.submit(1000, 600)  # 100 blocks: the whole pool
     queued = c.submit(100, 10)
     assert c.queue_depth == 1  # the queue is full too: unservable must still say "unservable"
@@ -97,15 +104,22 @@ def test_unservable_rejected_at_once_without_touching_the_queue(caplog: pytest.L
                 c.submit(prompt, max_tokens)
             assert time.perf_counter() - t0 < 0.05
             e = info.value
-            assert (e.reason, e.status, e.code, e.retry_after, e.permanent) == (
-                "kv_unservable", 400, "context_length_exceeded", None, True)
-            assert text in e.message and e.headers() == {}
-            assert e.openai_error()["error"]["code"] == "context_length_exceeded"
+            assert (e.reason, *http(e)[:2], e.retry_after, e.permanent) == (
+                "kv_unservable",
+                400,
+                "context_length_exceeded",
+                None,
+                True,
+            )
+            assert text in e.message and http(e)[2] == {}
+            assert from_admission(e).body()["error"]["code"] == "context_length_exceeded"
     assert c.queue_depth == 1 and list(c._queue.values()) == [queued]
-    assert c.snapshot()["rejected"]["kv_unservable"] == 3 and rec.reasons == ["kv_unservable"] * 3
+    assert c.snapshot()["rejected"] == {"queue_full": 0, "kv_timeout": 0, "kv_unservable": 3, "model_reloading": 0}
     line = caplog.records[0].getMessage()
-    assert line.startswith("admission: rejected kv_unservable prompt=1500 max_tokens=200 shared_blocks=0 "
-                           "blocks_needed=107 blocks_available=0 blocks_reserved=100 blocks_total=100")
+    assert line.startswith(
+        "admission: rejected kv_unservable prompt=1500 max_tokens=200 shared_blocks=0 "
+        "blocks_needed=107 blocks_available=0 blocks_reserved=100 blocks_total=100"
+    )
     assert caplog.records[0].levelno == logging.WARNING and "max_model_len=4096" in line
 
 
@@ -131,11 +145,11 @@ def test_bad_input_raises_value_error() -> None:
         with pytest.raises(ValueError):
             c.submit(*args, **kwargs)
     with pytest.raises(ValueError):
-        AdmissionConfig(block_size=0, num_blocks=10, max_model_len=10)
+        Capacity(block_size=0, num_blocks=10, max_model_len=10)
     with pytest.raises(ValueError):
-        AdmissionConfig(block_size=16, num_blocks=10, max_model_len=10, policy="lifo")
+        AdmissionConfig(policy="lifo")
     with pytest.raises(ValueError):
-        AdmissionConfig(block_size=16, num_blocks=10, max_model_len=10, max_wait_secs=0)
+        AdmissionConfig(max_wait_secs=0)
 
 
 def test_queue_full_is_429_with_estimated_retry_after(caplog: pytest.LogCaptureFixture) -> None:
@@ -148,8 +162,8 @@ def test_queue_full_is_429_with_estimated_retry_after(caplog: pytest.LogCaptureF
         with pytest.raises(AdmissionRejected) as info:
             c.submit(16, 4)
     e = info.value
-    assert (e.reason, e.status, e.code) == ("queue_full", 429, "queue_full")
-    assert e.retry_after == 7 and e.headers() == {"Retry-After": "7"}  # head starts at 60, now 53
+    assert (e.reason, *http(e)[:2]) == ("queue_full", 429, "queue_full")
+    assert e.retry_after == 7 and http(e)[2] == {"Retry-After": "7"}  # head starts at 60, now 53
     assert e.arithmetic["queue_depth"] == 2 and e.arithmetic["est_wait_s"] == 7.0
     assert "admission: rejected queue_full" in caplog.text and "queue_depth=2" in caplog.text
     assert c.queue_depth == 2 and c.snapshot()["rejected"]["queue_full"] == 1
@@ -163,7 +177,7 @@ def test_wait_beyond_deadline_is_503_at_once_with_the_estimate() -> None:
     with pytest.raises(AdmissionRejected) as info:
         c.submit(1200, 40)  # 78 blocks: needs both of those -> starts at 20 > 15
     e = info.value
-    assert (e.reason, e.status, e.code, e.retry_after) == ("kv_timeout", 503, "kv_timeout", 20)
+    assert (e.reason, *http(e)[:2], e.retry_after) == ("kv_timeout", 503, "kv_timeout", 20)
     assert e.arithmetic["est_wait_s"] == 20.0 and e.arithmetic["deadline_s"] == 15.0
     assert "estimated to be free in 20 s" in e.message
     assert c.queue_depth == 2
@@ -185,7 +199,7 @@ def test_timeout_in_poll_rejects_with_the_remaining_estimate() -> None:
     assert res.expired == [queued] and res.granted == []
     assert queued.state is TicketState.EXPIRED and c.queue_depth == 0 and c.next_deadline() is None
     e = queued.error
-    assert (e.reason, e.status, e.code) == ("kv_timeout", 503, "kv_timeout")
+    assert (e.reason, *http(e)[:2]) == ("kv_timeout", 503, "kv_timeout")
     assert e.retry_after == 8  # 15 tokens left at 0.5 s -> the holder ends in 7.5 s
     assert c.snapshot()["rejected"]["kv_timeout"] == 1
     c.check_integrity()
@@ -201,7 +215,7 @@ def test_fifo_large_head_is_not_starved_by_a_stream_of_small_requests() -> None:
     engine.step()
     big = c.submit(1200, 80)  # 80 blocks: must wait for most of the small ones
     arrivals = [big]
-    for i in range(60):  # a small request every step
+    for _ in range(60):  # a small request every step
         clock.advance(0.0)
         arrivals.append(c.submit(100 + rng.randint(0, 50), 10 + rng.randint(0, 30)))
         engine.step()
@@ -237,9 +251,16 @@ def test_backfill_lets_a_short_request_by_but_never_delays_the_head() -> None:
 def test_cancel_while_queued_and_while_granted() -> None:
     clock = FakeClock()
     wakes = []
-    c = AdmissionController(
-        AdmissionConfig(block_size=16, num_blocks=100, max_model_len=4096, max_num_seqs=4, replan_interval_secs=0.0),
-        clock=clock, rates=EXACT, wakeup=lambda: wakes.append(clock.t), debug=True,
+    c = controller(
+        16,
+        100,
+        4096,
+        max_num_seqs=4,
+        replan_interval_secs=0.0,
+        clock=clock,
+        rates=EXACT,
+        wakeup=lambda: wakes.append(clock.t),
+        debug=True,
     )
     running = c.submit(1000, 200)  # 75 blocks
     assert c.poll().granted == [running]
@@ -288,41 +309,51 @@ def test_progress_bounds_and_integrity() -> None:
 
 def test_model_reloading_rejection_uses_the_last_reload_duration() -> None:
     clock = FakeClock()
-    c = make(clock, max_queue_depth=1)
+    health = ModelHealth(clock)
+    c = make(clock, max_queue_depth=1, reload_status=health.reload_seconds_left)
     c.submit(1000, 200), c.submit(800, 10)  # one holds 75 blocks, one queued
-    c.set_model_state("poisoned")
+    health.set("poisoned")
     clock.advance(4.0)
-    c.set_model_state("reloading")
+    health.set("reloading")
     with pytest.raises(AdmissionRejected) as info:
         c.submit(16, 4)
-    assert (info.value.reason, info.value.status, info.value.code) == ("model_reloading", 503, "model_reloading")
+    assert (info.value.reason, *http(info.value)[:2]) == ("model_reloading", 503, "model_reloading")
     assert info.value.retry_after == 4  # no reload finished yet: as long again as so far
     clock.advance(6.0)
-    c.set_model_state("loaded")  # that reload took 10 s
-    c.set_model_state("reloading")
+    health.set("loaded")  # that reload took 10 s
+    health.set("reloading")
     clock.advance(3.0)
     with pytest.raises(AdmissionRejected) as info:
         c.submit(16, 4)
-    assert info.value.retry_after == 7 and c.snapshot()["model_state"] == "reloading"
+    assert info.value.retry_after == 7 and health.state == "reloading"
     assert c.snapshot()["rejected"]["model_reloading"] == 2
     with pytest.raises(ValueError):
-        c.set_model_state("sleeping")
+        health.set("sleeping")
 
 
 def test_snapshot_has_the_v1_admission_fields() -> None:
     free = {"n": 93}
-    c = AdmissionController(
-        AdmissionConfig(block_size=16, num_blocks=100, max_model_len=4096, max_num_seqs=3, max_queue_depth=5),
-        rates=EXACT, blocks_free=lambda: free["n"], debug=True,
+    c = controller(
+        16, 100, 4096, max_num_seqs=3, max_queue_depth=5, rates=EXACT, blocks_free=lambda: free["n"], debug=True
     )
     t = c.submit(100, 10)
     c.progress(t, blocks_allocated=7)
     s = c.snapshot()
-    expected = {"block_size": 16, "blocks_total": 100, "blocks_free": 93, "blocks_reserved": 7, "blocks_available": 93,
-                "blocks_cached": 0, "in_flight": 1, "max_in_flight": 3, "queue_depth": 0, "max_queue_depth": 5,
-                "model_state": "loaded"}
+    expected = {
+        "block_size": 16,
+        "blocks_total": 100,
+        "blocks_free": 93,
+        "blocks_reserved": 7,
+        "blocks_available": 93,
+        "blocks_cached": 0,
+        "in_flight": 1,
+        "max_in_flight": 3,
+        "queue_depth": 0,
+        "max_queue_depth": 5,
+    }
     assert {k: s[k] for k in expected} == expected
     assert set(s["rejected"]) >= {"queue_full", "kv_timeout", "kv_unservable"}
+    assert "model_state" not in s  # the engine adds it: the model's state lives there
 
 
 def test_replan_interval_bounds_staleness_from_progress_only() -> None:
@@ -341,9 +372,15 @@ def test_replan_interval_bounds_staleness_from_progress_only() -> None:
 
 def test_threads_submitting_and_cancelling() -> None:
     wake = threading.Event()
-    c = AdmissionController(
-        AdmissionConfig(block_size=16, num_blocks=200, max_model_len=2048, max_num_seqs=8, max_queue_depth=64),
-        rates=EngineRates(decode_step_seconds=0.001, prefill_token_seconds=0.0), wakeup=wake.set, debug=False,
+    c = controller(
+        16,
+        200,
+        2048,
+        max_num_seqs=8,
+        max_queue_depth=64,
+        rates=EngineRates(decode_step_seconds=0.001, prefill_token_seconds=0.0),
+        wakeup=wake.set,
+        debug=False,
     )
     stop = threading.Event()
     errors: list[BaseException] = []

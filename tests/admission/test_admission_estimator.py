@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from admission_sim import SeqWork, estimate_starts
 
-from helexa.admission import EngineRates, FifoPlan, SeqWork, estimate_starts, retry_after_seconds
+from helexa.admission import EngineRates, FifoPlan, retry_after_seconds
 
 
 def test_rates_priors_and_validation() -> None:
@@ -80,8 +81,12 @@ def test_incremental_plan_equals_batch_simulation() -> None:
                 used += b
         waiting = [SeqWork(rng.randint(1, total), rng.randint(1, 60), rng.randint(1, 100)) for _ in range(20)]
         batch = estimate_starts(3.0, rates, total - used, slots - len(running), running, waiting)
-        plan = FifoPlan(3.0, total - used, slots - len(running),
-                        [(3.0 + rates.run_seconds(w.prefill_tokens, w.decode_tokens), w.blocks) for w in running])
+        plan = FifoPlan(
+            3.0,
+            total - used,
+            slots - len(running),
+            [(3.0 + rates.run_seconds(w.prefill_tokens, w.decode_tokens), w.blocks) for w in running],
+        )
         incremental = []
         for w in waiting:
             peek = plan.start_of(w.blocks)

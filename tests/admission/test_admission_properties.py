@@ -10,21 +10,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from admission_sim import FakeClock, FakeEngine
+from admission_sim import FakeClock, FakeEngine, SeqWork, controller, estimate_starts
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from helexa.admission import (
-    AdmissionConfig,
-    AdmissionController,
-    AdmissionRejected,
-    EngineRates,
-    SeqWork,
-    TicketState,
-    estimate_starts,
-    retry_after_seconds,
-)
+from helexa.admission import AdmissionRejected, EngineRates, TicketState, retry_after_seconds
 
 BS, NB, MML, SEQS, QD, WAIT, DEFAULT_MAX = 4, 24, 64, 3, 3, 30.0, 16
 RATES = EngineRates(decode_step_seconds=1.0, prefill_token_seconds=0.25)
@@ -52,10 +43,19 @@ class AdmissionMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock(100.0)
-        cfg = AdmissionConfig(block_size=BS, num_blocks=NB, max_model_len=MML, max_num_seqs=SEQS,
-                              max_queue_depth=QD, max_wait_secs=WAIT, default_max_tokens=DEFAULT_MAX,
-                              replan_interval_secs=0.0)
-        self.c = AdmissionController(cfg, clock=self.clock, rates=RATES, debug=True)
+        self.c = controller(
+            BS,
+            NB,
+            MML,
+            max_num_seqs=SEQS,
+            max_queue_depth=QD,
+            max_wait_secs=WAIT,
+            default_max_tokens=DEFAULT_MAX,
+            replan_interval_secs=0.0,
+            clock=self.clock,
+            rates=RATES,
+            debug=True,
+        )
         self.tickets = {}  # id -> Ticket
         self.queue: list[Req] = []
         self.running: dict[int, Req] = {}  # granted, in grant order
@@ -169,8 +169,12 @@ class AdmissionMachine(RuleBasedStateMachine):
             r, t = self.running[rid], self.tickets[rid]
             r.generated += 1
             r.prefilled = r.prompt
-            self.c.progress(t, tokens_generated=r.generated, prompt_prefilled=r.prompt,
-                            blocks_allocated=-(-(r.prompt + r.generated) // BS) - r.shared)
+            self.c.progress(
+                t,
+                tokens_generated=r.generated,
+                prompt_prefilled=r.prompt,
+                blocks_allocated=-(-(r.prompt + r.generated) // BS) - r.shared,
+            )
             if r.generated == r.max_tokens:
                 self.engine.remove(rid)
                 assert self.c.release(t)
@@ -241,10 +245,18 @@ TestAdmissionMachine.settings = settings(max_examples=80, stateful_step_count=50
 def test_the_head_starts_exactly_when_estimated_when_it_became_head(policy, arrivals) -> None:
     """With exact rates, a head starts when estimated at the moment it became head: backfill never delays it."""
     clock = FakeClock()
-    c = AdmissionController(
-        AdmissionConfig(block_size=4, num_blocks=20, max_model_len=80, max_num_seqs=4, max_queue_depth=100,
-                        max_wait_secs=1e6, policy=policy, replan_interval_secs=0.0),
-        clock=clock, rates=EngineRates(decode_step_seconds=1.0, prefill_token_seconds=0.0), debug=True,
+    c = controller(
+        4,
+        20,
+        80,
+        max_num_seqs=4,
+        max_queue_depth=100,
+        max_wait_secs=1e6,
+        policy=policy,
+        replan_interval_secs=0.0,
+        clock=clock,
+        rates=EngineRates(decode_step_seconds=1.0, prefill_token_seconds=0.0),
+        debug=True,
     )
     engine = FakeEngine(c, clock)
     promised: dict[int, float] = {}
@@ -260,8 +272,14 @@ def test_the_head_starts_exactly_when_estimated_when_it_became_head(policy, arri
         # running as it was when `head` became head: without anything backfilled in that same instant
         running = [t for t in c._running.values() if not (t.backfilled and t.granted_at == now)]
         work = [SeqWork(t.blocks_reserved, 0, t.max_tokens - t.tokens_generated) for t in running]
-        promised[head.id] = estimate_starts(now, c.rates, 20 - sum(w.blocks for w in work), 4 - len(work), work,
-                                            [SeqWork(head.blocks_reserved, 0, head.max_tokens)])[0]
+        promised[head.id] = estimate_starts(
+            now,
+            c.rates,
+            20 - sum(w.blocks for w in work),
+            4 - len(work),
+            work,
+            [SeqWork(head.blocks_reserved, 0, head.max_tokens)],
+        )[0]
 
     for gap, prompt, max_tokens in arrivals:
         for _ in range(gap):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helexa.engine.config import EngineConfig
+from helexa.config import EngineConfig
 from helexa.engine.engine import Engine
 from tests.model.test_tokenizer import build_tiny_tokenizer_dir
 from tests.model.tiny import make_tiny_model
@@ -23,7 +23,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def make_engine(model_dir: Path, **overrides) -> Engine:
     """An engine on CPU with the torch attention backend and a small pool."""
-    args = dict(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
-                num_blocks=64, block_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_wait_secs=30.0)
+    args = dict(
+        model=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch",
+        num_blocks=64,
+        block_size=8,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_wait_secs=30.0,
+    )
     args.update(overrides)
-    return Engine(EngineConfig(**args))
+    return Engine(EngineConfig.of(**args))

@@ -72,8 +72,9 @@ def test_greedy_is_batch_invariant_with_and_without_chunked_prefill(tiny_model_d
 
 def test_text_deltas_match_full_decode_and_usage(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
-    h = engine.submit(engine.tokenizer.encode("hello world"), SamplingParams(max_tokens=20, temperature=0.0,
-                                                                             ignore_eos=True))
+    h = engine.submit(
+        engine.tokenizer.encode("hello world"), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    )
     events = _drive(engine, [h])[h.request_id]
     ids = _tokens(events)
     assert "".join(e.text for e in events) == engine.tokenizer.decode(ids)
@@ -83,8 +84,9 @@ def test_text_deltas_match_full_decode_and_usage(tiny_model_dir):
 def test_stop_string_is_trimmed(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     prompt = engine.tokenizer.encode("the quick brown fox")
-    free = _drive(engine, [h := engine.submit(prompt, SamplingParams(max_tokens=24, temperature=0.0,
-                                                                     ignore_eos=True))])[h.request_id]
+    free = _drive(
+        engine, [h := engine.submit(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))]
+    )[h.request_id]
     text = "".join(e.text for e in free)
     if len(text) < 6:
         pytest.skip("the tiny model produced too little text to pick a stop string")
@@ -124,7 +126,7 @@ def test_unservable_rejected_at_once(tiny_model_dir):
     engine = make_engine(tiny_model_dir, num_blocks=16)
     with pytest.raises(AdmissionRejected) as info:
         engine.submit(list(range(3, 100)), SamplingParams(max_tokens=100))
-    assert info.value.status == 400 and info.value.retry_after is None
+    assert info.value.reason == "kv_unservable" and info.value.retry_after is None
     _assert_released(engine)
 
 

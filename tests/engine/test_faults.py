@@ -10,9 +10,11 @@ from helexa.model.sampling import SamplingParams
 from tests.engine.conftest import make_engine
 from tests.engine.test_engine import _assert_released, _drive, _prompts, _tokens
 
-PARAMS = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True),
-          SamplingParams(max_tokens=9, temperature=0.9, top_k=50, seed=7, ignore_eos=True),
-          SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)]
+PARAMS = [
+    SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=9, temperature=0.9, top_k=50, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True),
+]
 
 
 def _run(model_dir, **overrides) -> tuple[list[list[int]], list[str], object]:
@@ -30,7 +32,7 @@ def test_injected_faults_are_invisible_except_latency(tiny_model_dir, monkeypatc
     assert tokens == clean_tokens and texts == clean_texts  # greedy and seeded streams both continue exactly
     assert engine.counters.device_faults == 2 and engine.counters.model_reloads == 2
     assert engine.pool.num_blocks == engine.first_num_blocks
-    assert engine.model_state == "loaded"
+    assert engine.health.state == "loaded"
     _assert_released(engine)
 
 
@@ -45,7 +47,7 @@ def test_repeated_faults_leave_the_node_poisoned_with_the_cause(tiny_model_dir, 
         final = events[h.request_id][-1]
         assert final.finish_reason == "error" and isinstance(final.error, DeviceFault)
         assert "injected device fault" in str(final.error)
-    assert engine.model_state == "poisoned" and engine.counters.device_faults == 3
+    assert engine.health.state == "poisoned" and engine.counters.device_faults == 3
     with pytest.raises(DeviceFault, match="injected device fault"):
         engine.submit([3, 4, 5], params)
     snap = engine.snapshot()
@@ -55,17 +57,17 @@ def test_repeated_faults_leave_the_node_poisoned_with_the_cause(tiny_model_dir, 
 def test_budget_change_across_reload_keeps_the_node_poisoned(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("HELEXA_FAULT_INJECT", "2")
     engine = make_engine(tiny_model_dir, fault_backoff_secs=0.0)
-    original_load = engine._load
+    original_load = engine._load_runner
 
-    def load_with_other_budget() -> None:
-        object.__setattr__(engine, "config", engine.config.__class__(**{**engine.config.__dict__, "num_blocks": 63}))
-        original_load()
+    def load_with_other_budget():
+        engine.config = engine.config.replace(num_blocks=63)
+        return original_load()
 
-    monkeypatch.setattr(engine, "_load", load_with_other_budget)
+    monkeypatch.setattr(engine, "_load_runner", load_with_other_budget)
     h = engine.submit([3, 4, 5, 6], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     events = _drive(engine, [h])[h.request_id]
     assert events[-1].finish_reason == "error" and "64 -> 63 blocks" in str(events[-1].error)
-    assert engine.model_state == "poisoned"
+    assert engine.health.state == "poisoned"
 
 
 def test_fault_injection_list_is_validated():
@@ -93,5 +95,5 @@ def test_a_request_whose_own_sampling_fails_fails_alone(tiny_model_dir, monkeypa
     assert events[good.request_id][-1].finish_reason == "length" and len(_tokens(events[good.request_id])) == 6
     final = events[bad.request_id][-1]
     assert final.finish_reason == "error" and "cannot be sampled" in str(final.error)
-    assert engine.counters.device_faults == 0 and engine.model_state == "loaded"
+    assert engine.counters.device_faults == 0 and engine.health.state == "loaded"
     _assert_released(engine)

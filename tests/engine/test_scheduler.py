@@ -16,7 +16,10 @@ def test_decodes_before_prefills_and_budget_respected():
     long_prompt = FakeSeq(100, 0)
     chunks = schedule([long_prompt, decode_a, decode_b], max_num_batched_tokens=32)
     assert [(c.seq, c.num_new, c.samples) for c in chunks] == [
-        (decode_a, 1, True), (decode_b, 1, True), (long_prompt, 30, False)]
+        (decode_a, 1, True),
+        (decode_b, 1, True),
+        (long_prompt, 30, False),
+    ]
 
 
 def test_prefill_finishing_this_step_samples():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from helexa.engine.stats import RateTracker
+from helexa.admission import RateTracker
 
 
 def test_first_samples_replace_the_priors_and_average_converges():

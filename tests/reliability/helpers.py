@@ -27,8 +27,9 @@ DOCUMENTED_ERRORS = {
 
 
 @contextlib.contextmanager
-def serving(model_dir: Path, inject: str = "", settings: ServerSettings | None = None, **overrides
-            ) -> Iterator[RunningServer]:
+def serving(
+    model_dir: Path, inject: str = "", settings: ServerSettings | None = None, **overrides
+) -> Iterator[RunningServer]:
     """A fresh in-process server on 127.0.0.1 whose engine faults at model steps `inject` (HELEXA_FAULT_INJECT).
 
     The variable is set only while the Engine is constructed (it reads it there), so servers built

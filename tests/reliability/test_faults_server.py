@@ -30,18 +30,27 @@ def _streams(server: RunningServer) -> dict[str, str]:
     out: dict[str, str] = {}
 
     def chat() -> None:
-        stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0.0,
-                                                stream=True, extra_body={"ignore_eos": True})
+        stream = client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=40, temperature=0.0, stream=True, extra_body={"ignore_eos": True}
+        )
         out["chat"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     def completion(name: str, **sampling) -> None:
-        stream = client.completions.create(model="tiny", prompt="the quick brown fox " * 3, max_tokens=30,
-                                           stream=True, extra_body={"ignore_eos": True}, **sampling)
+        stream = client.completions.create(
+            model="tiny",
+            prompt="the quick brown fox " * 3,
+            max_tokens=30,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **sampling,
+        )
         out[name] = "".join(c.choices[0].text for c in stream if c.choices)
 
-    threads = [threading.Thread(target=chat),
-               threading.Thread(target=completion, args=("greedy",), kwargs={"temperature": 0.0}),
-               threading.Thread(target=completion, args=("seeded",), kwargs={"temperature": 0.9, "seed": 11})]
+    threads = [
+        threading.Thread(target=chat),
+        threading.Thread(target=completion, args=("greedy",), kwargs={"temperature": 0.0}),
+        threading.Thread(target=completion, args=("seeded",), kwargs={"temperature": 0.9, "seed": 11}),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -73,8 +82,9 @@ def test_faulted_streams_equal_unfaulted(tiny_model_dir: Path) -> None:
 
 
 def test_fault_flags_reach_the_engine_config() -> None:
-    engine, _ = configs_from_args(build_parser().parse_args(["--max-fault-retries", "0", "--fault-backoff-secs",
-                                                             "2.5"]))
+    engine, _ = configs_from_args(
+        build_parser().parse_args(["--max-fault-retries", "0", "--fault-backoff-secs", "2.5"])
+    )
     assert (engine.max_fault_retries, engine.fault_backoff_secs) == (0, 2.5)
     defaults, _ = configs_from_args(build_parser().parse_args([]))
     assert (defaults.max_fault_retries, defaults.fault_backoff_secs) == (3, 0.5)

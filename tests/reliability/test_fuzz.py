@@ -41,10 +41,12 @@ EVIL = {
 }
 TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
-    + "".join(f"{{% if message['content'] is string and '{k}' in message['content'] %}}{v}{{% endif %}}"
-              for k, v in EVIL.items())
+    + "".join(
+        f"{{% if message['content'] is string and '{k}' in message['content'] %}}{v}{{% endif %}}"
+        for k, v in EVIL.items()
+    )
     + "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
-      " + '<|eot_id|>' }}{% endfor %}"
+    " + '<|eot_id|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 
@@ -63,8 +65,9 @@ def hostile_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
 @pytest.fixture(scope="module")
 def server(hostile_model_dir: Path) -> Iterator[RunningServer]:
     """Short outputs (a request without max_tokens gets 8), a small max_model_len, a deep queue."""
-    with serving(hostile_model_dir, num_blocks=128, max_num_seqs=4, max_model_len=256, default_max_tokens=8,
-                 max_queue_depth=256) as running:
+    with serving(
+        hostile_model_dir, num_blocks=128, max_num_seqs=4, max_model_len=256, default_max_tokens=8, max_queue_depth=256
+    ) as running:
         yield running
 
 
@@ -82,30 +85,64 @@ STRINGS = st.one_of(
     st.builds(lambda c, n: c * n, st.sampled_from(["a", "é", "😀", " "]), st.sampled_from([5_000, 100_000])),
 )
 SCALARS = st.one_of(st.none(), st.booleans(), NUMBERS, STRINGS)
-JSON = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                     st.dictionaries(STRINGS, inner, max_size=4)), max_leaves=12)
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(STRINGS, inner, max_size=4)),
+    max_leaves=12,
+)
 ROLES = st.one_of(st.sampled_from(["user", "system", "assistant", "developer", "tool", "wizard", "", "USER"]), JSON)
-CONTENT = st.one_of(STRINGS, JSON, st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
-                                                                   "text": STRINGS}), max_size=3))
+CONTENT = st.one_of(
+    STRINGS,
+    JSON,
+    st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": STRINGS}), max_size=3),
+)
 MESSAGE = st.one_of(st.fixed_dictionaries({"role": ROLES, "content": CONTENT}), JSON)
 MESSAGES = st.one_of(st.lists(MESSAGE, max_size=4), JSON)
-PROMPT = st.one_of(STRINGS, st.lists(st.one_of(st.integers(-5, 600), NUMBERS), max_size=8),
-                   st.lists(STRINGS, max_size=3), st.lists(st.lists(st.integers(0, 500), max_size=4), max_size=3), JSON)
+PROMPT = st.one_of(
+    STRINGS,
+    st.lists(st.one_of(st.integers(-5, 600), NUMBERS), max_size=8),
+    st.lists(STRINGS, max_size=3),
+    st.lists(st.lists(st.integers(0, 500), max_size=4), max_size=3),
+    JSON,
+)
 
 COMMON = {
-    "model": STRINGS, "max_tokens": NUMBERS, "temperature": NUMBERS, "top_p": NUMBERS, "top_k": NUMBERS,
-    "min_p": NUMBERS, "n": NUMBERS, "seed": NUMBERS, "stop": st.one_of(STRINGS, st.lists(STRINGS, max_size=20)),
-    "stream": st.one_of(st.booleans(), JSON), "stream_options": JSON, "presence_penalty": NUMBERS,
-    "frequency_penalty": NUMBERS, "repetition_penalty": NUMBERS, "ignore_eos": JSON,
-    "stop_token_ids": st.one_of(st.lists(NUMBERS, max_size=3), JSON), "logprobs": st.one_of(st.booleans(), NUMBERS),
+    "model": STRINGS,
+    "max_tokens": NUMBERS,
+    "temperature": NUMBERS,
+    "top_p": NUMBERS,
+    "top_k": NUMBERS,
+    "min_p": NUMBERS,
+    "n": NUMBERS,
+    "seed": NUMBERS,
+    "stop": st.one_of(STRINGS, st.lists(STRINGS, max_size=20)),
+    "stream": st.one_of(st.booleans(), JSON),
+    "stream_options": JSON,
+    "presence_penalty": NUMBERS,
+    "frequency_penalty": NUMBERS,
+    "repetition_penalty": NUMBERS,
+    "ignore_eos": JSON,
+    "stop_token_ids": st.one_of(st.lists(NUMBERS, max_size=3), JSON),
+    "logprobs": st.one_of(st.booleans(), NUMBERS),
 }
 FIELDS = {
-    "/v1/chat/completions": {**COMMON, "messages": MESSAGES, "max_completion_tokens": NUMBERS,
-                             "top_logprobs": NUMBERS, "tools": JSON},
+    "/v1/chat/completions": {
+        **COMMON,
+        "messages": MESSAGES,
+        "max_completion_tokens": NUMBERS,
+        "top_logprobs": NUMBERS,
+        "tools": JSON,
+    },
     "/v1/completions": {**COMMON, "prompt": PROMPT, "echo": JSON},
-    "/v1/responses": {"model": STRINGS, "input": st.one_of(STRINGS, MESSAGES), "instructions": STRINGS,
-                      "max_output_tokens": NUMBERS, "temperature": NUMBERS, "top_p": NUMBERS,
-                      "stream": st.booleans()},
+    "/v1/responses": {
+        "model": STRINGS,
+        "input": st.one_of(STRINGS, MESSAGES),
+        "instructions": STRINGS,
+        "max_output_tokens": NUMBERS,
+        "temperature": NUMBERS,
+        "top_p": NUMBERS,
+        "stream": st.booleans(),
+    },
 }
 VALID = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3},
@@ -136,8 +173,9 @@ def _encode(body: dict[str, Any]) -> bytes:
 
 def _send(url: str, route: str, raw: bytes) -> tuple[int, dict[str, Any] | None, httpx.Headers]:
     """POST `raw`; the status, the error object of a non-200 answer, and the headers. Streams are read to the end."""
-    with httpx.stream("POST", url + route, content=raw, headers={"content-type": "application/json"},
-                      timeout=TIMEOUT) as response:
+    with httpx.stream(
+        "POST", url + route, content=raw, headers={"content-type": "application/json"}, timeout=TIMEOUT
+    ) as response:
         data = response.read()
     if response.status_code == 200:
         return 200, None, response.headers
@@ -159,6 +197,7 @@ def _assert_nothing_leaked(server: RunningServer) -> None:
     def idle() -> bool:
         snap = httpx.get(f"{server.url}/v1/admission", timeout=10).json()
         return snap["in_flight"] == 0 and snap["queue_depth"] == 0 and snap["blocks_reserved"] == 0
+
     assert wait_for(idle, 10)
     snap = httpx.get(f"{server.url}/v1/admission", timeout=10).json()
     assert snap["blocks_free"] == snap["blocks_total"], snap
@@ -172,8 +211,13 @@ def _assert_nothing_leaked(server: RunningServer) -> None:
 def test_fuzzed_bodies_never_500_hang_or_leak(server: RunningServer, route: str) -> None:
     statuses: Counter[int] = Counter()
 
-    @settings(max_examples=60, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=60,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(body=bodies(route))
     def check(body: dict[str, Any]) -> None:
         raw = _encode(body)
@@ -219,8 +263,11 @@ def test_raw_bodies(server: RunningServer, route: str, raw: bytes) -> None:
 def test_template_sandbox_fails_the_request_and_keeps_serving(server: RunningServer, route: str, marker: str) -> None:
     """A template reaching for `__class__`, `__subclasses__`, `__globals__`, `__code__` (or raising): 400, then 200."""
     text = f"please {marker} now"
-    body = ({"messages": [{"role": "user", "content": text}], "max_tokens": 2} if route.endswith("completions")
-            else {"input": text, "max_output_tokens": 2})
+    body = (
+        {"messages": [{"role": "user", "content": text}], "max_tokens": 2}
+        if route.endswith("completions")
+        else {"input": text, "max_output_tokens": 2}
+    )
     response = httpx.post(server.url + route, json=body, timeout=TIMEOUT)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
@@ -229,8 +276,11 @@ def test_template_sandbox_fails_the_request_and_keeps_serving(server: RunningSer
     assert "<class" not in error["message"] and "subprocess" not in response.text  # nothing of Python's leaked
     if marker != "RAISE_IT":
         assert "not allowed" in error["message"] or "unsafe" in error["message"], error["message"]
-    ok = httpx.post(server.url + route, json={**body, **({"messages": [{"role": "user", "content": "hi"}]}
-                                                        if "messages" in body else {"input": "hi"})}, timeout=TIMEOUT)
+    ok = httpx.post(
+        server.url + route,
+        json={**body, **({"messages": [{"role": "user", "content": "hi"}]} if "messages" in body else {"input": "hi"})},
+        timeout=TIMEOUT,
+    )
     assert ok.status_code == 200, ok.text
     _assert_nothing_leaked(server)
 

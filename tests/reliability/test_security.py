@@ -63,23 +63,29 @@ def _serve(engine: Engine, settings: ServerSettings) -> Iterator[str]:
         sock.close()
 
 
-@pytest.mark.parametrize(("host", "api_key", "warned"), [("0.0.0.0", None, True), ("10.1.2.3", None, True),
-                                                         ("0.0.0.0", KEY, False), ("127.0.0.1", None, False)])
-def test_exposed_without_a_key_logs_a_warning(engine: Engine, caplog: pytest.LogCaptureFixture, host: str,
-                                              api_key: str | None, warned: bool) -> None:
+@pytest.mark.parametrize(
+    ("host", "api_key", "warned"),
+    [("0.0.0.0", None, True), ("10.1.2.3", None, True), ("0.0.0.0", KEY, False), ("127.0.0.1", None, False)],
+)
+def test_exposed_without_a_key_logs_a_warning(
+    engine: Engine, caplog: pytest.LogCaptureFixture, host: str, api_key: str | None, warned: bool
+) -> None:
     settings = ServerSettings(host=host, port=0, api_key=api_key, log_level="warning")
     with caplog.at_level(logging.INFO, logger="helexa.server"), _serve(engine, settings) as url:
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "without an API key" in
-                r.getMessage()]
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "without an API key" in r.getMessage()
+    ]
     assert len(warnings) == int(warned), [r.getMessage() for r in caplog.records]
     if warned:
         assert host in warnings[0] and "--api-key" in warnings[0]
 
 
-def test_api_key_never_logged_and_compared_in_constant_time(engine: Engine, caplog: pytest.LogCaptureFixture,
-                                                            capfd: pytest.CaptureFixture[str],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_api_key_never_logged_and_compared_in_constant_time(
+    engine: Engine, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     compared: list[tuple[bytes, bytes]] = []
     real_compare = middleware.hmac.compare_digest
 
@@ -93,17 +99,30 @@ def test_api_key_never_logged_and_compared_in_constant_time(engine: Engine, capl
     with caplog.at_level(logging.DEBUG), _serve(engine, settings) as url:
         ok = httpx.post(f"{url}/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=30)
         assert ok.status_code == 200
-        stream = httpx.post(f"{url}/v1/chat/completions", timeout=30, headers={"authorization": f"Bearer {KEY}"},
-                            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
+        stream = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=30,
+            headers={"authorization": f"Bearer {KEY}"},
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True},
+        )
         assert stream.status_code == 200 and "[DONE]" in stream.text
-        for headers in ({}, {"authorization": f"Bearer {KEY}x"}, {"authorization": KEY},
-                        {"authorization": f"Basic {KEY}"}, {"authorization": "Bearer wrong"}):
+        for headers in (
+            {},
+            {"authorization": f"Bearer {KEY}x"},
+            {"authorization": KEY},
+            {"authorization": f"Basic {KEY}"},
+            {"authorization": "Bearer wrong"},
+        ):
             refused = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30)
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
             assert KEY not in refused.text
         # an error path that logs the request: a bad body from an authenticated client
-        bad = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": -1},
-                         headers={"authorization": f"Bearer {KEY}"}, timeout=30)
+        bad = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "x", "max_tokens": -1},
+            headers={"authorization": f"Bearer {KEY}"},
+            timeout=30,
+        )
         assert bad.status_code == 400
     assert caplog.records, "nothing was logged: the capture is not working"
     for record in caplog.records:
@@ -124,11 +143,31 @@ def test_pickle_only_model_directory_is_refused_at_startup(tiny_model_dir: Path,
     (model / "pytorch_model.bin").write_bytes(b"\x80\x04\x95not really a pickle")
     assert json.loads((model / "config.json").read_text())  # everything but the weights is there
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "helexa.server", "--model", str(model), "--device", "cpu",
-                           "--dtype", "float32", "--attention-backend", "torch", "--num-blocks", "16", "--port", "0"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "helexa.server",
+            "--model",
+            str(model),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--attention-backend",
+            "torch",
+            "--num-blocks",
+            "16",
+            "--port",
+            "0",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
     assert "pytorch_model.bin" in output and "safetensors" in output and "pickle" in output, output
     assert "helexa: serving" not in output and "Traceback" not in output
-

@@ -132,8 +132,11 @@ def _one(client: httpx.Client, url: str, seed: int) -> Outcome:
             outcome = _read_stream(response, route, rng.randint(1, 6) if cancel else None)
         else:
             data = json.loads(response.read())
-            done = data.get("status") == "completed" or data.get("status") == "incomplete" if route == ROUTES[2] \
+            done = (
+                data.get("status") == "completed" or data.get("status") == "incomplete"
+                if route == ROUTES[2]
                 else all(c.get("finish_reason") in ("stop", "length") for c in data["choices"])
+            )
             outcome = Outcome("ok") if done else Outcome("bad", f"incomplete response {data}")
     if unservable and outcome.code != "context_length_exceeded":
         return Outcome("bad", f"an unservable request ended {outcome}")
@@ -158,8 +161,15 @@ def _warm_up(client: httpx.Client, url: str) -> None:
 
 @pytest.mark.timeout(SOAK_DEADLINE_SECS + 120)
 def test_soak(tiny_model_dir: Path) -> None:
-    config = dict(num_blocks=256, max_num_seqs=8, max_queue_depth=16, max_num_batched_tokens=512,
-                  max_model_len=MAX_MODEL_LEN, max_wait_secs=30.0, fault_backoff_secs=0.05)
+    config = dict(
+        num_blocks=256,
+        max_num_seqs=8,
+        max_queue_depth=16,
+        max_num_batched_tokens=512,
+        max_model_len=MAX_MODEL_LEN,
+        max_wait_secs=30.0,
+        fault_backoff_secs=0.05,
+    )
     with serving(tiny_model_dir, FAULT_STEPS, **config) as server:
         engine, url = server.engine, server.url
         limits = httpx.Limits(max_connections=NUM_CLIENTS * 2, max_keepalive_connections=NUM_CLIENTS)
@@ -201,8 +211,10 @@ def test_soak(tiny_model_dir: Path) -> None:
 
         kinds = Counter(o.kind for o in outcomes)
         codes = Counter(f"{o.status} {o.code}" for o in outcomes if o.kind == "error")
-        print(f"\nsoak: {len(outcomes)} requests in {elapsed:.1f} s, {engine.counters.steps} steps; {dict(kinds)}; "
-              f"errors {dict(codes)}")
+        print(
+            f"\nsoak: {len(outcomes)} requests in {elapsed:.1f} s, {engine.counters.steps} steps; {dict(kinds)}; "
+            f"errors {dict(codes)}"
+        )
         bad = [o for o in outcomes if o.kind == "bad"]
         assert not bad, f"{len(bad)} requests ended badly, e.g. {bad[:5]}"
         assert len(outcomes) == NUM_REQUESTS
@@ -211,7 +223,7 @@ def test_soak(tiny_model_dir: Path) -> None:
 
         # Both injected faults hit, each recovered by one reload, invisible to the clients (no 500 above).
         assert engine.counters.device_faults == 2 and engine.counters.model_reloads == 2
-        assert engine.model_state == "loaded" and engine.pool.num_blocks == engine.first_num_blocks == 256
+        assert engine.health.state == "loaded" and engine.pool.num_blocks == engine.first_num_blocks == 256
 
         # Nothing leaked: every reservation and block returned, every invariant holds.
         assert wait_for(lambda: engine.snapshot()["in_flight"] == 0 and engine.snapshot()["queue_depth"] == 0, 10)

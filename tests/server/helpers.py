@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from helexa.engine.config import EngineConfig
+from helexa.config import EngineConfig
 from helexa.engine.engine import Engine
 from helexa.model.text.tokenizer import Tokenizer
 from helexa.server.app import create_app
@@ -33,8 +33,14 @@ def make_tiny_model_dir(path: Path, max_position_embeddings: int = 2048) -> Path
     tok_dir = build_tiny_tokenizer_dir(Path(path) / "tok")
     tok = Tokenizer.from_pretrained(tok_dir)
     model_dir = make_tiny_model(
-        Path(path), "llama", seed=3, name="tiny-chat", vocab_size=tok.vocab_size,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, max_position_embeddings=max_position_embeddings,
+        Path(path),
+        "llama",
+        seed=3,
+        name="tiny-chat",
+        vocab_size=tok.vocab_size,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        max_position_embeddings=max_position_embeddings,
     )
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         (model_dir / name).write_bytes((tok_dir / name).read_bytes())
@@ -43,9 +49,17 @@ def make_tiny_model_dir(path: Path, max_position_embeddings: int = 2048) -> Path
 
 def tiny_engine_config(model_dir: Path, **overrides) -> EngineConfig:
     """CPU, float32, the torch attention backend, a small pool: fast on two cores."""
-    base = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", attention_backend="torch",
-                        block_size=16, num_blocks=512, max_num_seqs=8, max_num_batched_tokens=512)
-    return dataclasses.replace(base, **overrides)
+    base = EngineConfig.of(
+        model=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch",
+        block_size=16,
+        num_blocks=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+    )
+    return base.replace(**overrides)
 
 
 class RunningServer:
@@ -94,8 +108,11 @@ def raw_post(url: str, path: str, body: dict, headers: dict[str, str] | None = N
     sock = socket.create_connection((host, int(port)), timeout=10)
     data = json.dumps(body).encode()
     head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{head}"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{head}"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 

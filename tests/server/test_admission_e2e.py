@@ -81,17 +81,24 @@ def _admission(server: RunningServer) -> dict:
 
 def _metrics(server: RunningServer) -> dict[tuple[str, tuple], float]:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def _metric(metrics: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
     return metrics.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-_GAUGES = {"blocks_total": "helexa_kv_blocks_total", "blocks_reserved": "helexa_kv_blocks_reserved",
-           "blocks_available": "helexa_kv_blocks_available", "in_flight": "helexa_requests_in_flight",
-           "queue_depth": "helexa_queue_depth"}
+_GAUGES = {
+    "blocks_total": "helexa_kv_blocks_total",
+    "blocks_reserved": "helexa_kv_blocks_reserved",
+    "blocks_available": "helexa_kv_blocks_available",
+    "in_flight": "helexa_requests_in_flight",
+    "queue_depth": "helexa_queue_depth",
+}
 
 
 def _assert_consistent(server: RunningServer) -> dict:
@@ -106,8 +113,9 @@ def _assert_consistent(server: RunningServer) -> dict:
         raise AssertionError(f"the admission state never held still for one scrape: {after}")
     for key, name in _GAUGES.items():
         assert _metric(metrics, name) == after[key], (name, after)
-    assert _metric(metrics, "helexa_kv_cache_usage_ratio") == pytest.approx(after["blocks_reserved"]
-                                                                            / after["blocks_total"])
+    assert _metric(metrics, "helexa_kv_cache_usage_ratio") == pytest.approx(
+        after["blocks_reserved"] / after["blocks_total"]
+    )
     assert after["blocks_available"] == after["blocks_total"] - after["blocks_reserved"]
     assert after["blocks_free"] >= after["blocks_available"]  # a sequence never allocates past its reservation
     for reason, count in after["rejected"].items():
@@ -117,9 +125,16 @@ def _assert_consistent(server: RunningServer) -> dict:
 
 def _released(server: RunningServer) -> dict:
     """Wait (1 s at most) until nothing is reserved, running or queued and every block is free; the final state."""
+
     def clean() -> bool:
         s = _admission(server)
-        return (s["blocks_reserved"], s["in_flight"], s["queue_depth"], s["blocks_free"]) == (0, 0, 0, s["blocks_total"])
+        return (s["blocks_reserved"], s["in_flight"], s["queue_depth"], s["blocks_free"]) == (
+            0,
+            0,
+            0,
+            s["blocks_total"],
+        )
+
     assert wait_for(clean, 1.0), _admission(server)
     server.engine.check_integrity()
     return _admission(server)
@@ -180,8 +195,14 @@ class _Stream:
         self.call = _Call(lambda: self._read(client, prompt, max_tokens))
 
     def _read(self, client: openai.OpenAI, prompt: list[int], max_tokens: int) -> list[Any]:
-        self._stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True,
-                                                 stream_options={"include_usage": True}, extra_body=LONG)
+        self._stream = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=LONG,
+        )
         for chunk in self._stream:
             self.chunks.append(chunk)
             self.started.set()
@@ -213,8 +234,9 @@ def _post_timed(server: RunningServer, body: dict) -> tuple[httpx.Response, floa
 # --------------------------------------------------------------------------- the incident
 
 
-def test_incident_third_long_request_waits_instead_of_503(tiny_model_dir: Path,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_incident_third_long_request_waits_instead_of_503(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Two long turns fill most of the pool; a third long turn queues, is admitted when one ends, and completes."""
     rng = random.Random(6)
     a_tokens, b_tokens, c_tokens = 310, 470, 470  # 20 + 30 blocks held; the third needs 30 of the 14 left
@@ -230,8 +252,9 @@ def test_incident_third_long_request_waits_instead_of_503(tiny_model_dir: Path,
         assert _metric(_metrics(server), "helexa_kv_cache_usage_ratio") == pytest.approx(held / 64)
 
         c_prompt = _prompt(rng)
-        c = _Call(lambda: client.completions.create(model="tiny", prompt=c_prompt, max_tokens=c_tokens,
-                                                    extra_body=LONG))
+        c = _Call(
+            lambda: client.completions.create(model="tiny", prompt=c_prompt, max_tokens=c_tokens, extra_body=LONG)
+        )
         assert wait_for(lambda: _admission(server)["queue_depth"] == 1, 5), _admission(server)
         snap = _assert_consistent(server)
         assert snap["in_flight"] == 2 and sum(snap["rejected"].values()) == 0  # it waits: nothing rejected
@@ -250,7 +273,10 @@ def test_incident_third_long_request_waits_instead_of_503(tiny_model_dir: Path,
     assert line["blocks_needed"] == str(_blocks(c_tokens))
     # At its grant the first turn had released its 20 blocks: the second's 30 + the third's 30 are reserved.
     assert (line["blocks_reserved"], line["blocks_available"], line["blocks_total"]) == (
-        str(_blocks(b_tokens) + _blocks(c_tokens)), str(64 - _blocks(b_tokens) - _blocks(c_tokens)), "64")
+        str(_blocks(b_tokens) + _blocks(c_tokens)),
+        str(64 - _blocks(b_tokens) - _blocks(c_tokens)),
+        "64",
+    )
     assert (line["in_flight"], line["queue_depth"], line["deadline_s"]) == ("2", "0", "600.0")
     assert float(line["waited_s"]) > 0 and float(line["est_wait_s"]) > 0
     assert not _admission_lines(caplog, "rejected")
@@ -273,8 +299,10 @@ def test_unservable_and_queue_full_answer_at_once(tiny_model_dir: Path, caplog: 
     """Never-fits → 400 in milliseconds with no Retry-After and the queue untouched; queue full → 429 + estimate."""
     rng = random.Random(7)
     holder_tokens, queued_tokens = 790, 470  # 50 blocks running, 30 queued (14 available)
-    with caplog.at_level(logging.INFO, logger="helexa.admission"), \
-            _serve(tiny_model_dir, num_blocks=64, max_queue_depth=1) as server:
+    with (
+        caplog.at_level(logging.INFO, logger="helexa.admission"),
+        _serve(tiny_model_dir, num_blocks=64, max_queue_depth=1) as server,
+    ):
         holder = _Stream(_client(server), _prompt(rng), holder_tokens)
         assert holder.started.wait(10)
         queued = raw_post(server.url, "/v1/completions", {"prompt": _prompt(rng), "max_tokens": queued_tokens})
@@ -284,9 +312,11 @@ def test_unservable_and_queue_full_answer_at_once(tiny_model_dir: Path, caplog: 
 
             # Within max_model_len (2048) but larger than the whole pool; a default max_tokens (2048 - 10 = 2038
             # on this node) that makes the request larger than the pool; beyond max_model_len.
-            cases = [({"max_tokens": 1100}, ["70 KV blocks", "64 blocks"]),
-                     ({}, ["max_tokens 2038", "128 KV blocks"]),
-                     ({"max_tokens": 2100}, ["2110 tokens", "2048"])]
+            cases = [
+                ({"max_tokens": 1100}, ["70 KV blocks", "64 blocks"]),
+                ({}, ["max_tokens 2038", "128 KV blocks"]),
+                ({"max_tokens": 2100}, ["2110 tokens", "2048"]),
+            ]
             seconds = []
             for extra, words in cases:
                 response, elapsed = _post_timed(server, {"prompt": _prompt(rng), **extra})
@@ -298,7 +328,10 @@ def test_unservable_and_queue_full_answer_at_once(tiny_model_dir: Path, caplog: 
             assert max(seconds) < 0.5, seconds  # milliseconds in practice: nothing waits, nothing is estimated
             after = _admission(server)
             assert (after["queue_depth"], after["in_flight"], after["blocks_reserved"]) == (
-                1, 1, before["blocks_reserved"])
+                1,
+                1,
+                before["blocks_reserved"],
+            )
             assert after["rejected"]["kv_unservable"] == 3
 
             # One block would fit now, but FIFO puts it behind the queued request, and the queue is full.
@@ -325,8 +358,9 @@ def test_unservable_and_queue_full_answer_at_once(tiny_model_dir: Path, caplog: 
     assert _is_ceiling(retry_after, rejected[3]["est_wait_s"])
 
 
-def test_kv_timeout_at_once_with_the_estimate_as_retry_after(tiny_model_dir: Path,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_kv_timeout_at_once_with_the_estimate_as_retry_after(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A wait estimated past --max-wait-secs is a 503 at arrival; Retry-After is the wait for the blocks it needs.
 
     Two holders run side by side (same measured rate): a short one (20 blocks, 300 tokens) and a long one
@@ -337,8 +371,10 @@ def test_kv_timeout_at_once_with_the_estimate_as_retry_after(tiny_model_dir: Pat
     short_tokens, long_tokens = 300, 1500
     needs = {"after_short": 400, "after_long": 1000}  # max_tokens: 26 and 64 blocks
     retry_after: dict[str, int] = {}
-    with caplog.at_level(logging.INFO, logger="helexa.admission"), \
-            _serve(tiny_model_dir, num_blocks=128, max_wait_secs=0.2) as server:
+    with (
+        caplog.at_level(logging.INFO, logger="helexa.admission"),
+        _serve(tiny_model_dir, num_blocks=128, max_wait_secs=0.2) as server,
+    ):
         client = _client(server)
         holders = [_Stream(client, _prompt(rng), short_tokens), _Stream(client, _prompt(rng), long_tokens)]
         try:
@@ -377,16 +413,19 @@ def test_kv_timeout_at_once_with_the_estimate_as_retry_after(tiny_model_dir: Pat
 # --------------------------------------------------------------------------- FIFO
 
 
-def test_fifo_large_head_is_not_starved_by_small_requests(tiny_model_dir: Path,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_fifo_large_head_is_not_starved_by_small_requests(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A large request at the head waits for blocks; a steady stream of small ones that fit waits behind it."""
     rng = random.Random(9)
     holder_tokens, large_tokens = 490, 590  # 32 blocks held, 38 needed: the head waits for the holder
     stop = threading.Event()
     small_tokens: list[int] = []  # completion tokens of each small request
 
-    with caplog.at_level(logging.INFO, logger="helexa.admission"), \
-            _serve(tiny_model_dir, num_blocks=64, max_num_seqs=8) as server:
+    with (
+        caplog.at_level(logging.INFO, logger="helexa.admission"),
+        _serve(tiny_model_dir, num_blocks=64, max_num_seqs=8) as server,
+    ):
         client = _client(server)
 
         def small_stream(seed: int) -> None:
@@ -443,8 +482,9 @@ def test_cancel_queued_running_and_mid_stream_returns_every_block(tiny_model_dir
             head = raw_post(server.url, "/v1/completions", {"prompt": _prompt(rng), "max_tokens": 470})
             assert wait_for(lambda: _admission(server)["queue_depth"] == 1, 5)
             behind_prompt = _prompt(rng)
-            behind = _Call(lambda: client.completions.create(model="tiny", prompt=behind_prompt, max_tokens=5,
-                                                             extra_body=LONG))
+            behind = _Call(
+                lambda: client.completions.create(model="tiny", prompt=behind_prompt, max_tokens=5, extra_body=LONG)
+            )
             assert wait_for(lambda: _admission(server)["queue_depth"] == 2, 5)
             head.close()  # the head's client leaves while queued: the request behind it is admitted at once
             assert behind.result(10).usage.completion_tokens == 5
@@ -452,16 +492,18 @@ def test_cancel_queued_running_and_mid_stream_returns_every_block(tiny_model_dir
             assert (snap["queue_depth"], snap["in_flight"], snap["blocks_reserved"]) == (0, 1, _blocks(790))
 
             # Running, not streaming: the client leaves; the engine aborts it and its 14 blocks return.
-            running = raw_post(server.url, "/v1/completions", {"prompt": _prompt(rng), "max_tokens": 200,
-                                                               "ignore_eos": True})
+            running = raw_post(
+                server.url, "/v1/completions", {"prompt": _prompt(rng), "max_tokens": 200, "ignore_eos": True}
+            )
             assert wait_for(lambda: _admission(server)["in_flight"] == 2, 5)
             assert _admission(server)["blocks_available"] == 0
             running.close()
             assert wait_for(lambda: _admission(server)["blocks_reserved"] == _blocks(790), 1.0), _admission(server)
 
             # Streaming, through the official client: close the stream mid-way.
-            streamed = client.completions.create(model="tiny", prompt=_prompt(rng), max_tokens=200, stream=True,
-                                                 extra_body=LONG)
+            streamed = client.completions.create(
+                model="tiny", prompt=_prompt(rng), max_tokens=200, stream=True, extra_body=LONG
+            )
             first = next(iter(streamed))
             assert first.choices and _admission(server)["in_flight"] == 2
             streamed.close()
@@ -476,12 +518,20 @@ def test_raw_stream_disconnect_then_queue_serves_the_next(tiny_model_dir: Path) 
     """A queued request is admitted when a running stream's client disconnects (not only when it finishes)."""
     rng = random.Random(11)
     with _serve(tiny_model_dir, num_blocks=64) as server:
-        sock = raw_post(server.url, "/v1/completions", {"prompt": _prompt(rng), "max_tokens": 790, "stream": True,
-                                                        "ignore_eos": True})
+        sock = raw_post(
+            server.url,
+            "/v1/completions",
+            {"prompt": _prompt(rng), "max_tokens": 790, "stream": True, "ignore_eos": True},
+        )
         try:
             read_until(sock, b"data: ")
-            waiting = _Call(lambda: httpx.post(f"{server.url}/v1/completions", timeout=30,
-                                               json={"prompt": _prompt(rng), "max_tokens": 470, "ignore_eos": True}))
+            waiting = _Call(
+                lambda: httpx.post(
+                    f"{server.url}/v1/completions",
+                    timeout=30,
+                    json={"prompt": _prompt(rng), "max_tokens": 470, "ignore_eos": True},
+                )
+            )
             assert wait_for(lambda: _admission(server)["queue_depth"] == 1, 5)
         finally:
             sock.close()

@@ -24,28 +24,69 @@ KEY = "sk-test-0123456789"
 
 
 def test_flags_map_to_engine_config() -> None:
-    args = build_parser().parse_args([
-        "--model", "/m", "--device", "cpu", "--dtype", "bfloat16", "--block-size", "32", "--kv-cache-memory", "512MiB",
-        "--max-model-len", "4096", "--max-num-seqs", "3", "--max-queue-depth", "7", "--max-wait-secs", "2.5",
-        "--attention-backend", "torch", "--host", "::1", "--port", "0", "--api-key", "k", "--max-body-size", "1MiB",
-        "--shutdown-grace-secs", "4",
-    ])
+    args = build_parser().parse_args(
+        [
+            "--model",
+            "/m",
+            "--device",
+            "cpu",
+            "--dtype",
+            "bfloat16",
+            "--block-size",
+            "32",
+            "--kv-cache-memory",
+            "512MiB",
+            "--max-model-len",
+            "4096",
+            "--max-num-seqs",
+            "3",
+            "--max-queue-depth",
+            "7",
+            "--max-wait-secs",
+            "2.5",
+            "--attention-backend",
+            "torch",
+            "--host",
+            "::1",
+            "--port",
+            "0",
+            "--api-key",
+            "k",
+            "--max-body-size",
+            "1MiB",
+            "--shutdown-grace-secs",
+            "4",
+        ]
+    )
     engine, settings = configs_from_args(args)
     assert (engine.model, engine.device, engine.dtype, engine.block_size) == ("/m", "cpu", "bfloat16", 32)
     assert (engine.kv_cache_memory, engine.num_blocks, engine.gpu_memory_utilization) == (512 << 20, None, None)
-    assert (engine.max_model_len, engine.max_num_seqs) == (4096, 3)
-    assert (engine.max_queue_depth, engine.max_wait_secs) == (7, 2.5)
+    assert (engine.max_model_len, engine.admission.max_num_seqs) == (4096, 3)
+    assert (engine.admission.max_queue_depth, engine.admission.max_wait_secs) == (7, 2.5)
     assert engine.attention_backend == "torch"
     assert (settings.host, settings.port, settings.api_key, settings.max_body_bytes, settings.shutdown_grace_secs) == (
-        "::1", 0, "k", 1 << 20, 4.0)
+        "::1",
+        0,
+        "k",
+        1 << 20,
+        4.0,
+    )
     defaults, default_settings = configs_from_args(build_parser().parse_args([]))
     assert defaults.model is None and default_settings.host == "127.0.0.1" and default_settings.port == 8000
     assert default_settings.max_body_bytes == 8 << 20
     assert not hasattr(build_parser().parse_args([]), "tensor_parallel_size")  # comes with its own issue
 
 
-@pytest.mark.parametrize("argv", [["--num-blocks", "8", "--kv-cache-memory", "1GiB"], ["--kv-cache-memory", "lots"],
-                                  ["--gpu-memory-utilization", "1.5"], ["--device", "tpu"], ["--max-num-seqs", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--num-blocks", "8", "--kv-cache-memory", "1GiB"],
+        ["--kv-cache-memory", "lots"],
+        ["--gpu-memory-utilization", "1.5"],
+        ["--device", "tpu"],
+        ["--max-num-seqs", "0"],
+    ],
+)
 def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(argv)
@@ -64,8 +105,14 @@ class _Process:
     """The server process, its log lines collected by a thread (so the pipe never fills)."""
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "helexa.server", *argv], cwd=REPO, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "helexa.server", *argv],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -81,9 +128,31 @@ class _Process:
 @pytest.fixture(scope="module")
 def cli_server(tiny_model_dir: Path) -> Iterator[tuple[_Process, str]]:
     env = {**os.environ, "HELEXA_API_KEY": KEY, "TRITON_INTERPRET": "1"}
-    process = _Process(["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32",
-                        "--attention-backend", "torch", "--num-blocks", "128", "--port", "0", "--max-num-seqs", "1",
-                        "--max-queue-depth", "4", "--max-wait-secs", "0.5", "--shutdown-grace-secs", "0.5"], env)
+    process = _Process(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--attention-backend",
+            "torch",
+            "--num-blocks",
+            "128",
+            "--port",
+            "0",
+            "--max-num-seqs",
+            "1",
+            "--max-queue-depth",
+            "4",
+            "--max-wait-secs",
+            "0.5",
+            "--shutdown-grace-secs",
+            "0.5",
+        ],
+        env,
+    )
     try:
         assert wait_for(lambda: process.find(r"helexa: serving") or process.proc.poll() is not None, 60), process.lines
         match = process.find(r"on http://127\.0\.0\.1:(\d+)")
@@ -124,27 +193,36 @@ def test_api_key(cli_server: tuple[_Process, str]) -> None:
 
 def test_kv_timeout_then_sigterm_drains_and_exits_0(cli_server: tuple[_Process, str]) -> None:
     process, url = cli_server
-    holder = raw_post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 1800, "stream": True,
-                                               "ignore_eos": True}, _auth())
+    holder = raw_post(
+        url, "/v1/completions", {"prompt": "hello", "max_tokens": 1800, "stream": True, "ignore_eos": True}, _auth()
+    )
     try:
         read_until(holder, b"data: ")
         # The only sequence slot is busy for ~1800 more tokens, far beyond --max-wait-secs 0.5.
-        late = httpx.post(f"{url}/v1/chat/completions", headers=_auth(), timeout=30,
-                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        late = httpx.post(
+            f"{url}/v1/chat/completions",
+            headers=_auth(),
+            timeout=30,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        )
         assert late.status_code == 503 and int(late.headers["retry-after"]) >= 1
         assert late.json()["error"]["code"] == "kv_timeout"
 
         process.proc.send_signal(signal.SIGTERM)
         assert wait_for(lambda: process.find("draining"), 5), process.lines
-        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=_auth(),
-                             timeout=10)
+        refused = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=_auth(), timeout=10
+        )
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         health = httpx.get(f"{url}/health", timeout=10)
         assert health.status_code == 503 and health.json()["status"] == "shutting_down"
         # Past the 0.5 s grace period the in-flight stream is aborted: an error event, then [DONE].
         tail = read_until(holder, b"data: [DONE]")
-        errors = [json.loads(line[6:]) for line in tail.decode().splitlines()
-                  if line.startswith("data: {") and '"error"' in line]
+        errors = [
+            json.loads(line[6:])
+            for line in tail.decode().splitlines()
+            if line.startswith("data: {") and '"error"' in line
+        ]
         assert errors and errors[-1]["error"]["code"] == "request_aborted"
     finally:
         holder.close()

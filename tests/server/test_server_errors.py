@@ -82,8 +82,12 @@ def test_context_length_exceeded(server: RunningServer, client: openai.OpenAI) -
     error = _check(response, 400, "context_length_exceeded", retry_after=False)
     assert "2048" in error["message"]
     long_prompt = list(range(5, 300)) * 7  # 2065 token ids
-    _check(_post(server.url, "/v1/completions", {"prompt": long_prompt, "max_tokens": 1}), 400,
-           "context_length_exceeded", retry_after=False)
+    _check(
+        _post(server.url, "/v1/completions", {"prompt": long_prompt, "max_tokens": 1}),
+        400,
+        "context_length_exceeded",
+        retry_after=False,
+    )
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5000)
     assert info.value.code == "context_length_exceeded"
@@ -110,12 +114,17 @@ def one_seat_server(tiny_model_dir: Path) -> Iterator[RunningServer]:
 
 def test_queue_full(one_seat_server: RunningServer) -> None:
     url, admission = one_seat_server.url, one_seat_server.engine.admission
-    holder = raw_post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 1500, "stream": True,
-                                               "ignore_eos": True})
+    holder = raw_post(
+        url, "/v1/completions", {"prompt": "hello", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+    )
     try:
         read_until(holder, b"data: ")
-        _check(_post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4}), 429, "queue_full",
-               retry_after=True)
+        _check(
+            _post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4}),
+            429,
+            "queue_full",
+            retry_after=True,
+        )
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         assert 'helexa_admission_rejected_total{reason="queue_full"} 1.0' in metrics
         assert 'helexa_requests_total{status="429"} 1.0' in metrics
@@ -125,8 +134,9 @@ def test_queue_full(one_seat_server: RunningServer) -> None:
 
 
 @contextlib.contextmanager
-def _fault_server(monkeypatch: pytest.MonkeyPatch, model_dir: Path, inject: str, **overrides
-                  ) -> Iterator[RunningServer]:
+def _fault_server(
+    monkeypatch: pytest.MonkeyPatch, model_dir: Path, inject: str, **overrides
+) -> Iterator[RunningServer]:
     """A fresh one-seat server whose engine faults at the model steps `inject` (HELEXA_FAULT_INJECT).
 
     The variable is read when the Engine is constructed, so it is set first; steps count from the
@@ -145,8 +155,11 @@ def _health(url: str) -> httpx.Response:
 
 
 def _sse_errors(data: bytes) -> list[dict]:
-    return [json.loads(line[6:])["error"] for line in data.decode().splitlines()
-            if line.startswith("data: {") and '"error"' in line]
+    return [
+        json.loads(line[6:])["error"]
+        for line in data.decode().splitlines()
+        if line.startswith("data: {") and '"error"' in line
+    ]
 
 
 def test_model_reloading(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,24 +167,29 @@ def test_model_reloading(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) 
     a new request gets 503 model_reloading with Retry-After, /health says reloading; afterwards all serves again."""
     with _fault_server(monkeypatch, tiny_model_dir, "3", max_queue_depth=0, fault_backoff_secs=2.0) as server:
         url, engine = server.url, server.engine
-        holder = raw_post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 1500, "stream": True,
-                                                   "ignore_eos": True})
+        holder = raw_post(
+            url, "/v1/completions", {"prompt": "hello", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+        )
         try:
             # Wait on the engine, not on the stream: the tiny model's first tokens may carry no text (held-back
             # UTF-8 bytes), so the first SSE data can arrive only after the reload; step 3 faults regardless.
-            assert wait_for(lambda: engine.model_state == "reloading", 10), "the injected fault never started a reload"
+            assert wait_for(lambda: engine.health.state == "reloading", 10), "the injected fault never started a reload"
             assert _health(url).status_code == 503
             health = _health(url)
             assert health.json()["status"] == "reloading" and "fault_cause" not in health.json()
-            _check(_post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 4}), 503, "model_reloading",
-                   retry_after=True)
+            _check(
+                _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 4}),
+                503,
+                "model_reloading",
+                retry_after=True,
+            )
             metrics = httpx.get(f"{url}/metrics", timeout=10).text
             assert 'helexa_model_state{state="reloading"} 1.0' in metrics
             assert 'helexa_admission_rejected_total{reason="model_reloading"} 1.0' in metrics
-            assert engine.model_state == "reloading"  # the 2 s backoff had not run out while we asked
+            assert engine.health.state == "reloading"  # the 2 s backoff had not run out while we asked
             assert wait_for(lambda: _health(url).status_code == 200, 10)
             assert engine.counters.device_faults == 1 and engine.counters.model_reloads == 1
-            assert engine.last_reload_seconds >= 2.0
+            assert engine.health.last_reload_seconds >= 2.0
             read_until(holder, b"data: {")  # the replayed stream goes on
         finally:
             holder.close()
@@ -183,17 +201,22 @@ def test_model_reloading(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) 
 def test_device_fault(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Faults at steps 3 and 4 with max_fault_retries=1: the reload's replay faults again and the node gives up.
     In-flight (streaming), queued and new requests all get 500 device_fault carrying the cause; /health says why."""
-    with _fault_server(monkeypatch, tiny_model_dir, "3,4", max_queue_depth=4, max_fault_retries=1,
-                       fault_backoff_secs=2.0) as server:
+    with _fault_server(
+        monkeypatch, tiny_model_dir, "3,4", max_queue_depth=4, max_fault_retries=1, fault_backoff_secs=2.0
+    ) as server:
         url, engine = server.url, server.engine
-        holder = raw_post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 1500, "stream": True,
-                                                   "ignore_eos": True})
+        holder = raw_post(
+            url, "/v1/completions", {"prompt": "hello", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+        )
         queued: list[httpx.Response] = []
         try:
             # Wait on the engine, not on the stream (see test_model_reloading).
-            assert wait_for(lambda: engine.model_state == "reloading", 10), "the injected fault never started a reload"
-            waiter = threading.Thread(target=lambda: queued.append(
-                _post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4})))
+            assert wait_for(lambda: engine.health.state == "reloading", 10), "the injected fault never started a reload"
+            waiter = threading.Thread(
+                target=lambda: queued.append(
+                    _post(url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4})
+                )
+            )
             waiter.start()
             seen: list[dict] = []
             assert wait_for(lambda: seen.append(engine.snapshot()) or seen[-1]["queue_depth"] == 1, 1.5)
@@ -207,8 +230,9 @@ def test_device_fault(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> 
         (queued_response,) = queued
         error = _check(queued_response, 500, "device_fault", retry_after=False)
         assert "injected device fault at engine step 4" in error["message"]
-        error = _check(_post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 5}), 500, "device_fault",
-                       retry_after=False)
+        error = _check(
+            _post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 5}), 500, "device_fault", retry_after=False
+        )
         assert "not recovered after 1 reloads" in error["message"] and "injected device fault" in error["message"]
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
         with pytest.raises(openai.InternalServerError) as info:
@@ -216,7 +240,10 @@ def test_device_fault(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> 
         assert info.value.code == "device_fault"
         health = _health(url)
         assert health.status_code == 503 and health.json()["status"] == "poisoned"
-        assert health.json()["fault_cause"] == engine.fault_cause and "injected device fault" in engine.fault_cause
+        assert (
+            health.json()["fault_cause"] == engine.health.fault_cause
+            and "injected device fault" in engine.health.fault_cause
+        )
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         assert "helexa_device_faults_total 2.0" in metrics and "helexa_model_reloads_total 1.0" in metrics
         assert 'helexa_model_state{state="poisoned"} 1.0' in metrics
@@ -231,7 +258,9 @@ def test_chat_template_error_is_400(one_seat_server: RunningServer) -> None:
     original = templates["default"]
     templates["default"] = ChatTemplate(
         "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}{% endif %}"
-        "{% for m in messages %}{{ m['content'] }}{% endfor %}", original.special_tokens)
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        original.special_tokens,
+    )
     try:
         response = _post(one_seat_server.url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
         error = _check(response, 400, "invalid_request", retry_after=False, param="messages")
@@ -244,8 +273,7 @@ def test_chat_template_error_is_400(one_seat_server: RunningServer) -> None:
         templates["default"] = original
 
 
-def test_unexpected_exception_is_a_clean_500(one_seat_server: RunningServer,
-                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_unexpected_exception_is_a_clean_500(one_seat_server: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
     engine = one_seat_server.engine
     real_snapshot = engine.snapshot
 
@@ -255,8 +283,7 @@ def test_unexpected_exception_is_a_clean_500(one_seat_server: RunningServer,
     engine.snapshot = broken_snapshot
     try:
         with caplog.at_level(logging.ERROR, logger="helexa.server"):
-            response = httpx.get(f"{one_seat_server.url}/v1/admission", headers={"x-request-id": "req-500"},
-                                 timeout=10)
+            response = httpx.get(f"{one_seat_server.url}/v1/admission", headers={"x-request-id": "req-500"}, timeout=10)
     finally:
         engine.snapshot = real_snapshot
     error = _check(response, 500, "internal_error", retry_after=False)

@@ -38,8 +38,15 @@ def test_chat_bad_values_name_their_param(field: str, value: object) -> None:
 
 @pytest.mark.parametrize(
     "messages",
-    [None, "hi", [], [{"content": "x"}], [{"role": "user", "content": 3}], [{"role": "user"}],
-     [{"role": "user", "content": [{"type": "image_url"}]}]],
+    [
+        None,
+        "hi",
+        [],
+        [{"content": "x"}],
+        [{"role": "user", "content": 3}],
+        [{"role": "user"}],
+        [{"role": "user", "content": [{"type": "image_url"}]}],
+    ],
 )
 def test_chat_bad_messages(messages: object) -> None:
     body = {} if messages is None else {"messages": messages}
@@ -47,17 +54,42 @@ def test_chat_bad_messages(messages: object) -> None:
 
 
 def test_chat_fields_and_unknown_fields_ignored() -> None:
-    req = parse_chat({
-        "messages": [{"role": "developer", "content": "be brief"}, *MESSAGES], "model": "any", "max_tokens": 7,
-        "max_completion_tokens": 9, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 3, "n": 2,
-        "stop": "x", "presence_penalty": 0.5, "frequency_penalty": -0.5, "logprobs": True, "top_logprobs": 4,
-        "stream": True, "stream_options": {"include_usage": True}, "user": "u1", "some_future_field": {"a": [1]},
-        "response_format": {"type": "text"}, "temperature_": "ignored",
-    })
+    req = parse_chat(
+        {
+            "messages": [{"role": "developer", "content": "be brief"}, *MESSAGES],
+            "model": "any",
+            "max_tokens": 7,
+            "max_completion_tokens": 9,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 5,
+            "min_p": 0.1,
+            "seed": 3,
+            "n": 2,
+            "stop": "x",
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "logprobs": True,
+            "top_logprobs": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "user": "u1",
+            "some_future_field": {"a": [1]},
+            "response_format": {"type": "text"},
+            "temperature_": "ignored",
+        }
+    )
     assert req.kind == "chat" and req.messages[0]["role"] == "system"  # developer → system for templates
     assert req.max_tokens == 9  # max_completion_tokens wins over the legacy max_tokens
-    assert req.sampling == {"temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "presence_penalty": 0.5,
-                            "frequency_penalty": -0.5, "stop": ("x",)}
+    assert req.sampling == {
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 5,
+        "min_p": 0.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "stop": ("x",),
+    }
     assert (req.seed, req.n, req.logprobs, req.stream, req.include_usage) == (3, 2, 4, True, True)
 
 
@@ -94,15 +126,30 @@ def test_completion_specific_fields() -> None:
 
 
 def test_response_input_forms() -> None:
-    req = parse_response({"input": "hello", "instructions": "be brief", "max_output_tokens": 5, "temperature": 0.2,
-                          "store": True, "metadata": {"k": "v"}})
+    req = parse_response(
+        {
+            "input": "hello",
+            "instructions": "be brief",
+            "max_output_tokens": 5,
+            "temperature": 0.2,
+            "store": True,
+            "metadata": {"k": "v"},
+        }
+    )
     assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     assert (req.max_tokens, req.sampling) == (5, {"temperature": 0.2})
-    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
-                                                             {"type": "input_text", "text": "b"}]},
-             {"role": "assistant", "content": "c"}]
-    assert parse_response({"input": items}).messages == [{"role": "user", "content": "ab"},
-                                                         {"role": "assistant", "content": "c"}]
+    items = [
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+        },
+        {"role": "assistant", "content": "c"},
+    ]
+    assert parse_response({"input": items}).messages == [
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "c"},
+    ]
     assert _error(parse_response, {}).param == "input"
     assert _error(parse_response, {"input": []}).param == "input"
     assert _error(parse_response, {"input": [{"type": "function_call"}]}).param == "input[0]"

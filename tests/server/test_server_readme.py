@@ -20,7 +20,7 @@ ADDRESS = "http://127.0.0.1:8000"
 
 def _serving_blocks(language: str) -> list[str]:
     text = README.read_text(encoding="utf-8")
-    section = text[text.index("\n## Serving\n"):]
+    section = text[text.index("\n## Serving\n") :]
     return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
 
 
@@ -31,20 +31,33 @@ def _curl_commands() -> list[str]:
 
 def test_readme_has_an_example_for_every_route() -> None:
     commands = "\n".join(_curl_commands())
-    for route in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/admission",
-                  "/health", "/metrics"):
+    for route in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/models",
+        "/v1/admission",
+        "/health",
+        "/metrics",
+    ):
         assert f"{ADDRESS}{route}" in commands, route
     (python,) = _serving_blocks("python")
-    for call in ("chat.completions.create", "completions.create", "responses.create", "responses.stream",
-                 "models.list"):
+    for call in (
+        "chat.completions.create",
+        "completions.create",
+        "responses.create",
+        "responses.stream",
+        "models.list",
+    ):
         assert call in python
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_readme_curl_examples(server: RunningServer) -> None:
     for command in _curl_commands():
-        done = subprocess.run(["bash", "-c", command.replace(ADDRESS, server.url)], capture_output=True, text=True,
-                              timeout=60)
+        done = subprocess.run(
+            ["bash", "-c", command.replace(ADDRESS, server.url)], capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, (command, done.stderr)
         out = done.stdout
         if "/metrics" in command:
