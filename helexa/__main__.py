@@ -1,4 +1,4 @@
-"""`python -m helexa`: command-line entry point (`pull` today; room for more subcommands)."""
+"""`python -m helexa pull [NAME]`: fetch and convert a known model into the cache, print its directory."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""helexa.model: the transformer over the paged KV cache, and the model's text, sampling and weights.
-
-- `config`, `rope`, `layers`, `transformer`, `loader`: the network — `ModelConfig` from config.json
-  (Llama, Mistral, Qwen2, Qwen3), `CausalLM` over a flattened varlen batch, `load_model` from safetensors.
-- `text/`: tokenizer, chat templates, incremental detokenizer, stop strings.
-- `sampling/`: `SamplingParams` and the vectorised `Sampler`.
-- `weights/`: GGUF import and the default-model pull.
-"""
+"""helexa.model: the network (`ModelConfig`, `CausalLM` over the paged KV cache, `load_model`), and
+`text/` (tokenizer, chat templates, detokenizer, stop strings), `sampling/`, `weights/` (GGUF, pull)."""
 
 from helexa.model.config import ModelConfig
 from helexa.model.loader import load_model, resolve_dtype

@@ -1,10 +1,6 @@
-"""Model configuration: a frozen view of a Hugging Face `config.json` for the supported decoders.
-
-`ModelConfig.from_pretrained(path)` reads `path/config.json`; `ModelConfig.from_dict(d)` takes the
-parsed dict. Both the transformers 4.x layout (`rope_theta` at top level, `rope_scaling` with
-`type`/`rope_type`, `torch_dtype`) and the 5.x layout (`rope_parameters` holding `rope_theta` and
-`rope_type`, `dtype`) are accepted.
-"""
+"""Model configuration: a frozen view of a Hugging Face `config.json` for the supported decoders, in
+the transformers 4.x layout (top-level `rope_theta`, `rope_scaling`, `torch_dtype`) or the 5.x one
+(`rope_parameters` holding `rope_theta` and `rope_type`, `dtype`)."""
 
 from __future__ import annotations
 
@@ -12,46 +8,42 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["ModelConfig", "RopeScaling", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["DTYPES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling"]
 
 
-@dataclass(frozen=True)
-class _ArchTraits:
+class _Arch(NamedTuple):
     """What distinguishes one supported architecture from another (all share the Llama block)."""
 
-    qkv_bias: bool | None  # None: follow the config's `attention_bias`
-    o_bias: bool | None  # None: follow the config's `attention_bias`
+    qkv_bias: bool | None  # None: follow the config's `attention_bias` (so does o_bias)
+    o_bias: bool | None
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     sliding_window_flag: str | None  # config key that switches `sliding_window` on; None: always on
 
 
-_ARCHITECTURES: dict[str, _ArchTraits] = {
-    "LlamaForCausalLM": _ArchTraits(qkv_bias=None, o_bias=None, qk_norm=False, sliding_window_flag=None),
-    "MistralForCausalLM": _ArchTraits(qkv_bias=False, o_bias=False, qk_norm=False, sliding_window_flag=None),
-    "Qwen2ForCausalLM": _ArchTraits(qkv_bias=True, o_bias=False, qk_norm=False, sliding_window_flag="use_sliding_window"),
-    "Qwen3ForCausalLM": _ArchTraits(qkv_bias=None, o_bias=None, qk_norm=True, sliding_window_flag="use_sliding_window"),
+_ARCHITECTURES = {
+    "LlamaForCausalLM": _Arch(None, None, False, None),
+    "MistralForCausalLM": _Arch(False, False, False, None),
+    "Qwen2ForCausalLM": _Arch(True, False, False, "use_sliding_window"),
+    "Qwen3ForCausalLM": _Arch(None, None, True, "use_sliding_window"),
 }
-
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHITECTURES)
-# For configs without an `architectures` list.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# `model_type` -> architecture, for configs without an `architectures` list ("qwen2" -> Qwen2ForCausalLM).
+_MODEL_TYPES = {arch.removesuffix("ForCausalLM").lower(): arch for arch in _ARCHITECTURES}
+_POSITIVE_INTS = (
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
+    "max_position_embeddings"
+).split()
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """A RoPE frequency rescaling. `rope_type` is `"linear"` or `"llama3"`.
-
-    linear: every inverse frequency is divided by `factor`.
-    llama3: long wavelengths (> original_max_position_embeddings / low_freq_factor) are divided by
-    `factor`, short ones (< original / high_freq_factor) kept, and the band between interpolated.
-    """
+    """A RoPE frequency rescaling: `rope_type` "linear" (every frequency divided by `factor`) or "llama3"
+    (the fields below are set; see `helexa.model.transformer.rope_inv_freq`)."""
 
     rope_type: str
     factor: float
@@ -65,7 +57,7 @@ class ModelConfig:
     """The architecture hyper-parameters helexa needs to build and load a decoder-only model.
 
     Guarantees (checked at construction): positive sizes, `num_attention_heads` a multiple of
-    `num_key_value_heads`, a SiLU-gated MLP, and a supported architecture and RoPE type.
+    `num_key_value_heads`, an even `head_dim`, a SiLU-gated MLP, and a supported architecture.
     """
 
     architecture: str
@@ -96,16 +88,7 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
+        for name in _POSITIVE_INTS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"config {name} must be a positive integer, got {value!r}")
@@ -123,60 +106,47 @@ class ModelConfig:
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
 
-    # ---- derived values -------------------------------------------------------------------------
-
     @property
-    def q_size(self) -> int:
-        """Width of the query projection: num_attention_heads * head_dim."""
+    def q_size(self) -> int:  # width of the query projection
         return self.num_attention_heads * self.head_dim
 
     @property
-    def kv_size(self) -> int:
-        """Width of the key (and of the value) projection: num_key_value_heads * head_dim."""
+    def kv_size(self) -> int:  # width of the key (and of the value) projection
         return self.num_key_value_heads * self.head_dim
 
     @property
-    def qkv_size(self) -> int:
-        """Width of the fused q/k/v projection."""
+    def qkv_size(self) -> int:  # width of the fused q/k/v projection
         return self.q_size + 2 * self.kv_size
 
     @property
-    def num_queries_per_kv(self) -> int:
-        """GQA group size: query heads sharing one KV head."""
+    def num_queries_per_kv(self) -> int:  # GQA group size: query heads sharing one KV head
         return self.num_attention_heads // self.num_key_value_heads
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence this model computes exactly: the position limit, capped by a sliding
-        window (helexa attends over the full context, which equals windowed attention only up to
-        the window)."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+        """Longest sequence this model computes exactly: the position limit, capped by a sliding window
+        (helexa attends over the full context, which equals windowed attention only up to the window)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all layers when the cache holds `dtype`."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_hidden_layers * self.kv_size * itemsize
+        return 2 * self.num_hidden_layers * self.kv_size * dtype.itemsize
 
     @property
     def num_parameters(self) -> int:
         """Parameter count of the model helexa builds (a tied lm_head counted once)."""
         attn = self.hidden_size * self.qkv_size + self.q_size * self.hidden_size
-        attn += self.qkv_size if self.qkv_bias else 0
-        attn += self.hidden_size if self.o_bias else 0
-        attn += 2 * self.head_dim if self.qk_norm else 0
+        attn += self.qkv_size * self.qkv_bias + self.hidden_size * self.o_bias + 2 * self.head_dim * self.qk_norm
         mlp = 3 * self.hidden_size * self.intermediate_size
-        mlp += (2 * self.intermediate_size + self.hidden_size) if self.mlp_bias else 0
-        layer = attn + mlp + 2 * self.hidden_size
+        mlp += (2 * self.intermediate_size + self.hidden_size) * self.mlp_bias
         embed = self.vocab_size * self.hidden_size
-        head = 0 if self.tie_word_embeddings else embed
-        return embed + self.num_hidden_layers * layer + self.hidden_size + head
-
-    # ---- parsing --------------------------------------------------------------------------------
+        layer = attn + mlp + 2 * self.hidden_size
+        return embed * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + self.hidden_size
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
         """Read `path/config.json` (or `path` itself when it is a file). Raises `ValueError` for a
         missing file, invalid JSON, or an unsupported model."""
         path = Path(path)
@@ -190,7 +160,7 @@ class ModelConfig:
         return cls.from_dict(data)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a parsed Hugging Face config dict. Raises `ValueError` naming the supported
         architectures for an unknown one, and naming the key for a missing or invalid field."""
         if not isinstance(d, dict):
@@ -204,9 +174,7 @@ class ModelConfig:
                 f"unsupported architecture {archs or d.get('model_type')!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        architecture = known[0]
-        traits = _ARCHITECTURES[architecture]
-
+        traits = _ARCHITECTURES[known[0]]
         hidden_size = _require_int(d, "hidden_size")
         num_heads = _require_int(d, "num_attention_heads")
         head_dim = d.get("head_dim")
@@ -219,13 +187,17 @@ class ModelConfig:
             head_dim = hidden_size // num_heads
         attention_bias = bool(d.get("attention_bias", False))
         rope_theta, rope_scaling = _parse_rope(d)
-
         sliding_window = d.get("sliding_window")
         if traits.sliding_window_flag is not None and not d.get(traits.sliding_window_flag, False):
             sliding_window = None
-
+        bos, eos = d.get("bos_token_id"), d.get("eos_token_id")
+        eos_list = eos if isinstance(eos, list) else [eos]
+        eos_ids = tuple(_token_id(v, "eos_token_id") for v in eos_list if v is not None)
+        dtype = str(d.get("dtype") or d.get("torch_dtype") or "").removeprefix("torch.")
+        if dtype and dtype not in DTYPES:
+            raise ValueError(f"unsupported checkpoint dtype {dtype!r}; expected one of {sorted(DTYPES)}")
         return cls(
-            architecture=architecture,
+            architecture=known[0],
             vocab_size=_require_int(d, "vocab_size"),
             hidden_size=hidden_size,
             intermediate_size=_require_int(d, "intermediate_size"),
@@ -243,15 +215,15 @@ class ModelConfig:
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=traits.qk_norm,
             hidden_act=str(d.get("hidden_act", "silu")),
-            dtype=_parse_dtype(d.get("dtype") or d.get("torch_dtype")),
-            bos_token_id=_optional_int(d.get("bos_token_id"), "bos_token_id"),
-            eos_token_ids=_token_ids(d.get("eos_token_id")),
+            dtype=DTYPES.get(dtype),
+            bos_token_id=None if bos is None else _token_id(bos, "bos_token_id"),
+            eos_token_ids=eos_ids,
             sliding_window=None if sliding_window is None else int(sliding_window),
         )
 
 
 def _require_int(d: dict[str, Any], key: str) -> int:
-    if key not in d or d[key] is None:
+    if d.get(key) is None:
         raise ValueError(f"config.json is missing {key!r}")
     try:
         return int(d[key])
@@ -259,28 +231,10 @@ def _require_int(d: dict[str, Any], key: str) -> int:
         raise ValueError(f"config {key!r} must be an integer, got {d[key]!r}") from exc
 
 
-def _optional_int(value: Any, key: str) -> int | None:
-    if value is None:
-        return None
+def _token_id(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"config {key!r} must be an integer or null, got {value!r}")
     return value
-
-
-def _token_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    values = value if isinstance(value, list) else [value]
-    return tuple(_optional_int(v, "eos_token_id") for v in values if v is not None)  # type: ignore[misc]
-
-
-def _parse_dtype(value: Any) -> torch.dtype | None:
-    if value is None:
-        return None
-    name = str(value).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported checkpoint dtype {value!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
 
 
 def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -288,15 +242,14 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ValueError(f"rope parameters must be an object, got {params!r}")
-    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    if theta is None:
-        theta = 10000.0
+    theta = params.get("rope_theta", d.get("rope_theta"))
+    theta = 10000.0 if theta is None else float(theta)
     partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ValueError(f"partial_rotary_factor {partial} is not supported (only full rotary embeddings)")
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type == "default":
-        return float(theta), None
+        return theta, None
     if rope_type not in ("linear", "llama3"):
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, linear, llama3")
     if "factor" not in params:
@@ -305,7 +258,7 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     if not (factor > 0 and math.isfinite(factor)):
         raise ValueError(f"rope factor must be positive, got {factor}")
     if rope_type == "linear":
-        return float(theta), RopeScaling("linear", factor)
+        return theta, RopeScaling("linear", factor)
     missing = [k for k in ("low_freq_factor", "high_freq_factor") if k not in params]
     if missing:
         raise ValueError(f"llama3 rope scaling is missing {missing}")
@@ -315,4 +268,4 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     original = params.get("original_max_position_embeddings") or d.get("max_position_embeddings")
     if original is None:
         raise ValueError("llama3 rope scaling needs original_max_position_embeddings")
-    return float(theta), RopeScaling("llama3", factor, low, high, int(original))
+    return theta, RopeScaling("llama3", factor, low, high, int(original))

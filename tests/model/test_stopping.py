@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from helexa.model.sampling import SamplingParams
-from helexa.model.text.stopping import StopChecker, StopResult, finish_reason
+from helexa.model.text.stopping import StopChecker, StopResult
 
 
 def _run(stops: list[str], deltas: list[str]) -> tuple[str, bool, list[str]]:
@@ -89,18 +88,3 @@ def test_random_splits_match_a_whole_text_search() -> None:
 def test_bad_stop_strings() -> None:
     with pytest.raises(ValueError, match="non-empty"):
         StopChecker([""])
-
-
-def test_finish_reason() -> None:
-    eos = frozenset({2, 7})
-    p = SamplingParams(max_tokens=3, stop_token_ids=[9])
-    assert finish_reason(5, 1, p, eos) is None
-    assert finish_reason(2, 1, p, eos) == "stop"
-    assert finish_reason(9, 1, p, eos) == "stop"
-    assert finish_reason(5, 1, p, eos, stop_string_found=True) == "stop"
-    assert finish_reason(5, 3, p, eos) == "length"
-    assert finish_reason(7, 3, p, eos) == "stop"  # stop wins over length on the same token
-    ignoring = SamplingParams(max_tokens=3, stop_token_ids=[9], ignore_eos=True)
-    assert finish_reason(2, 1, ignoring, eos) is None
-    assert finish_reason(9, 1, ignoring, eos) == "stop"  # explicit stop tokens still stop
-    assert finish_reason(2, 3, ignoring, eos) == "length"

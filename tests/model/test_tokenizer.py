@@ -1,6 +1,6 @@
 """Tokenizer: a tiny byte-level BPE trained here, checked id for id against transformers.
 
-`build_tiny_tokenizer_dir(path)` is also used by the detokenizer tests (loaded by file path).
+`build_tiny_tokenizer_dir(path)` and `corpus` are also used by the detokenizer, engine and server tests.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|en
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}"
     "{% endfor %}"
     "{% if tools %}{{ '<|start_header_id|>tools<|end_header_id|>\\n\\n' }}"
     "{% for tool in tools %}{{ tool | tojson(indent=2) }}\\n{% endfor %}{{ '<|eot_id|>' }}{% endif %}"
@@ -57,7 +58,10 @@ def build_tiny_tokenizer_dir(
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+            vocab_size=400,
+            special_tokens=SPECIALS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
         )
         backend.train_from_iterator(corpus(), trainer=trainer)
         _TRAINED["json"] = backend.to_str()
@@ -138,7 +142,9 @@ def test_special_tokens_and_eos_ids(tiny_dir: Path) -> None:
 
 def test_post_processor_and_add_bos_token(tmp_path: Path) -> None:
     # As in transformers 5, tokenizer.json's post-processor wins over add_bos_token in the config.
-    d = build_tiny_tokenizer_dir(tmp_path / "a", post_processor="bytelevel", add_bos_token=True, eos_in_generation=False)
+    d = build_tiny_tokenizer_dir(
+        tmp_path / "a", post_processor="bytelevel", add_bos_token=True, eos_in_generation=False
+    )
     tok = Tokenizer.from_pretrained(d)
     ids = tok.encode("hello world")
     assert tok.bos_token_id not in ids
@@ -166,7 +172,9 @@ def test_generation_config_eos_int(tmp_path: Path) -> None:
 def test_apply_chat_template_matches_transformers(tiny_dir: Path, hf_tok, conversation, add_generation_prompt) -> None:
     tok = Tokenizer.from_pretrained(tiny_dir)
     ours = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-    theirs = hf_tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
+    theirs = hf_tok.apply_chat_template(
+        conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+    )
     assert ours == list(theirs)
     text = tok.render_chat(conversation, add_generation_prompt=add_generation_prompt)
     assert text == hf_tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
@@ -177,7 +185,9 @@ def test_apply_chat_template_with_tools_matches_transformers(tiny_dir: Path, hf_
     tools = [{"type": "function", "function": {"name": "météo", "parameters": {"type": "object", "properties": {}}}}]
     tok = Tokenizer.from_pretrained(tiny_dir)
     ours = tok.apply_chat_template(CONVERSATIONS[0], tools=tools)
-    theirs = hf_tok.apply_chat_template(CONVERSATIONS[0], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+    theirs = hf_tok.apply_chat_template(
+        CONVERSATIONS[0], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert ours == list(theirs)
     assert "météo" in tok.decode(ours)
 

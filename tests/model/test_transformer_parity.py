@@ -79,7 +79,11 @@ def _run_session(path: Path, backend: str, lengths: tuple[int, ...], decode_step
             },
             id="llama-rope-llama3",
         ),
-        pytest.param("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 3.0}}, id="llama-rope-linear"),
+        pytest.param(
+            "llama",
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 3.0}},
+            id="llama-rope-linear",
+        ),
         pytest.param("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 1}, id="qwen2-tied-mqa"),
         pytest.param("qwen3", {"attention_bias": True, "num_key_value_heads": 4}, id="qwen3-bias-mha"),
     ],
@@ -92,7 +96,12 @@ def test_prefill_decode_extend_match_transformers(tmp_path: Path, arch: str, ove
 def test_triton_backend_matches_transformers(tmp_path: Path) -> None:
     """One small session through the Triton kernels (Triton interpreter on CPU), head_dim 64."""
     path = make_tiny_model(
-        tmp_path, "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        tmp_path,
+        "llama",
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
         num_hidden_layers=1,
     )
     _run_session(path, "triton", lengths=(5, 20), decode_steps=2, extend=6, block_size=8)

@@ -142,12 +142,7 @@ class PagedCache:
     """
 
     def __init__(
-        self,
-        config: ModelConfig,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype = torch.float32,
-        seed: int = 0,
+        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32, seed: int = 0
     ) -> None:
         generator = torch.Generator().manual_seed(seed)
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)

@@ -5,5 +5,12 @@ from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.text.stopping import StopChecker, StopResult
 from helexa.model.text.tokenizer import Tokenizer
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "IncrementalDetokenizer", "StopChecker", "StopResult", "Tokenizer",
-           "validate_messages"]
+__all__ = [
+    "ChatTemplate",
+    "ChatTemplateError",
+    "IncrementalDetokenizer",
+    "StopChecker",
+    "StopResult",
+    "Tokenizer",
+    "validate_messages",
+]

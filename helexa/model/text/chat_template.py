@@ -1,28 +1,20 @@
-"""Chat templates: Hugging Face Jinja templates rendered in a sandbox, with per-request errors.
+"""Chat templates: untrusted Hugging Face Jinja templates, rendered in a sandbox as transformers does.
 
-A chat template is untrusted code shipped with a model. `ChatTemplate` compiles it once in a
-jinja2 `ImmutableSandboxedEnvironment` configured as Hugging Face's `apply_chat_template` does
-(`trim_blocks`, `lstrip_blocks`, `loopcontrols`, a no-op `{% generation %}` tag, the helpers
-`raise_exception`, `tojson`, `strftime_now`, `dict`, `namespace`), so its output matches
-transformers' for the same inputs. Every failure — a compile error, `raise_exception`, an undefined
-attribute, a type error, a sandbox violation, a runaway loop — is a `ChatTemplateError` (a
-`ValueError`), which the server turns into a 400 for that request only.
-
-Two deliberate differences from transformers, both only visible to hostile templates:
-- reaching for an unsafe attribute (`__class__`, `__globals__`, `__subclasses__`, any `_name`) raises
-  at once; transformers' sandbox renders it as an empty string and raises only on further use;
-- rendering is bounded: `range()` yields at most `MAX_RANGE` (100 000, jinja2's own sandbox cap)
-  items per call, `*` and `**` cannot build values over `_MAX_VALUE_LEN`, output is capped at
-  `max_output_chars`, and a render that runs past `max_render_seconds` is stopped (the clock is
-  checked on every loop step over a `range`, every call and every output chunk).
+The jinja2 `ImmutableSandboxedEnvironment` is set up like transformers' (`trim_blocks`, `lstrip_blocks`,
+`loopcontrols`, a no-op `{% generation %}`, `raise_exception`, `tojson`, `strftime_now`, `dict`,
+`namespace`), so the output matches transformers'. Every failure is a `ChatTemplateError` (a
+`ValueError`). Only hostile templates see a difference: an unsafe attribute (`__class__`, any `_name`)
+raises at once, and rendering is bounded — `range()` to `MAX_RANGE` items, `*` and `**` to
+`_MAX_VALUE_LEN`, output to `max_output_chars`, time to `max_render_seconds` (checked on every step
+over a `range`, every call and every output chunk).
 """
 
 from __future__ import annotations
 
-import contextvars
 import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from datetime import datetime
 from typing import Any
 
@@ -39,9 +31,6 @@ _MAX_VALUE_LEN = 1_000_000  # items/chars a template may build with `*`; digits 
 
 class ChatTemplateError(ValueError):
     """A chat template failed to compile or render (the template's fault or the request's)."""
-
-
-# --------------------------------------------------------------------------- message validation
 
 
 def _plain(value: Any, where: str) -> Any:
@@ -61,13 +50,10 @@ def _plain(value: Any, where: str) -> Any:
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
-    """Check an OpenAI-style message list and return a plain-data copy of it.
-
-    Each message is a dict with a non-empty string `role` and a `content` that is a string, a list
-    of `{"type": "text", "text": str}` parts, or (only for a message carrying `tool_calls`) absent or
-    None. Keys whose value is None are dropped, as transformers does, so templates test them with
-    `is defined`. Raises `ValueError` naming the first offending message and field.
-    """
+    """A plain-data copy of an OpenAI-style message list, keys whose value is None dropped (as
+    transformers does). Each message needs a non-empty string `role` and a `content` that is a string
+    or a list of `{"type": "text", "text": str}` parts (absent only with `tool_calls`); `ValueError`
+    names the first offending message and field."""
     if not isinstance(messages, (list, tuple)):
         raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
     if len(messages) == 0:
@@ -81,49 +67,29 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ValueError(f"{where}.role must be a non-empty string, got {role!r}")
-        if "content" not in message:
-            if "tool_calls" not in message:
-                raise ValueError(f"{where}.content is required (only a message with tool_calls may omit it)")
-        else:
-            content = message["content"]
-            if isinstance(content, list):
-                for j, part in enumerate(content):
-                    if not isinstance(part, dict) or part.get("type") != "text":
-                        raise ValueError(f"{where}.content[{j}] must be a {{'type': 'text', 'text': ...}} part")
-                    if not isinstance(part.get("text"), str):
-                        raise ValueError(f"{where}.content[{j}].text must be a string")
-            elif not isinstance(content, str):
-                raise ValueError(
-                    f"{where}.content must be a string or a list of text parts, got {type(content).__name__}"
-                )
+        content = message.get("content")
+        if "content" not in message and "tool_calls" not in message:
+            raise ValueError(f"{where}.content is required (only a message with tool_calls may omit it)")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise ValueError(f"{where}.content[{j}] must be a {{'type': 'text', 'text': ...}} part")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"{where}.content[{j}].text must be a string")
+        elif "content" in message and not isinstance(content, str):
+            raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
         out.append(message)
     return out
 
 
-# --------------------------------------------------------------------------- the sandbox
-
-
-class _RenderBudget:
-    """The wall-clock deadline of one render; checked from loops, calls and output chunks."""
-
-    __slots__ = ("deadline", "seconds")
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.deadline = time.monotonic() + seconds
-
-    def check(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise SecurityError(f"chat template rendering exceeded {self.seconds:g} s")
-
-
-_budget: contextvars.ContextVar[_RenderBudget | None] = contextvars.ContextVar("helexa_template_budget", default=None)
+# (deadline on the monotonic clock, seconds allowed) of the render in progress in this context
+_budget: ContextVar[tuple[float, float] | None] = ContextVar("helexa_template_budget", default=None)
 
 
 def _check_budget() -> None:
     budget = _budget.get()
-    if budget is not None:
-        budget.check()
+    if budget is not None and time.monotonic() > budget[0]:
+        raise SecurityError(f"chat template rendering exceeded {budget[1]:g} s")
 
 
 class _BoundedRange(Sequence):
@@ -171,24 +137,23 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
+def _check_name(name: Any) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise SecurityError(f"a template namespace cannot hold the underscore-prefixed name {name!r}")
+
+
 class _Namespace(jinja2.utils.Namespace):
     """`namespace()` that refuses underscore-prefixed names (no reaching into Python internals)."""
 
     def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 — mirrors jinja2's Namespace signature
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
+        attrs = dict(*args[1:], **kwargs)
         for name in attrs:
-            _Namespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
+            _check_name(name)
+        jinja2.utils.Namespace.__init__(args[0], attrs)
 
     def __setitem__(self, name: str, value: Any) -> None:
-        _Namespace._check_name(name)
+        _check_name(name)
         jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise SecurityError(f"a template namespace cannot hold the underscore-prefixed name {name!r}")
 
 
 class _TemplateDict:
@@ -212,14 +177,6 @@ def _tojson(
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _too_big(value: Any) -> bool:
-    return isinstance(value, (str, list, tuple, bytes)) and len(value) > _MAX_VALUE_LEN
-
-
 class _ChatSandbox(ImmutableSandboxedEnvironment):
     """The sandbox with unsafe attribute access as an immediate error and bounded `*`, `**` and calls."""
 
@@ -238,7 +195,7 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
             if abs(left) > 1 and right * max(abs(left).bit_length(), 1) > 4 * _MAX_VALUE_LEN:
                 raise SecurityError(f"'{left} ** {right}' is too large")
         result = super().call_binop(context, operator, left, right)
-        if _too_big(result):
+        if isinstance(result, (str, list, tuple, bytes)) and len(result) > _MAX_VALUE_LEN:
             raise SecurityError(f"'{operator}' built a value of {len(result)} items")
         return result
 
@@ -247,38 +204,18 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
         return super().call(__context, __obj, *args, **kwargs)
 
 
-def _make_environment() -> _ChatSandbox:
-    env = _ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["range"] = _BoundedRange
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _Namespace
-    return env
-
-
 def _iterates_content(ast: jinja2.nodes.Template) -> bool:
-    """True when the template loops over a message's `content` (it expects OpenAI content parts)."""
-    for loop in ast.find_all(jinja2.nodes.For):
-        for node in [loop.iter, *loop.iter.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem))]:
-            if isinstance(node, jinja2.nodes.Getattr) and node.attr == "content":
-                return True
-            if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
-                if node.arg.value == "content":
-                    return True
-    return False
-
-
-# --------------------------------------------------------------------------- the template
+    """True when the template loops over a message's `content` (`x.content` or `x["content"]`)."""
+    return any(
+        getattr(node, "attr", None) == "content" or getattr(getattr(node, "arg", None), "value", None) == "content"
+        for loop in ast.find_all(jinja2.nodes.For)
+        for node in [loop.iter, *loop.iter.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem))]
+    )
 
 
 class ChatTemplate:
-    """A compiled chat template. Thread-safe: `render` keeps no state between calls.
-
-    `special_tokens` (e.g. `{"bos_token": "<s>", "eos_token": "</s>"}`) are template variables, as
-    transformers passes its `special_tokens_map`; keyword arguments to `render` override them.
-    """
+    """A compiled chat template; `render` is thread-safe. `special_tokens` (`{"bos_token": "<s>", ...}`)
+    are template variables, as in transformers; keyword arguments to `render` override them."""
 
     def __init__(
         self,
@@ -294,7 +231,15 @@ class ChatTemplate:
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         self.max_render_seconds = max_render_seconds
         self.max_output_chars = max_output_chars
-        env = _make_environment()
+        env = _ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals.update(
+            raise_exception=_raise_exception,
+            strftime_now=lambda fmt: datetime.now().strftime(fmt),
+            range=_BoundedRange,
+            dict=_TemplateDict(),
+            namespace=_Namespace,
+        )
         try:
             ast = env.parse(source)
             self._template = env.from_string(ast)
@@ -313,12 +258,9 @@ class ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
         **extra: Any,
     ) -> str:
-        """Render `messages` (validated by `validate_messages`) to the prompt text.
-
-        Content given as text parts is joined with "\\n" into one string unless the template loops
-        over `content` itself. Raises `ValueError` for malformed messages or tools, and
-        `ChatTemplateError` (a `ValueError`) for anything that goes wrong inside the template.
-        """
+        """The prompt text of `messages` (see `validate_messages`); text parts are joined with "\\n" unless
+        the template loops over `content`. `ValueError` for malformed messages or tools, its subclass
+        `ChatTemplateError` for anything that goes wrong inside the template."""
         messages = validate_messages(messages)
         if self.content_format == "string":
             for message in messages:
@@ -330,7 +272,7 @@ class ChatTemplate:
             tools = _plain(list(tools), "tools")
         variables = {**self.special_tokens, **_plain(extra, "chat template argument")}
         variables.update(messages=messages, add_generation_prompt=bool(add_generation_prompt), tools=tools)
-        token = _budget.set(_RenderBudget(self.max_render_seconds))
+        token = _budget.set((time.monotonic() + self.max_render_seconds, self.max_render_seconds))
         try:
             chunks: list[str] = []
             size = 0

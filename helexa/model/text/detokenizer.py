@@ -1,13 +1,9 @@
 """Incremental detokenisation for streaming: complete characters only, O(window) per token.
 
-Decoding one token at a time is wrong twice over: a byte-level BPE token can end in the middle of
-a multibyte UTF-8 character (é, 中, 😀 span two to four bytes, often split across tokens), and some
-decoders (SentencePiece's `▁`, WordPiece's `##`) render a token differently at the start of a
-string than after another token. So each step decodes a short window twice: the tokens from
-`prefix_offset` to `read_offset` (already emitted), and from `prefix_offset` to the end; the new text
-is what the second adds to the first. While the window's text ends in U+FFFD (a character still
-incomplete) nothing is emitted and the window grows; once the character completes it is emitted
-whole and both offsets move forward, so the window stays a few tokens long.
+A byte-level BPE token can end inside a multibyte UTF-8 character, and some decoders render a token
+differently after another one, so each step decodes a short window twice — from `prefix_offset` to
+`read_offset` (already emitted) and to the end — and emits what the second adds. While that ends in
+U+FFFD (a character still incomplete) nothing is emitted and the window grows; then both offsets move.
 """
 
 from __future__ import annotations
@@ -23,15 +19,12 @@ _PROMPT_CONTEXT = 5  # prompt tokens kept as decoding context, as vLLM does
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of generated token ids into text deltas for one sequence.
+    """Turns one sequence's generated token ids into text deltas.
 
-    Guarantee: after `flush()`, the concatenation of every delta returned by `push` and `flush`
-    equals `tokenizer.decode(output_ids, skip_special_tokens=...)` for byte-level BPE tokenizers
-    (GPT-2, Llama 3, Qwen, SmolLM). With `prompt_ids`, the last few prompt tokens are decoding
-    context only (never emitted); for SentencePiece tokenizers this keeps the leading space of the
-    first generated word, which a standalone decode of the output would strip.
-    A delta never ends inside a multibyte character; text that is still incomplete is held until
-    the next token completes it, or until `flush()` gives it up as U+FFFD at the end.
+    After `flush()` the deltas of `push` and `flush` concatenate to `tokenizer.decode(output_ids,
+    skip_special_tokens=...)` for byte-level BPE tokenizers. The last few `prompt_ids` are decoding
+    context only (for SentencePiece they keep the first word's leading space). A delta never ends
+    inside a multibyte character: incomplete text waits for the next token, or `flush()` (as U+FFFD).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True):
@@ -47,42 +40,33 @@ class IncrementalDetokenizer:
         self._chunks: list[str] = []
 
     @property
-    def output_ids(self) -> list[int]:
-        """The generated token ids pushed so far."""
+    def output_ids(self) -> list[int]:  # the generated token ids pushed so far
         return self._ids[self._num_context :]
 
     @property
-    def text(self) -> str:
-        """All text emitted so far (the concatenation of the deltas)."""
+    def text(self) -> str:  # all text emitted so far (the concatenation of the deltas)
         return "".join(self._chunks)
-
-    def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.backend.decode(self._ids[start:end], skip_special_tokens=self._skip)
 
     def push(self, token_id: int) -> str:
         """Append one generated token; return the newly completed text ("" while a character is incomplete)."""
         if not isinstance(token_id, int) or not 0 <= token_id < self._tokenizer.vocab_size:
             raise ValueError(f"token id {token_id!r} is outside the vocabulary (size {self._tokenizer.vocab_size})")
         self._ids.append(token_id)
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        new_text = self._decode(self._prefix_offset, len(self._ids))
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
-            return ""  # nothing new, or the last character is not complete yet
-        delta = new_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        self._chunks.append(delta)
-        return delta
+        return self._advance(final=False)
 
     def flush(self) -> str:
         """At the end of the sequence: the held-back text, if any (an incomplete character becomes U+FFFD)."""
-        if self._read_offset == len(self._ids):
-            return ""
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        new_text = self._decode(self._prefix_offset, len(self._ids))
+        return self._advance(final=True) if self._read_offset < len(self._ids) else ""
+
+    def _advance(self, final: bool) -> str:
+        """The text the unread tokens add to the window; unless `final`, "" while it ends incomplete."""
+        window = self._ids[self._prefix_offset :]
+        prefix_text = self._tokenizer.backend.decode(window[: self._read_offset - self._prefix_offset], self._skip)
+        new_text = self._tokenizer.backend.decode(window, self._skip)
+        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT)):
+            return ""  # nothing new, or the last character is not complete yet
         delta = new_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         if delta:
             self._chunks.append(delta)
         return delta

@@ -4,18 +4,14 @@
 safe to send: a stop string (which may arrive split over several tokens) and everything after it
 never reach the client, and while streaming, a tail that could still become a stop string is held
 back until it either completes one (and is dropped) or stops matching (and is sent).
-
-`finish_reason` decides, from one sampled token, whether a sequence is done and why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from helexa.model.sampling import SamplingParams
-
-__all__ = ["StopChecker", "StopResult", "finish_reason"]
+__all__ = ["StopChecker", "StopResult"]
 
 
 @dataclass(frozen=True)
@@ -83,26 +79,3 @@ class StopChecker:
                     best = length
                     break
         return best
-
-
-def finish_reason(
-    token_id: int,
-    num_output_tokens: int,
-    params: SamplingParams,
-    eos_token_ids: Sequence[int] | frozenset[int],
-    stop_string_found: bool = False,
-) -> str | None:
-    """Why a sequence finishes after sampling `token_id` as its `num_output_tokens`-th token, or None.
-
-    "stop": the token is in `params.stop_token_ids`, or is an EOS id and `params.ignore_eos` is
-    False, or a stop string was found. "length": `num_output_tokens` reached `params.max_tokens`.
-    A stop takes precedence over length when both happen on the same token. The caller does not
-    detokenize a token that finished the sequence as a stop token or EOS.
-    """
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
-        return "stop"
-    if stop_string_found:
-        return "stop"
-    if num_output_tokens >= params.max_tokens:
-        return "length"
-    return None

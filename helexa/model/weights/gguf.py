@@ -1,21 +1,7 @@
-"""GGUF import: turn a llama.cpp GGUF file into a Hugging Face style model directory.
-
-`convert_gguf(gguf_path, out_dir)` writes, from the file's metadata and tensors alone:
-
-    config.json             LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM
-    model.safetensors       tensors under Hugging Face names, dequantised
-    tokenizer.json          byte-level BPE built with `tokenizers` from the GGUF vocabulary
-    tokenizer_config.json   chat template, special tokens, add_bos_token
-    generation_config.json  bos / eos / pad ids
-
-Weights are dequantised with `gguf.quants.dequantize` and stored as float32 by default: every
-dequantised value of the supported types is exactly representable in float32, so the directory
-holds precisely the numbers llama.cpp multiplies with, and the loader casts to whatever dtype it
-runs in. `dtype="bfloat16"` halves the size at the cost of rounding those values.
-
-llama.cpp stores the q/k projections of `llama` models permuted for its interleaved RoPE; this
-module undoes that so Hugging Face's rotate-half RoPE gives the same result. `qwen2`/`qwen3` files
-use llama.cpp's NeoX RoPE and are stored unpermuted, so they are copied as they are.
+"""GGUF import: a llama.cpp GGUF file into a Hugging Face style directory (config, dequantised
+safetensors, byte-level BPE tokenizer.json, tokenizer and generation configs), from the file alone.
+Dequantised values are exact in float32 (the default): the numbers llama.cpp multiplies with. The q/k
+rows llama.cpp permutes for its interleaved RoPE (`llama`) are un-permuted for rotate-half RoPE.
 """
 
 from __future__ import annotations
@@ -24,9 +10,8 @@ import json
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
@@ -35,14 +20,9 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm.auto import tqdm
 
-__all__ = [
-    "SUPPORTED_ARCHITECTURES",
-    "SUPPORTED_TENSOR_TYPES",
-    "SUPPORTED_PRE_TOKENIZERS",
-    "convert_gguf",
-]
+from helexa.model.text.tokenizer import bos_eos_processor
 
-_Q = gguf.GGMLQuantizationType
+__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_TENSOR_TYPES", "SUPPORTED_PRE_TOKENIZERS", "convert_gguf"]
 
 # Types `gguf.quants.dequantize` turns into float32 that we accept.
 SUPPORTED_TENSOR_TYPES: frozenset[str] = frozenset(
@@ -50,21 +30,18 @@ SUPPORTED_TENSOR_TYPES: frozenset[str] = frozenset(
 )
 
 
-@dataclass(frozen=True)
-class _Architecture:
+class _Arch(NamedTuple):
     """How one GGUF `general.architecture` maps onto a Hugging Face model class."""
 
     hf_class: str
-    model_type: str
     permuted_qk: bool  # llama.cpp permuted q/k rows for its interleaved (non-NeoX) RoPE
-    attention_bias: bool  # q/k/v carry biases
-    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
+    attention_bias: bool | None  # q/k/v carry biases; None: whether the file has them
 
 
-_ARCHITECTURES: dict[str, _Architecture] = {
-    "llama": _Architecture("LlamaForCausalLM", "llama", permuted_qk=True, attention_bias=False, qk_norm=False),
-    "qwen2": _Architecture("Qwen2ForCausalLM", "qwen2", permuted_qk=False, attention_bias=True, qk_norm=False),
-    "qwen3": _Architecture("Qwen3ForCausalLM", "qwen3", permuted_qk=False, attention_bias=False, qk_norm=True),
+_ARCHITECTURES = {
+    "llama": _Arch("LlamaForCausalLM", permuted_qk=True, attention_bias=None),
+    "qwen2": _Arch("Qwen2ForCausalLM", permuted_qk=False, attention_bias=True),
+    "qwen3": _Arch("Qwen3ForCausalLM", permuted_qk=False, attention_bias=False),
 }
 SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(_ARCHITECTURES)
 
@@ -93,7 +70,6 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 # Pre-tokenizer split patterns, keyed by `tokenizer.ggml.pre` (the names llama.cpp uses).
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -110,26 +86,18 @@ _QWEN2_FAMILY = ("qwen2", "deepseek-r1-qwen")
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     """The pre-tokenizer llama.cpp applies for `tokenizer.ggml.pre == pre`."""
-    if pre in _GPT2_FAMILY:
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=True)
-    if pre in _DIGITS_FAMILY:  # every digit its own piece, then the GPT-2 split
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=True),
-            ]
-        )
     split = _LLAMA3_SPLIT if pre in _LLAMA3_FAMILY else _QWEN2_SPLIT if pre in _QWEN2_FAMILY else None
-    if split is None:
+    if split is None and pre not in _GPT2_FAMILY + _DIGITS_FAMILY:
         raise ValueError(
             f"unsupported GGUF pre-tokenizer tokenizer.ggml.pre={pre!r}; supported: {sorted(SUPPORTED_PRE_TOKENIZERS)}"
         )
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-        ]
-    )
+    # Without a split of its own, ByteLevel applies the GPT-2 split.
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=split is None)
+    if split is not None:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+    if pre in _DIGITS_FAMILY:  # every digit its own piece, then the GPT-2 split
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return byte_level
 
 
 SUPPORTED_PRE_TOKENIZERS: frozenset[str] = frozenset(_GPT2_FAMILY + _DIGITS_FAMILY + _LLAMA3_FAMILY + _QWEN2_FAMILY)
@@ -145,18 +113,10 @@ def convert_gguf(
     dtype: str = "float32",
     on_tensor: Callable[[str], None] | None = None,
 ) -> Path:
-    """Convert the GGUF file at `gguf_path` into a Hugging Face style directory `out_dir`.
-
-    Guarantees: on return `out_dir` holds config.json, model.safetensors, tokenizer.json,
-    tokenizer_config.json and generation_config.json, and `model.safetensors` has every tensor of
-    the file under its Hugging Face name in `dtype` ("float32" or "bfloat16"), with llama q/k
-    un-permuted. `out_dir` is created if missing; existing files with those names are overwritten
-    (callers wanting atomicity convert into a fresh directory and rename it, as `pull` does).
-    `on_tensor(gguf_name)` is called before each tensor is converted (a hook for tests).
-
-    Raises ValueError naming what is supported for an unknown architecture, tensor type,
-    tensor name, tokenizer model or pre-tokenizer, or a dtype other than float32/bfloat16.
-    """
+    """Convert the GGUF file at `gguf_path` into the directory `out_dir` (created or overwritten), every
+    tensor under its Hugging Face name in `dtype` ("float32" or "bfloat16"); `on_tensor(gguf_name)` is
+    called before each. ValueError names what is supported for an unknown architecture, tensor type,
+    tensor name, tokenizer model or pre-tokenizer, or another dtype."""
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     gguf_path = Path(gguf_path)
@@ -166,51 +126,7 @@ def convert_gguf(
     meta = _Metadata(reader)
     arch_name = meta.get("general.architecture")
     if arch_name not in _ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch_name!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
-    arch = _ARCHITECTURES[arch_name]
-    _check_tensor_types(reader)
-
-    config = _config(meta, arch_name, arch, {t.name for t in reader.tensors})
-    tokenizer = _tokenizer(meta)
-    tokenizer_config = _tokenizer_config(meta, config)
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = _tensors(reader, config, arch, torch.float32 if dtype == "float32" else torch.bfloat16,
-                       progress, on_tensor)
-    config["torch_dtype"] = dtype
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    _write_json(out_dir / "config.json", config)
-    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
-    _write_json(out_dir / "generation_config.json", _generation_config(meta, config))
-    return out_dir
-
-
-class _Metadata:
-    """Typed access to a GGUF file's key/value metadata."""
-
-    def __init__(self, reader: gguf.GGUFReader) -> None:
-        self._fields = reader.fields
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._fields
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """The value under `key` (str, int, float, bool or list), or `default` if absent."""
-        field = self._fields.get(key)
-        return default if field is None else field.contents()
-
-    def require(self, key: str) -> Any:
-        """The value under `key`; a ValueError naming the key if the file lacks it."""
-        if key not in self._fields:
-            raise ValueError(f"GGUF metadata lacks required key {key!r}")
-        return self._fields[key].contents()
-
-
-def _check_tensor_types(reader: gguf.GGUFReader) -> None:
+        raise ValueError(f"unsupported GGUF architecture {arch_name!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
     bad = {t.name: t.tensor_type.name for t in reader.tensors if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES}
     if bad:
         name, kind = next(iter(bad.items()))
@@ -218,33 +134,84 @@ def _check_tensor_types(reader: gguf.GGUFReader) -> None:
             f"unsupported GGUF tensor type {kind} (tensor {name!r} and {len(bad) - 1} more); "
             f"supported: {', '.join(sorted(SUPPORTED_TENSOR_TYPES))}"
         )
+    tokens: list[str] = list(meta.require("tokenizer.ggml.tokens"))
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    config = _config(meta, arch_name, len(tokens), {t.name for t in reader.tensors})
+    tokenizer = _tokenizer(meta, tokens, types)
+    tokenizer_config = _tokenizer_config(meta, config, tokens, types)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    heads = {".attn_q.": config["num_attention_heads"], ".attn_k.": config["num_key_value_heads"]}
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not progress):
+        if on_tensor is not None:
+            on_tensor(t.name)
+        name = _hf_name(t.name)
+        shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims fastest-first
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)  # float32
+        for part, n_heads in heads.items():
+            if _ARCHITECTURES[arch_name].permuted_qk and part in t.name:
+                w = _unpermute(w, n_heads)
+        w = np.array(w, dtype=np.float32, order="C")  # an own, writable, contiguous copy
+        tensors[name] = torch.from_numpy(w).to(torch.float32 if dtype == "float32" else torch.bfloat16)
+    config["torch_dtype"] = dtype
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    for name, obj in [
+        ("config.json", config),
+        ("tokenizer_config.json", tokenizer_config),
+        ("generation_config.json", _generation_config(meta, config)),
+    ]:
+        (out_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return out_dir
 
 
-def _config(meta: _Metadata, arch_name: str, arch: _Architecture, tensor_names: set[str]) -> dict[str, Any]:
+class _Metadata:
+    """A GGUF file's key/value metadata, each value (str, int, float, bool or list) read on demand."""
+
+    def __init__(self, reader: gguf.GGUFReader) -> None:
+        self._fields = reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return default if key not in self._fields else self._fields[key].contents()
+
+    def require(self, key: str) -> Any:  # a ValueError naming `key` if the file lacks it
+        if key not in self._fields:
+            raise ValueError(f"GGUF metadata lacks required key {key!r}")
+        return self.get(key)
+
+
+def _config(meta: _Metadata, arch_name: str, num_tokens: int, tensor_names: set[str]) -> dict[str, Any]:
     """config.json contents from the `<arch>.*` metadata keys."""
+    arch = _ARCHITECTURES[arch_name]
+
     def key(suffix: str) -> str:
         return f"{arch_name}.{suffix}"
 
     hidden = int(meta.require(key("embedding_length")))
     heads = int(meta.require(key("attention.head_count")))
-    kv_heads = int(meta.get(key("attention.head_count_kv"), heads))
     head_dim = int(meta.get(key("attention.key_length"), hidden // heads))
-    tokens = meta.require("tokenizer.ggml.tokens")
-    vocab_size = int(meta.get(key("vocab_size"), len(tokens)))
-    rope_theta = float(meta.get(key("rope.freq_base"), 10000.0))
+    if arch_name == "qwen2" and head_dim * heads != hidden:
+        raise ValueError(f"qwen2 requires head_dim * heads == hidden_size, got {head_dim} * {heads} != {hidden}")
     if "rope_freqs.weight" in tensor_names:
         raise ValueError("GGUF carries rope_freqs.weight (llama3-style RoPE scaling), which is not supported")
-    rope_scaling = _rope_scaling(meta, key)
-
+    rope_theta = float(meta.get(key("rope.freq_base"), 10000.0))
+    scaling_type = meta.get(key("rope.scaling.type"))
+    if scaling_type not in (None, "none", "linear"):
+        raise ValueError(f"unsupported GGUF RoPE scaling type {scaling_type!r}; supported: none, linear")
+    rope_scaling = None
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(meta.require(key("rope.scaling.factor")))}
     config: dict[str, Any] = {
         "architectures": [arch.hf_class],
-        "model_type": arch.model_type,
-        "vocab_size": vocab_size,
+        "model_type": arch_name,
+        "vocab_size": int(meta.get(key("vocab_size"), num_tokens)),
         "hidden_size": hidden,
         "intermediate_size": int(meta.require(key("feed_forward_length"))),
         "num_hidden_layers": int(meta.require(key("block_count"))),
         "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
+        "num_key_value_heads": int(meta.get(key("attention.head_count_kv"), heads)),
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": int(meta.get(key("context_length"), 2048)),
@@ -259,26 +226,12 @@ def _config(meta: _Metadata, arch_name: str, arch: _Architecture, tensor_names: 
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
-    if arch.model_type == "llama":
-        config["attention_bias"] = any(n.endswith("attn_q.bias") for n in tensor_names)
-        config["mlp_bias"] = False
-    elif arch.model_type in ("qwen2", "qwen3"):
-        config["attention_bias"] = arch.attention_bias
-        config["use_sliding_window"] = False
-        config["sliding_window"] = None
+    if arch.attention_bias is None:  # llama
+        config.update(attention_bias=any(n.endswith("attn_q.bias") for n in tensor_names), mlp_bias=False)
+    else:
+        config.update(attention_bias=arch.attention_bias, use_sliding_window=False, sliding_window=None)
         config["max_window_layers"] = config["num_hidden_layers"]
-    if config["head_dim"] * heads != hidden and arch.model_type == "qwen2":
-        raise ValueError(f"qwen2 requires head_dim * heads == hidden_size, got {head_dim} * {heads} != {hidden}")
     return config
-
-
-def _rope_scaling(meta: _Metadata, key: Callable[[str], str]) -> dict[str, Any] | None:
-    kind = meta.get(key("rope.scaling.type"))
-    if kind in (None, "none"):
-        return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": float(meta.require(key("rope.scaling.factor")))}
-    raise ValueError(f"unsupported GGUF RoPE scaling type {kind!r}; supported: none, linear")
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -293,12 +246,8 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation.
-
-    llama.cpp (for interleaved RoPE) reorders each head's rows from `[first half, second half]`
-    to pairs `(r, r + d/2)` side by side: `w.reshape(h, 2, d/2, ...).swapaxes(1, 2)`. Inverting it
-    restores the half-split layout Hugging Face's `rotate_half` expects. `w`: `[h * d, ...]`.
-    """
+    """Undo llama.cpp's q/k row permutation of `w`: `[h * d, ...]`: it interleaves each head's two row
+    halves into pairs `(r, r + d/2)` (`w.reshape(h, 2, d/2, ...).swapaxes(1, 2)`)."""
     rows = w.shape[0]
     if rows % (2 * n_heads):
         raise ValueError(f"cannot un-permute {rows} rows into {n_heads} heads of even size")
@@ -306,38 +255,11 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensors(
-    reader: gguf.GGUFReader,
-    config: dict[str, Any],
-    arch: _Architecture,
-    dtype: torch.dtype,
-    progress: bool,
-    on_tensor: Callable[[str], None] | None,
-) -> dict[str, torch.Tensor]:
-    """Every tensor of the file, dequantised, renamed and un-permuted, as contiguous `dtype`."""
-    out: dict[str, torch.Tensor] = {}
-    bar = tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not progress)
-    for t in bar:
-        if on_tensor is not None:
-            on_tensor(t.name)
-        name = _hf_name(t.name)
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)  # float32
-        if arch.permuted_qk and ".attn_q." in t.name:
-            w = _unpermute(w, config["num_attention_heads"])
-        elif arch.permuted_qk and ".attn_k." in t.name:
-            w = _unpermute(w, config["num_key_value_heads"])
-        out[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)  # own, writable copy
-    return out
-
-
-def _tokenizer(meta: _Metadata) -> Tokenizer:
+def _tokenizer(meta: _Metadata, tokens: list[str], types: list[int]) -> Tokenizer:
     """A byte-level BPE `tokenizers.Tokenizer` equal to llama.cpp's for this vocabulary."""
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(f"unsupported GGUF tokenizer model {model!r}; supported: 'gpt2' (byte-level BPE)")
-    tokens: list[str] = list(meta.require("tokenizer.ggml.tokens"))
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = []
     for merge in meta.require("tokenizer.ggml.merges"):
         parts = merge.split(" ")
@@ -347,36 +269,17 @@ def _tokenizer(meta: _Metadata) -> Tokenizer:
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError(f"GGUF vocabulary has duplicate tokens ({len(tokens) - len(vocab)} duplicates)")
-
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _TOKEN_CONTROL]
-    )
-    tok.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _TOKEN_USER_DEFINED]
-    )
-    tok.post_processor = _post_processor(meta, tokens)
-    return tok
-
-
-def _post_processor(meta: _Metadata, tokens: list[str]) -> processors.PostProcessor:
-    """Byte-level offsets, plus BOS/EOS insertion when the metadata asks for it."""
-    steps: list[processors.PostProcessor] = [processors.ByteLevel(trim_offsets=False)]
+    for kind, add in ((_TOKEN_CONTROL, tok.add_special_tokens), (_TOKEN_USER_DEFINED, tok.add_tokens)):
+        add([AddedToken(t, special=k == _TOKEN_CONTROL, normalized=False) for t, k in zip(tokens, types) if k == kind])
+    # Byte-level offsets, then BOS/EOS where the metadata asks for them.
     bos = _special(meta, tokens, "bos") if meta.get("tokenizer.ggml.add_bos_token", False) else None
     eos = _special(meta, tokens, "eos") if meta.get("tokenizer.ggml.add_eos_token", False) else None
-    if bos is not None or eos is not None:
-        head = [f"{bos[0]}:0"] if bos else []
-        tail = [f"{eos[0]}:0"] if eos else []
-        steps.append(
-            processors.TemplateProcessing(
-                single=" ".join(head + ["$A:0"] + tail),
-                pair=" ".join(head + ["$A:0"] + tail + head + ["$B:1"] + tail),
-                special_tokens=[s for s in (bos, eos) if s is not None],
-            )
-        )
-    return processors.Sequence(steps)
+    add_specials = [bos_eos_processor(bos, eos)] if bos or eos else []
+    tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False), *add_specials])
+    return tok
 
 
 def _special(meta: _Metadata, tokens: list[str], kind: str) -> tuple[str, int] | None:
@@ -389,9 +292,7 @@ def _special(meta: _Metadata, tokens: list[str], kind: str) -> tuple[str, int] |
     return tokens[token_id], int(token_id)
 
 
-def _tokenizer_config(meta: _Metadata, config: dict[str, Any]) -> dict[str, Any]:
-    tokens: list[str] = list(meta.require("tokenizer.ggml.tokens"))
-    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+def _tokenizer_config(meta: _Metadata, config: dict[str, Any], tokens: list[str], types: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
@@ -400,17 +301,10 @@ def _tokenizer_config(meta: _Metadata, config: dict[str, Any]) -> dict[str, Any]
         "model_max_length": config["max_position_embeddings"],
     }
     for kind in ("bos", "eos", "unk", "pad"):
-        special = _special(meta, tokens, kind)
-        out[f"{kind}_token"] = special[0] if special else None
+        out[f"{kind}_token"] = (_special(meta, tokens, kind) or (None,))[0]
+    flags = dict.fromkeys(("lstrip", "rstrip", "normalized", "single_word"), False)
     out["added_tokens_decoder"] = {
-        str(i): {
-            "content": t,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "single_word": False,
-            "special": k == _TOKEN_CONTROL,
-        }
+        str(i): {"content": t, **flags, "special": k == _TOKEN_CONTROL}
         for i, (t, k) in enumerate(zip(tokens, types))
         if k in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
     }
@@ -427,7 +321,3 @@ def _generation_config(meta: _Metadata, config: dict[str, Any]) -> dict[str, Any
     if eot is not None and out.get("eos_token_id") not in (None, eot):
         out["eos_token_id"] = [out["eos_token_id"], int(eot)]
     return out
-
-
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

