@@ -321,7 +321,7 @@ def add_flags(parser: argparse.ArgumentParser, config_type: type, groups: dict[s
             groups[meta["group"]] = parser.add_argument_group(meta["group"], GROUPS[meta["group"]])
         target = groups[meta["group"]]
         if meta["exclusive"]:
-            key = ("exclusive", meta["exclusive"])
+            key = f"exclusive:{meta['exclusive']}"
             if key not in groups:
                 groups[key] = target.add_mutually_exclusive_group()
             target = groups[key]
@@ -356,7 +356,7 @@ def _flag_type(rule: Rule) -> Callable[[str], Any]:
 
 def from_flags(config_type: type[T], args: argparse.Namespace) -> T:
     """The `config_type` the parsed flags describe (fields without a flag keep their defaults)."""
-    values = {}
+    values: dict[str, Any] = {}
     for f in fields(config_type):  # type: ignore[arg-type]
         if (inner := _nested(f)) is not None:
             values[f.name] = from_flags(inner, args)

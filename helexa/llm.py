@@ -68,7 +68,7 @@ class LLM:
         message) before anything runs; `ValueError` for bad prompts or params.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]  # type: ignore[assignment]  # one prompt (text or token ids): a list of one
         params_list = _params_per_prompt(sampling_params, len(prompts))
         encoded = [self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
         submitted: list[tuple[RequestHandle, float]] = []

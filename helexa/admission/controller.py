@@ -22,10 +22,11 @@ reservation counts only the blocks a sequence does not share (`shared_blocks`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +123,7 @@ class AdmissionController:
         self._new_grants: list[Ticket] = []  # granted since the last poll
         self._new_cancels: list[Ticket] = []  # granted, seen by the engine, then cancelled
         self._effects: list[Callable[[], None]] = []  # log records, written after the lock is released
+        self._wake_due = False  # something the engine loop should see changed: call `wakeup` after the lock
 
         # The FIFO simulation behind every wait estimate (see estimator.py).
         self._plan: FifoPlan | None = None
@@ -156,10 +158,9 @@ class AdmissionController:
                 f"shared_blocks={shared_blocks} exceeds the {prompt_tokens // self.capacity.block_size} full blocks "
                 f"of a {prompt_tokens}-token prompt (block_size={self.capacity.block_size})"
             )
-        with self._lock:
+        with self._critical():
             outcome = self._submit_locked(self._clock(), prompt_tokens, max_tokens, shared_blocks, payload)
-            effects = self._finish_locked()
-        self._run(effects, wake=isinstance(outcome, Ticket))
+            self._wake_due = isinstance(outcome, Ticket)
         if isinstance(outcome, AdmissionRejected):
             raise outcome
         return outcome
@@ -173,7 +174,7 @@ class AdmissionController:
         freed the sequence's blocks and calls `release` — never earlier, so a grant can never be
         given blocks that are still physically in use.
         """
-        with self._lock:
+        with self._critical():
             self._check_owned(ticket)
             now = self._clock()
             changed = True
@@ -192,8 +193,7 @@ class AdmissionController:
                     self._pump(now)
             else:
                 changed = False
-            effects = self._finish_locked()
-        self._run(effects, wake=changed)
+            self._wake_due = changed
         return changed
 
     # ------------------------------------------------------------------ engine side
@@ -204,7 +204,7 @@ class AdmissionController:
         Expired tickets carry `error`: a kv_timeout `AdmissionRejected` whose Retry-After is their
         estimated remaining wait. Lists are in the order events happened (grants in FIFO order).
         """
-        with self._lock:
+        with self._critical():
             now = self._clock() if now is None else now
             expired: list[Ticket] = []
             if self._queue and next(iter(self._queue.values())).deadline <= now:
@@ -223,8 +223,6 @@ class AdmissionController:
             for ticket in granted:
                 ticket.seen_by_engine = True
             cancelled, self._new_cancels = self._new_cancels, []
-            effects = self._finish_locked()
-        self._run(effects, wake=False)
         return PollResult(granted, expired, cancelled)
 
     def progress(
@@ -241,38 +239,28 @@ class AdmissionController:
         `prompt_prefilled <= prompt_tokens`, `blocks_allocated <= blocks_reserved` (a sequence never
         allocates beyond its reservation).
         """
-        with self._lock:
+        with self._critical():
             self._check_owned(ticket)
             if ticket.state is not TicketState.GRANTED:
                 raise ValueError(f"progress() for ticket {ticket.id} in state {ticket.state.value}; it must be granted")
-            if tokens_generated is not None:
-                _check_int("tokens_generated", tokens_generated, 0)
-                if tokens_generated > ticket.max_tokens:
-                    raise ValueError(
-                        f"ticket {ticket.id}: tokens_generated={tokens_generated} exceeds its "
-                        f"max_tokens={ticket.max_tokens}"
-                    )
-                ticket.tokens_generated = tokens_generated
-            if prompt_prefilled is not None:
-                _check_int("prompt_prefilled", prompt_prefilled, 0)
-                if prompt_prefilled > ticket.prompt_tokens:
-                    raise ValueError(
-                        f"ticket {ticket.id}: prompt_prefilled={prompt_prefilled} exceeds its prompt of "
-                        f"{ticket.prompt_tokens} tokens"
-                    )
-                ticket.prompt_prefilled = prompt_prefilled
+            limits = {
+                "tokens_generated": (tokens_generated, ticket.max_tokens, "its max_tokens"),
+                "prompt_prefilled": (prompt_prefilled, ticket.prompt_tokens, "the tokens of its prompt"),
+                "blocks_allocated": (blocks_allocated, ticket.blocks_reserved, "the blocks of its reservation"),
+            }
+            for name, (value, limit, what) in limits.items():
+                if value is not None:
+                    _check_int(name, value, 0)
+                    if value > limit:
+                        raise ValueError(f"ticket {ticket.id}: {name}={value} exceeds {what} ({limit})")
             if blocks_allocated is not None:
-                _check_int("blocks_allocated", blocks_allocated, 0)
-                if blocks_allocated > ticket.blocks_reserved:
-                    raise ValueError(
-                        f"ticket {ticket.id}: blocks_allocated={blocks_allocated} exceeds its reservation of "
-                        f"{ticket.blocks_reserved} blocks"
-                    )
                 self._allocated += blocks_allocated - ticket.blocks_allocated
                 ticket.blocks_allocated = blocks_allocated
+            if tokens_generated is not None:
+                ticket.tokens_generated = tokens_generated
+            if prompt_prefilled is not None:
+                ticket.prompt_prefilled = prompt_prefilled
             self._plan_drifted = True
-            effects = self._finish_locked()
-        self._run(effects, wake=False)
 
     def release(self, ticket: Ticket) -> bool:
         """End a granted ticket's reservation (finish, error, abort): every block returns, the queue is served.
@@ -280,7 +268,7 @@ class AdmissionController:
         Idempotent: False when the ticket had already ended. Raises `ValueError` for a queued
         ticket (use `cancel`).
         """
-        with self._lock:
+        with self._critical():
             self._check_owned(ticket)
             if ticket.state is TicketState.QUEUED:
                 raise ValueError(f"release() of queued ticket {ticket.id}; cancel() withdraws a queued request")
@@ -289,8 +277,7 @@ class AdmissionController:
                 now = self._clock()
                 self._end(ticket, now, TicketState.CANCELLED if ticket.cancel_requested else TicketState.RELEASED)
                 self._pump(now)
-            effects = self._finish_locked()
-        self._run(effects, wake=changed)
+            self._wake_due = changed
         return changed
 
     def next_deadline(self) -> float | None:
@@ -450,6 +437,9 @@ class AdmissionController:
         arith.update(extra)
         return arith
 
+    def _ticket_arith(self, t: Ticket, **extra: Any) -> dict[str, Any]:
+        return self._arith(t.prompt_tokens, t.max_tokens, t.shared_blocks, t.blocks_reserved, None, **extra)
+
     def _backfill_fits(self, now: float, run_seconds: float) -> bool:
         """True when a request of `run_seconds` started now is estimated to end by the head's estimated start."""
         self._ensure_plan(now)
@@ -511,17 +501,13 @@ class AdmissionController:
         self._admitted_after_wait += 1
         if logger.isEnabledFor(logging.INFO):
             fields = _Fields(
-                {
-                    "prompt": ticket.prompt_tokens,
-                    "max_tokens": ticket.max_tokens,
-                    "shared_blocks": ticket.shared_blocks,
-                    "blocks_needed": ticket.blocks_reserved,
-                    **self._gauges(),
-                    "waited_s": _seconds(wait),
-                    "est_wait_s": _seconds(ticket.est_wait_at_arrival),
-                    "deadline_s": self.config.max_wait_secs,
-                    "backfilled": ticket.backfilled,
-                }
+                self._ticket_arith(
+                    ticket,
+                    waited_s=_seconds(wait),
+                    est_wait_s=_seconds(ticket.est_wait_at_arrival),
+                    deadline_s=self.config.max_wait_secs,
+                    backfilled=ticket.backfilled,
+                )
             )
             self._effects.append(lambda: logger.info("admission: admitted ticket=%d %s", ticket.id, fields))
 
@@ -535,29 +521,16 @@ class AdmissionController:
         self._plan_stale = True
 
     def _expire(self, ticket: Ticket, now: float) -> None:
-        cfg = self.config
         del self._queue[ticket.id]
-        left = max(0.0, ticket.est_start - now)
-        waited = now - ticket.arrival
-        arith: dict[str, Any] = {
-            "prompt": ticket.prompt_tokens,
-            "max_tokens": ticket.max_tokens,
-            "shared_blocks": ticket.shared_blocks,
-            "blocks_needed": ticket.blocks_reserved,
-            **self._gauges(),
-            "waited_s": _seconds(waited),
-            "est_wait_s": _seconds(left),
-            "deadline_s": cfg.max_wait_secs,
-        }
-        ticket.state, ticket.ended_at = TicketState.EXPIRED, now
-        ticket.error = self._reject(
-            "kv_timeout",
-            arith,
-            retry_after_seconds(left),
-            why.expired_message(
-                waited, ticket.blocks_reserved, arith["blocks_available"], self.capacity.num_blocks, left
-            ),
+        left, waited = max(0.0, ticket.est_start - now), now - ticket.arrival
+        arith = self._ticket_arith(
+            ticket, waited_s=_seconds(waited), est_wait_s=_seconds(left), deadline_s=self.config.max_wait_secs
         )
+        ticket.state, ticket.ended_at = TicketState.EXPIRED, now
+        message = why.expired_message(
+            waited, ticket.blocks_reserved, arith["blocks_available"], self.capacity.num_blocks, left
+        )
+        ticket.error = self._reject("kv_timeout", arith, retry_after_seconds(left), message)
 
     def _reject(self, reason: str, arith: dict[str, Any], retry_after: int | None, message: str) -> AdmissionRejected:
         if retry_after is not None:
@@ -601,11 +574,9 @@ class AdmissionController:
             for t in self._running.values()
         ]
         plan = FifoPlan(now, self.capacity.num_blocks - self._reserved, cfg.max_num_seqs - len(self._running), releases)
-        decode, prefill = rates.decode_step_seconds, rates.prefill_token_seconds
         queued = self._queue.values()
         starts = plan.extend(
-            (t.blocks_reserved, (t.prompt_tokens - t.prompt_prefilled) * prefill + t.max_tokens * decode)
-            for t in queued
+            (t.blocks_reserved, rates.run_seconds(t.prefill_tokens_left, t.max_tokens)) for t in queued
         )
         for t, start in zip(queued, starts):
             t.est_start = start
@@ -620,13 +591,15 @@ class AdmissionController:
         if not owned and not ticket.state.ended:
             raise ValueError(f"ticket {ticket.id} does not belong to this controller")
 
-    def _finish_locked(self) -> list[Callable[[], None]]:
-        if self._debug:
-            self._check_integrity_locked()
-        effects, self._effects = self._effects, []
-        return effects
-
-    def _run(self, effects: list[Callable[[], None]], wake: bool) -> None:
+    @contextlib.contextmanager
+    def _critical(self) -> Iterator[None]:
+        """Hold the lock for a change; then, outside it, write its log records and wake the engine if due."""
+        with self._lock:
+            yield
+            if self._debug:
+                self._check_integrity_locked()
+            effects, self._effects = self._effects, []
+            wake, self._wake_due = self._wake_due, False
         for effect in effects:
             effect()
         if wake and self._wakeup is not None:

@@ -168,10 +168,10 @@ async def _chain(
 # --------------------------------------------------------------------------- the generation route
 
 
-async def generate(request: Request) -> Response:
+async def generate(request: Request) -> Response | EventStreamResponse:
     """`POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`: one route, shaped by the path's format."""
-    fmt_type = FORMATS[request.url.path]
-    state, req, run = await _start(request, fmt_type.parse, fmt_type.id_prefix)
+    parse, fmt_type = FORMATS[request.url.path]
+    state, req, run = await _start(request, parse, fmt_type.id_prefix)
     fmt = fmt_type(req, run, state.engine.model_name, state.logprobs)
     if req.stream:
         started = await _stream_start(request, run)

@@ -111,7 +111,6 @@ class ApiFormat:
     event and `end(failed)` while streaming (each yields SSE bytes). `failed`: the stream ended on an error
     event (already sent as an error event)."""
 
-    parse: ClassVar[Callable[[dict[str, Any]], GenerationRequest]]
     id_prefix: ClassVar[str]
 
     def __init__(self, req: GenerationRequest, run: GenerationRun, model: str, logprobs: LogprobFormatter) -> None:
@@ -157,14 +156,13 @@ class ApiFormat:
 class ChatFormat(ApiFormat):
     """`POST /v1/chat/completions`."""
 
-    parse = staticmethod(parse_chat)
     id_prefix = "chatcmpl-"
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         return None if self.req.logprobs is None else {"content": self.logprobs.chat(logprobs), "refusal": None}
 
     def body(self) -> dict[str, Any]:
-        choices = [
+        choices: list[dict[str, Any]] = [
             {
                 "index": c.index,
                 "finish_reason": c.finish_reason,
@@ -205,7 +203,6 @@ class ChatFormat(ApiFormat):
 class CompletionFormat(ApiFormat):
     """`POST /v1/completions` (with `echo`: the prompt text before each choice's output)."""
 
-    parse = staticmethod(parse_completion)
     id_prefix = "cmpl-"
 
     def __init__(self, req: GenerationRequest, run: GenerationRun, model: str, logprobs: LogprobFormatter) -> None:
@@ -224,7 +221,7 @@ class CompletionFormat(ApiFormat):
         return self.logprobs.completion(logprobs, offset, want_top=self.req.logprobs > 0)
 
     def body(self) -> dict[str, Any]:
-        choices = []
+        choices: list[dict[str, Any]] = []
         for c in self.run.choices:
             echo = self._echo(c)
             choices.append(
@@ -262,7 +259,6 @@ class CompletionFormat(ApiFormat):
 class ResponsesFormat(ApiFormat):
     """`POST /v1/responses`: one output message; streamed as numbered events (`sequence_number`)."""
 
-    parse = staticmethod(parse_response)
     id_prefix = "resp_"
 
     def __init__(self, req: GenerationRequest, run: GenerationRun, model: str, logprobs: LogprobFormatter) -> None:
@@ -342,8 +338,9 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-FORMATS: dict[str, type[ApiFormat]] = {
-    "/v1/chat/completions": ChatFormat,
-    "/v1/completions": CompletionFormat,
-    "/v1/responses": ResponsesFormat,
+# Each generation path: how its body is parsed, and how its run is shaped.
+FORMATS: dict[str, tuple[Callable[[dict[str, Any]], GenerationRequest], type[ApiFormat]]] = {
+    "/v1/chat/completions": (parse_chat, ChatFormat),
+    "/v1/completions": (parse_completion, CompletionFormat),
+    "/v1/responses": (parse_response, ResponsesFormat),
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from helexa.admission import AdmissionRejected
@@ -161,7 +161,7 @@ class GenerationRun:
         """Output tokens of every choice so far."""
         return sum(len(c.token_ids) for c in self.choices)
 
-    async def events(self) -> AsyncIterator[tuple[Choice, TokenEvent]]:
+    async def events(self) -> AsyncGenerator[tuple[Choice, TokenEvent], None]:
         """`(choice, event)` pairs in arrival order until every choice has ended; each event already folded in.
 
         Leaving the iteration early (an exception, cancellation, `aclose`) aborts the rest.

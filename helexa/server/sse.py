@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
@@ -40,7 +40,7 @@ def sse(data: dict[str, Any], event: str | None = None) -> bytes:
     return f"{head}data: {payload}\n\n".encode()
 
 
-async def until_disconnected(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+async def until_disconnected(receive: Receive) -> None:
     """Return when the ASGI `receive` channel reports `http.disconnect` (call after the body was read)."""
     while True:
         message = await receive()
