@@ -9,7 +9,7 @@ Run by `bench/gpu_check.sh` on a CUDA machine (torch 2.11 / triton 3.6, no netwo
 3. timings with `triton.testing.do_bench` (median; it flushes L2 before every repetition) of
    decode, prefill and write_kv at the issue's shapes (bf16, head_dim 128, 32 query / 8 KV heads),
    each next to SDPA on a gathered contiguous copy, and each output compared with SDPA's;
-4. the allocator kernels of `helexa/kernels/block_alloc.py`, when that module offers a timing hook.
+4. the allocator kernels of `helexa/kernels/block_alloc.py`.
 
 Prints one table (also written to bench/out/gpu_check.md) and exits non-zero if any check failed.
 `--dry-run` runs the same logic on CPU through the Triton interpreter with tiny shapes.
@@ -18,10 +18,12 @@ Prints one table (also written to bench/out/gpu_check.md) and exits non-zero if 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 _ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -37,11 +39,12 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-
-from helexa.kernels import reference  # noqa: E402
-from helexa.kernels.paged_attention import choose_num_splits, paged_attention_triton  # noqa: E402
-from helexa.kernels.write_kv import write_kv_triton  # noqa: E402
 from kernel_problems import Problem, gathered_sdpa, make_problem  # noqa: E402
+
+from helexa.kernels import block_alloc, reference  # noqa: E402
+from helexa.kernels.attention import choose_num_splits, paged_attention_triton  # noqa: E402
+from helexa.kernels.kv_write import write_kv_triton  # noqa: E402
+from helexa.kvcache import BlockAllocator  # noqa: E402
 
 DRY = ARGS.dry_run
 if not DRY and not torch.cuda.is_available():
@@ -97,13 +100,12 @@ def check_attention(label: str, seqs, heads, kv_heads, head_dim, block_size, dty
     p = make_problem(label, seqs, heads, kv_heads, head_dim, block_size, dtype, DEVICE, seed=len(FAILURES) + head_dim)
     out = torch.full_like(p.q, float("nan"))
     paged_attention_triton(*p.args(), out=out, **kw)
-    ref = reference.paged_attention(p.q.double(), p.k_cache.double(), p.v_cache.double(),
-                                    p.block_tables, p.seq_lens, p.query_start_loc)
+    ref = reference.paged_attention(p.q.double(), p.k_cache.double(), p.v_cache.double(), *p.args()[3:])
     err = rel_err(out, ref)
     ok = err < TOLERANCE[dtype]
     if not ok:
         FAILURES.append(f"{label}: rel err {err:.2e}")
-    emit(f"| {label} | {str(dtype).replace('torch.', '')} | {err:.2e} | {'ok' if ok else 'FAIL'} |")
+    emit(f"| {label} | {str(dtype).removeprefix('torch.')} | {err:.2e} | {'ok' if ok else 'FAIL'} |")
 
 
 def check_write_kv(label: str, kv_heads, head_dim, block_size, dtype) -> None:
@@ -121,7 +123,9 @@ def check_write_kv(label: str, kv_heads, head_dim, block_size, dtype) -> None:
     ok = torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     if not ok:
         FAILURES.append(f"{label}: cache differs from the reference")
-    emit(f"| {label} | {str(dtype).replace('torch.', '')} | {'exact' if ok else 'differs'} | {'ok' if ok else 'FAIL'} |")
+    emit(
+        f"| {label} | {str(dtype).removeprefix('torch.')} | {'exact' if ok else 'differs'} | {'ok' if ok else 'FAIL'} |"
+    )
 
 
 def check_large_pool() -> None:
@@ -142,15 +146,18 @@ def check_large_pool() -> None:
     seq_lens = torch.tensor([seq_len, seq_len - 10], dtype=torch.int32, device=DEVICE)
     qsl = torch.tensor([0, 5, 6], dtype=torch.int32, device=DEVICE)
     out = paged_attention_triton(q, k_cache, v_cache, table, seq_lens, qsl)
-    ref = reference.paged_attention(q.double(), k_cache[top].double().contiguous(), v_cache[top].double().contiguous(),
-                                    torch.arange(4, dtype=torch.int32, device=DEVICE).expand(2, -1).contiguous(),
-                                    seq_lens, qsl)
+    small = (k_cache[top].double().contiguous(), v_cache[top].double().contiguous())  # the 4 blocks as 0..3
+    small_table = torch.arange(4, dtype=torch.int32, device=DEVICE).expand(2, -1).contiguous()
+    ref = reference.paged_attention(q.double(), *small, small_table, seq_lens, qsl)
     written = torch.equal(k_cache[torch.tensor(top, device=DEVICE)].flatten(0, 1)[:seq_len], k)
     err = rel_err(out, ref)
     ok = written and err < TOLERANCE[torch.float16]
     if not ok:
         FAILURES.append(f"large pool: written={written} rel err {err:.2e}")
-    emit(f"| pool of {k_cache.numel() / 2**31:.3f} x 2^31 elements, top blocks | float16 | {err:.2e} | {'ok' if ok else 'FAIL'} |")
+    emit(
+        f"| pool of {k_cache.numel() / 2**31:.3f} x 2^31 elements, top blocks | float16 | {err:.2e} "
+        f"| {'ok' if ok else 'FAIL'} |"
+    )
     del k_cache, v_cache
 
 
@@ -171,7 +178,7 @@ def run_checks() -> None:
             check_attention(f"mixed batch D{d}", MIXED, heads, kv, d, 16, torch.bfloat16)
             check_attention(f"decode batch (split) D{d}", DECODE, heads, kv, d, 16, torch.bfloat16)
             check_write_kv(f"write_kv D{d}", kv, d, 16, torch.bfloat16)
-    for h, k in ([(4, 4), (8, 1), (6, 2)] if DRY else [(8, 8), (32, 4), (16, 1), (12, 4)]):
+    for h, k in [(4, 4), (8, 1), (6, 2)] if DRY else [(8, 8), (32, 4), (16, 1), (12, 4)]:
         check_attention(f"mixed batch {h}q/{k}kv", MIXED, h, k, main_dim, 16, torch.bfloat16)
         check_attention(f"decode batch (split) {h}q/{k}kv", DECODE, h, k, main_dim, 16, torch.bfloat16)
     for bs in (8, 32, 64):
@@ -209,18 +216,19 @@ def _ragged(batch: int, lo: int, hi: int) -> list[tuple[int, int]]:
 
 if DRY:
     DECODE_SHAPES = [("B1x256", [(255, 1)], 16), ("B4x64", [(63, 1)] * 4, 16),
-                     ("ragged 16-128", _ragged(4, 16, 128), 16), ("B4x64", [(63, 1)] * 4, 32)]
+                     ("ragged 16-128", _ragged(4, 16, 128), 16), ("B4x64", [(63, 1)] * 4, 32)]  # fmt: skip
     PREFILL_SHAPES = [("prefill 128 causal", [(0, 128)]), ("32 chunk over 96", [(96, 32)]),
-                      ("4x32 varlen", [(0, 32)] * 4)]
+                      ("4x32 varlen", [(0, 32)] * 4)]  # fmt: skip
     WRITE_TOKENS = 256
 else:
     DECODE_SHAPES = [("B1x32k", [(32767, 1)], 16), ("B8x8k", [(8191, 1)] * 8, 16), ("B32x4k", [(4095, 1)] * 32, 16),
                      ("B64x8k", [(8191, 1)] * 64, 16), ("B256x1k", [(1023, 1)] * 256, 16),
                      ("ragged B64 256-4k", _ragged(64, 256, 4096), 16),
                      ("B64x8k", [(8191, 1)] * 64, 32), ("B64x8k", [(8191, 1)] * 64, 64),
-                     ("ragged B64 256-4k", _ragged(64, 256, 4096), 32), ("ragged B64 256-4k", _ragged(64, 256, 4096), 64)]
+                     ("ragged B64 256-4k", _ragged(64, 256, 4096), 32),
+                     ("ragged B64 256-4k", _ragged(64, 256, 4096), 64)]  # fmt: skip
     PREFILL_SHAPES = [("prefill 8k causal", [(0, 8192)]), ("2k chunk over 6k prefix", [(6144, 2048)]),
-                      ("16x1k varlen", [(0, 1024)] * 16)]
+                      ("16x1k varlen", [(0, 1024)] * 16)]  # fmt: skip
     WRITE_TOKENS = 8192
 
 
@@ -233,7 +241,7 @@ def _sdpa_error(p: Problem, ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 def time_attention(kind: str, name: str, seqs, block_size: int, copy_bw: float) -> None:
     p = make_problem(name, seqs, HEADS, KV_HEADS, HEAD_DIM, block_size, DTYPE, DEVICE, seed=11)
-    ours_fn = lambda: paged_attention_triton(*p.args())  # noqa: E731
+    ours_fn = functools.partial(paged_attention_triton, *p.args())
     sdpa_fn = gathered_sdpa(p)
     err = _sdpa_error(p, ours_fn(), sdpa_fn())
     ok = err < TOLERANCE[DTYPE]
@@ -242,14 +250,20 @@ def time_attention(kind: str, name: str, seqs, block_size: int, copy_bw: float) 
     t_ours, t_sdpa = median_seconds(ours_fn), median_seconds(sdpa_fn)
     batch = len(seqs)
     if kind == "decode":
-        splits = choose_num_splits(batch * KV_HEADS, torch.cuda.get_device_properties(0).multi_processor_count) if not DRY else 3
+        sms = 0 if DRY else torch.cuda.get_device_properties(0).multi_processor_count
+        splits = 3 if DRY else choose_num_splits(batch * KV_HEADS, sms)
         ours_rate, sdpa_rate = p.decode_bytes / t_ours / 1e9, p.decode_bytes / t_sdpa / 1e9
-        emit(f"| decode | {name} | {block_size} | {splits} | {t_ours * 1e6:9.1f} | {ours_rate:8.1f} GB/s | "
-             f"{ours_rate * 1e9 / copy_bw:6.1%} | {t_sdpa * 1e6:9.1f} | {sdpa_rate:8.1f} GB/s | {err:.1e} {'ok' if ok else 'FAIL'} |")
+        emit(
+            f"| decode | {name} | {block_size} | {splits} | {t_ours * 1e6:9.1f} | {ours_rate:8.1f} GB/s | "
+            f"{ours_rate * 1e9 / copy_bw:6.1%} | {t_sdpa * 1e6:9.1f} | {sdpa_rate:8.1f} GB/s | "
+            f"{err:.1e} {'ok' if ok else 'FAIL'} |"
+        )
     else:
         ours_rate, sdpa_rate = p.causal_flops / t_ours / 1e12, p.causal_flops / t_sdpa / 1e12
-        emit(f"| prefill | {name} | {block_size} | 1 | {t_ours * 1e6:9.1f} | {ours_rate:8.1f} TFLOP/s | - | "
-             f"{t_sdpa * 1e6:9.1f} | {sdpa_rate:8.1f} TFLOP/s | {err:.1e} {'ok' if ok else 'FAIL'} |")
+        emit(
+            f"| prefill | {name} | {block_size} | 1 | {t_ours * 1e6:9.1f} | {ours_rate:8.1f} TFLOP/s | - | "
+            f"{t_sdpa * 1e6:9.1f} | {sdpa_rate:8.1f} TFLOP/s | {err:.1e} {'ok' if ok else 'FAIL'} |"
+        )
     del p, sdpa_fn
 
 
@@ -266,34 +280,52 @@ def time_write_kv(copy_bw: float) -> None:
     t_ours = median_seconds(lambda: write_kv_triton(k, v, k_cache, v_cache, slots))
     t_ref = median_seconds(lambda: reference.write_kv(k, v, k_cache, v_cache, slots))
     moved = 4 * k.numel() * k.element_size() + slots.numel() * slots.element_size()
-    emit(f"| write_kv | {WRITE_TOKENS} tokens | {block_size} | - | {t_ours * 1e6:9.1f} | {moved / t_ours / 1e9:8.1f} GB/s | "
-         f"{moved / t_ours / copy_bw:6.1%} | {t_ref * 1e6:9.1f} | {moved / t_ref / 1e9:8.1f} GB/s (torch index_put) | exact |")
+    emit(
+        f"| write_kv | {WRITE_TOKENS} tokens | {block_size} | - | {t_ours * 1e6:9.1f} "
+        f"| {moved / t_ours / 1e9:8.1f} GB/s | {moved / t_ours / copy_bw:6.1%} | {t_ref * 1e6:9.1f} "
+        f"| {moved / t_ref / 1e9:8.1f} GB/s (torch index_put) | exact |"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. allocator kernels (helexa/kernels/block_alloc.py, written with the kvcache package)
+# 4. allocator kernels (helexa/kernels/block_alloc.py)
 # ---------------------------------------------------------------------------------------------
-def time_allocator() -> None:
-    """Times the allocator kernels through a hook the allocator module provides.
-
-    Contract for `helexa/kernels/block_alloc.py`: define
-    `gpu_check_cases(device: str) -> list[tuple[str, Callable[[], None]]]`, each callable running
-    one allocator kernel on inputs it prepared (and restoring its state so it can repeat). Each is
-    timed here with the same method as the kernels above.
+def allocator_cases(device: str) -> list[tuple[str, Callable[[], None]]]:
+    """Allocator launches on prepared inputs, each repeatable: a pool of 65536 blocks and 256 decoding
+    sequences on CUDA (16 in a dry run). The operations run on the device state of a `BlockAllocator`
+    directly (its host mirror is never consulted): pop and extend take the host `top` as an argument,
+    so a rerun with the same `top` rewrites the same ids (only the device counter moves); "pop+push"
+    pops blocks and pushes them back (same free set and refcounts, the segment reversed).
     """
-    try:
-        from helexa.kernels import block_alloc
-    except ModuleNotFoundError as exc:
-        if exc.name != "helexa.kernels.block_alloc":
-            raise
-        emit("| allocator | helexa/kernels/block_alloc.py not present yet | | | | | | | | |")
-        return
-    cases = getattr(block_alloc, "gpu_check_cases", None)
-    if cases is None:
-        names = sorted(n for n in dir(block_alloc) if n.endswith("_triton") and not n.startswith("_"))
-        emit(f"| allocator | {', '.join(names) or 'no *_triton functions'}: no gpu_check_cases() hook to time them | | | | | | | | |")
-        return
-    for name, fn in cases(DEVICE):
+    num_blocks, block_size = 65536, 16
+    state = BlockAllocator(num_blocks, device, backend="triton")
+    batch = 256 if state.device.type == "cuda" else 16
+    tables = torch.zeros(batch, 64, dtype=torch.int32, device=device)  # (B, 64)
+    rows = torch.arange(batch, dtype=torch.int32, device=device)  # (B,)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)  # (B+1,) one token each
+
+    def pop_push() -> None:
+        ids = block_alloc.pop_blocks(state, num_blocks, batch)
+        block_alloc.push_blocks(state, num_blocks - batch, ids)
+
+    def extend(context: int, total_new: int) -> Callable[[], None]:
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)  # (B,)
+        alloc_start = rows.clone() if total_new else torch.zeros_like(rows)  # (B,)
+        return lambda: block_alloc.extend_tables(
+            state, num_blocks, total_new, tables, rows, seq_lens, qsl, alloc_start, 2, batch, block_size
+        )
+
+    return [
+        (f"pop_blocks {batch}", lambda: block_alloc.pop_blocks(state, num_blocks, batch)),
+        (f"pop+push {batch} blocks", pop_push),
+        # context 16 -> 17 crosses into a second block; 17 -> 18 stays in it
+        (f"extend_tables {batch} seqs decode, 1 new block each", extend(17, batch)),
+        (f"extend_tables {batch} seqs decode, no new block", extend(18, 0)),
+    ]
+
+
+def time_allocator() -> None:
+    for name, fn in allocator_cases(DEVICE):
         t = median_seconds(fn)
         emit(f"| allocator | {name} | - | - | {t * 1e6:9.1f} | - | - | - | - | - |")
 
@@ -313,10 +345,15 @@ def main() -> int:
     os.environ["HELEXA_DEBUG"] = "0"  # no host syncs while timing
 
     copy_bw = copy_bandwidth()
-    emit(f"## timings ({str(DTYPE).replace('torch.', '')}, {HEADS}q/{KV_HEADS}kv heads, head_dim {HEAD_DIM}); "
-         f"device copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write of a {COPY_BYTES >> 20} MiB buffer)")
+    emit(
+        f"## timings ({str(DTYPE).replace('torch.', '')}, {HEADS}q/{KV_HEADS}kv heads, head_dim {HEAD_DIM}); "
+        f"device copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write of a {COPY_BYTES >> 20} MiB buffer)"
+    )
     emit()
-    emit("| kernel | shape | block | splits | helexa µs | helexa | of copy BW | baseline µs | SDPA (gathered copy) | vs SDPA |")
+    emit(
+        "| kernel | shape | block | splits | helexa µs | helexa | of copy BW | baseline µs "
+        "| SDPA (gathered copy) | vs SDPA |"
+    )
     emit("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     jobs = [("decode", n, s, bs) for n, s, bs in DECODE_SHAPES] + [("prefill", n, s, 16) for n, s in PREFILL_SHAPES]
     for kind, name, seqs, bs in jobs:

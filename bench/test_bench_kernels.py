@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_problems import gathered_sdpa, make_problem
 
 from helexa.kernels import reference
-from helexa.kernels.paged_attention import paged_attention_triton
-from helexa.kernels.write_kv import write_kv_triton
-
-from kernel_problems import gathered_sdpa, make_problem
+from helexa.kernels.attention import paged_attention_triton
+from helexa.kernels.kv_write import write_kv_triton
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 DEVICE = "cuda" if CUDA else "cpu"
@@ -50,6 +49,7 @@ def _timed(fn):
     def run():
         fn()
         _sync()
+
     return run
 
 

@@ -51,7 +51,9 @@ def _report(benchmark, name: str, per_call: int, unit: str, baseline: str | None
     _results[name] = mean
     line = f"\n{name}: {mean * 1e6:.1f} us/call, {per_call / mean:,.0f} {unit}/s"
     if baseline and baseline in _results:
-        line += f" (baseline {baseline}: {per_call / _results[baseline]:,.0f} {unit}/s, x{_results[baseline] / mean:.2f})"
+        line += (
+            f" (baseline {baseline}: {per_call / _results[baseline]:,.0f} {unit}/s, x{_results[baseline] / mean:.2f})"
+        )
     print(line)
 
 
@@ -131,7 +133,9 @@ def test_extend_batchbuilder_cpu(benchmark, monkeypatch: pytest.MonkeyPatch, con
 
     benchmark.pedantic(lambda: builder.build(state["batch"]), setup=setup, rounds=50)
     builder.check_integrity()
-    _report(benchmark, f"extend-256 BatchBuilder(torch, cpu) {context}", NUM_SEQS, "seqs", f"extend-256 python {context}")
+    _report(
+        benchmark, f"extend-256 BatchBuilder(torch, cpu) {context}", NUM_SEQS, "seqs", f"extend-256 python {context}"
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

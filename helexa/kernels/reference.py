@@ -1,9 +1,7 @@
-"""Pure-torch references of the kernels: the oracle for tests and the CPU execution path.
+"""Pure-torch `write_kv` and `paged_attention`: the oracle of the tests and the CPU execution path.
 
-Same names and signatures as the public kernels in `helexa.kernels` (see SPEC.md, Kernels).
-Written for clarity over speed, but vectorised over tokens and heads so a small model can serve
-from them on CPU: the only Python loop is over the sequences of the batch (and, for very long
-prefills, over chunks of queries to bound the score matrix).
+Same signatures as the public kernels of `helexa.kernels`; vectorised over tokens and heads, with a
+Python loop only over the sequences (and over query chunks of very long prefills).
 """
 
 from __future__ import annotations
@@ -11,29 +9,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from helexa.kernels._checks import check_paged_attention, check_write_kv
+from helexa.kernels._checks import TRITON_DTYPES, check_paged_attention, check_write_kv
 
 __all__ = ["write_kv", "paged_attention"]
 
-# The references also accept float64 so tests can compute the oracle in double precision.
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_FLOAT_DTYPES = (*TRITON_DTYPES, torch.float64)  # float64: the tests' oracle
 # Bound on score-matrix elements per chunk of queries (~256 MiB in fp32).
 _MAX_SCORE_ELEMENTS = 1 << 26
 
 
 def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatter new K/V rows into their cache slots, in place.
+    """Scatter new K/V rows into their cache slots, in place, for caches of any strides.
 
-    k, v: (T, KVH, D) new keys/values; k_cache, v_cache: (NB, BS, KVH, D);
-    slot_mapping: (T,) int — token t goes to block `slot // BS`, row `slot % BS`; `-1` skips it.
-    Guarantees: every slot named in `slot_mapping` holds its row afterwards; no other cache entry
-    changes. Works for any strides of the caches.
+    k, v: (T, KVH, D); k_cache, v_cache: (NB, BS, KVH, D); slot_mapping: (T,) int32/int64. Token t
+    goes to block `slot // BS`, row `slot % BS`; slot -1 skips it. Nothing else in the caches changes.
     """
     check_write_kv(k, v, k_cache, v_cache, slot_mapping, _FLOAT_DTYPES)
     block_size = k_cache.shape[1]
@@ -56,15 +47,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """Variable-length causal attention over the paged KV cache (decode, prefill and extend alike).
 
-    q: (T, H, D), the new query tokens of all sequences back to back; k_cache, v_cache:
-    (NB, BS, KVH, D) with H a multiple of KVH (query head h reads KV head h // (H // KVH));
-    block_tables: (B, MB) block ids per sequence; seq_lens: (B,) context lengths including the new
-    tokens; query_start_loc: (B+1,) prefix sums of query lengths; scale defaults to D**-0.5;
-    out: optional (T, H, D) output buffer.
-    Query i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to the positions
-    <= it. Scores and softmax are computed in float32 (float64 for float64 inputs). Returns
-    (T, H, D) in q's dtype (`out` itself when given). Synchronises with the device (reads the
-    lengths on the host).
+    q: (T, H, D), the new queries of all sequences back to back; k_cache, v_cache: (NB, BS, KVH, D),
+    H a multiple of KVH (query head h reads KV head h // (H // KVH)); block_tables: (B, MB);
+    seq_lens: (B,) context lengths including the new tokens; query_start_loc: (B+1,) prefix sums of
+    query lengths; scale defaults to D**-0.5; out: optional (T, H, D) buffer. Query i of sequence b
+    sits at position seq_lens[b] - q_len_b + i and attends to positions <= it. Softmax in float32
+    (float64 for float64 inputs). Returns (T, H, D) in q's dtype (`out` itself when given). Reads
+    the lengths on the host (a device sync).
     """
     check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, _FLOAT_DTYPES)
     total_q, num_heads, head_dim = q.shape
@@ -77,23 +66,17 @@ def paged_attention(
 
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    decode = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
-    if len(decode) > 1:
+    decode = {b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1}
+    if len(decode) > 1:  # batched in a few matmuls; the loop below does the others
         _decode_batched(q, k_cache, v_cache, block_tables, lens, starts, decode, scale, compute_dtype, out)
-    decoded = set(decode) if len(decode) > 1 else set()
     for b, seq_len in enumerate(lens):
-        if b in decoded:
-            continue
         q_start, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_start
-        if q_len == 0:
+        if q_len == 0 or (b in decode and len(decode) > 1):
             continue
-        num_blocks = -(-seq_len // block_size)
-        blocks = block_tables[b, :num_blocks].long()  # (nb,)
-        k = k_cache[blocks].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]  # (N, KVH, D)
-        v = v_cache[blocks].reshape(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]  # (N, KVH, D)
-        k = k.to(compute_dtype).transpose(0, 1)  # (KVH, N, D)
-        v = v.to(compute_dtype).transpose(0, 1)  # (KVH, N, D)
+        blocks = block_tables[b, : -(-seq_len // block_size)].long()  # (nb,)
+        # (KVH, N, D) each
+        k, v = (c[blocks].flatten(0, 1)[:seq_len].to(compute_dtype).transpose(0, 1) for c in (k_cache, v_cache))
         key_pos = torch.arange(seq_len, device=q.device)  # (N,)
 
         chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, num_heads * seq_len))
@@ -101,8 +84,9 @@ def paged_attention(
             # A whole prompt in one call of torch's fused causal attention (the CPU serving path);
             # float64 — the tests' oracle — keeps the explicit softmax below.
             qs = q[q_start:q_end].to(compute_dtype).transpose(0, 1)[None]  # (1, H, L, D)
-            o = F.scaled_dot_product_attention(qs, k[None], v[None], is_causal=True, scale=scale,
-                                               enable_gqa=True)  # (1, H, L, D)
+            o = F.scaled_dot_product_attention(
+                qs, k[None], v[None], is_causal=True, scale=scale, enable_gqa=True
+            )  # (1, H, L, D)
             out[q_start:q_end] = o[0].transpose(0, 1).to(out.dtype)
             continue
         for c0 in range(0, q_len, chunk):
@@ -126,17 +110,14 @@ def _decode_batched(
     block_tables: torch.Tensor,
     lens: list[int],
     starts: list[int],
-    decode: list[int],
+    decode: set[int],
     scale: float,
     compute_dtype: torch.dtype,
     out: torch.Tensor,
 ) -> None:
-    """Single-token queries of many sequences in a few batched matmuls (the CPU decode fast path).
-
-    Sequences are gathered in groups whose padded K/V stay under `_MAX_SCORE_ELEMENTS` elements;
-    positions past a sequence's length are masked out of the scores and zeroed in V, so whatever
-    the padding blocks hold (even NaN) never reaches the output. Same result as the per-sequence
-    path up to float summation order.
+    """Single-token queries of the sequences `decode` in a few batched matmuls (the CPU decode path),
+    in groups whose padded K/V stay under `_MAX_SCORE_ELEMENTS` elements. Positions past a sequence's
+    end are masked out of the scores and zeroed in V, so the padding (even NaN) never reaches `out`.
     """
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

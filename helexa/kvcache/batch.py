@@ -1,18 +1,12 @@
 """Block tables and the per-step batch builder: grow each sequence's table, emit `AttentionMetadata`.
 
-The engine's whole use, once per step:
-
     builder = BatchBuilder(pool, max_num_seqs=256, max_model_len=8192)
     table = builder.new_table()                        # when a sequence starts running
     attn = builder.build([(table, 7), (other, 1)])     # every step: (table, new tokens) pairs
-    ... model forward with attn and pool.kv_caches() ...
     builder.release(table)                             # when the sequence ends (or is preempted)
 
-`build` extends every table by the blocks its new tokens need (allocating them from the pool),
-and returns the step's `AttentionMetadata` in one call. Its device work is one host-to-device
-copy of 4B+1 int32s and one allocator launch (a Triton kernel on CUDA); nothing is read back, so
-it never waits for the device. The host knows every block id from the allocator's mirror, so a
-`BlockTable` always lists its blocks without a sync.
+A step's device work is one host-to-device copy of 4B+1 int32s and one allocator launch; block ids
+come from the allocator's host mirror, so nothing waits for the device.
 """
 
 from __future__ import annotations
@@ -22,6 +16,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from helexa.kvcache.allocator import BlockIds, OutOfBlocks
+from helexa.kvcache.budget import check_int
 from helexa.kvcache.metadata import AttentionMetadata
 from helexa.kvcache.pool import BlockPool
 
@@ -35,10 +30,9 @@ def _cdiv(a: int, b: int) -> int:
 class BlockTable:
     """One sequence's blocks, in order: token `i` lives in block `block_ids[i // block_size]`.
 
-    Created by `BatchBuilder.new_table`, grown only by `BatchBuilder.build`, ended by
-    `BatchBuilder.release`. `num_tokens` counts the tokens with a slot (context so far); the
-    table always holds exactly `cdiv(num_tokens, block_size)` blocks. The ids are a host copy of
-    row `row` of the builder's device table.
+    Made by `BatchBuilder.new_table`, grown by `build`, ended by `release`. It holds exactly
+    `cdiv(num_tokens, block_size)` blocks (`num_tokens`: the tokens with a slot), a host copy of
+    row `row` of the builder's device tables.
     """
 
     __slots__ = ("_builder", "row", "_block_ids", "num_tokens", "_released")
@@ -67,10 +61,8 @@ class BlockTable:
 
     def blocks_needed(self, num_new_tokens: int) -> int:
         """Blocks that `num_new_tokens` more tokens would add to this table."""
-        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be a non-negative int, got {num_new_tokens!r}")
-        block_size = self._builder.pool.block_size
-        return _cdiv(self.num_tokens + num_new_tokens, block_size) - len(self._block_ids)
+        check_int(num_new_tokens, "num_new_tokens", 0)
+        return _cdiv(self.num_tokens + num_new_tokens, self._builder.pool.block_size) - len(self._block_ids)
 
     def __repr__(self) -> str:
         state = ", released" if self._released else ""
@@ -80,20 +72,15 @@ class BlockTable:
 class BatchBuilder:
     """Owns the device block tables of up to `max_num_seqs` sequences and builds each step's metadata.
 
-    `tables` is a (max_num_seqs, cdiv(max_model_len, block_size)) int32 tensor on the pool's
-    device; each live `BlockTable` owns one row. Guarantees (checked by `check_integrity`): each
-    live table's device row starts with its host block ids; every block a table lists holds a
-    reference for it; `num_blocks == cdiv(num_tokens, block_size)`.
-    Not thread-safe: the engine thread owns it.
+    `tables`: (max_num_seqs, cdiv(max_model_len, block_size)) int32 on the pool's device, one row per
+    live `BlockTable`. Guarantees (checked by `check_integrity`): a live table's device row starts
+    with its host block ids, each of which holds a reference for it. Not thread-safe.
     """
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_model_len: int) -> None:
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.pool = pool
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
+        self.max_num_seqs = check_int(max_num_seqs, "max_num_seqs")
+        self.max_model_len = check_int(max_model_len, "max_model_len")
         self.max_blocks_per_seq = _cdiv(max_model_len, pool.block_size)
         self.tables = torch.zeros(
             max_num_seqs, self.max_blocks_per_seq, dtype=torch.int32, device=pool.device
@@ -106,15 +93,10 @@ class BatchBuilder:
         """Tables created and not yet released."""
         return len(self._live)
 
-    # ---------------------------------------------------------------- table lifecycle
-
     def new_table(self, shared_blocks: BlockIds = ()) -> BlockTable:
-        """A table for a new sequence, empty or starting with full blocks shared with others.
-
-        `shared_blocks` (allocated, e.g. by the prefix cache) gain one reference each and become
-        the table's first blocks, holding `len(shared_blocks) * block_size` tokens. Raises
-        `ValueError` when all `max_num_seqs` rows are in use or a shared block is invalid.
-        """
+        """A table for a new sequence, starting with `shared_blocks` (full, allocated blocks, e.g. from a
+        prefix cache; each gains a reference). Raises `ValueError` when all rows are in use or a shared
+        block is invalid."""
         if not self._free_rows:
             raise ValueError(f"all {self.max_num_seqs} block-table rows are in use (max_num_seqs)")
         ids = shared_blocks.tolist() if isinstance(shared_blocks, torch.Tensor) else list(shared_blocks)
@@ -129,17 +111,13 @@ class BatchBuilder:
         return table
 
     def release(self, table: BlockTable) -> None:
-        """Drop the table's reference to each of its blocks and free its row (no device sync).
-
-        Blocks no one else holds return to the pool. Releasing a table twice raises `ValueError`.
-        """
+        """Drop the table's reference to each of its blocks and free its row (no device sync); blocks no
+        one else holds return to the pool. Releasing a table twice raises `ValueError`."""
         self._check_live(table)
         self.pool.decref(table._block_ids)
         table._released = True
         del self._live[table.row]
         self._free_rows.append(table.row)
-
-    # ---------------------------------------------------------------- per step
 
     def blocks_needed(self, batch: Iterable[tuple[BlockTable, int]]) -> int:
         """Blocks `build(batch)` would allocate (the check half of check/commit)."""
@@ -150,17 +128,12 @@ class BatchBuilder:
         return self.blocks_needed(batch) <= self.pool.num_free_blocks
 
     def build(self, batch: Sequence[tuple[BlockTable, int]]) -> AttentionMetadata:
-        """Extend each (table, num_new_tokens) by the blocks its new tokens need; return the step's metadata.
-
-        Sequences appear in the metadata in the order given; sequence b's new tokens are
-        `query_start_loc[b]:query_start_loc[b+1]` and take the positions after its current
-        `num_tokens`. New blocks are allocated in batch order. Returns `AttentionMetadata` with
-        `slot_mapping` (T,) int64, `block_tables` (B, max new blocks) int32 padded with 0,
-        `seq_lens` (B,) int32 (including the new tokens), `query_start_loc` (B+1,) int32.
-        Raises `OutOfBlocks` when the pool lacks the blocks, `ValueError` for an empty batch, a
-        repeated or released table, a count < 1 or a sequence beyond `max_model_len`; in every
-        error case nothing changes. No device synchronisation.
-        """
+        """Grow each (table, num_new_tokens) by the blocks its new tokens need (allocated in batch order)
+        and return the step's metadata, sequences in the order given: `slot_mapping` (T,) int64,
+        `block_tables` (B, max blocks) int32 zero-padded, `seq_lens` (B,) int32 including the new
+        tokens, `query_start_loc` (B+1,) int32. Raises `OutOfBlocks` when the pool lacks the blocks,
+        `ValueError` for an empty batch, a repeated or released table, a count < 1 or a sequence over
+        `max_model_len`, changing nothing either way. No device synchronisation."""
         entries = list(batch)
         if not entries:
             raise ValueError("build needs at least one (table, num_new_tokens) pair")
@@ -174,8 +147,7 @@ class BatchBuilder:
         seen_rows: set[int] = set()
         for table, n in entries:
             self._check_live(table)
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"num_new_tokens must be an int >= 1, got {n!r} for {table!r}")
+            check_int(n, f"num_new_tokens of {table!r}")
             if table.row in seen_rows:
                 raise ValueError(f"{table!r} appears twice in one step")
             seen_rows.add(table.row)
@@ -188,22 +160,15 @@ class BatchBuilder:
             seq_lens.append(seq_len)
             rows.append(table.row)
             alloc_start.append(total_new)
-            blocks = -(-seq_len // block_size)
-            new_blocks.append(blocks)
-            total_new += blocks - len(table._block_ids)
+            new_blocks.append(_cdiv(seq_len, block_size))
+            total_new += new_blocks[-1] - len(table._block_ids)
         if total_new > self.pool.num_free_blocks:
             raise OutOfBlocks(total_new, self.pool.num_free_blocks, self.pool.num_blocks)
 
-        num_seqs = len(entries)
-        num_tokens = query_start_loc[-1]
-        width = max(new_blocks)
+        b, width, num_tokens = len(entries), max(new_blocks), query_start_loc[-1]
         packed = torch.tensor(query_start_loc + seq_lens + rows + alloc_start, dtype=torch.int32)  # (4B+1,)
-        packed = packed.to(self.pool.device, non_blocking=True)
-        qsl_d = packed[: num_seqs + 1]  # (B+1,)
-        seq_lens_d = packed[num_seqs + 1 : 2 * num_seqs + 1]  # (B,)
-        rows_d = packed[2 * num_seqs + 1 : 3 * num_seqs + 1]  # (B,)
-        alloc_start_d = packed[3 * num_seqs + 1 :]  # (B,)
-
+        packed = packed.to(self.pool.device, non_blocking=True)  # one host-to-device copy
+        qsl_d, seq_lens_d, rows_d, alloc_start_d = packed.split([b + 1, b, b, b])  # (B+1,), (B,), (B,), (B,)
         popped, block_tables, slot_mapping = self.pool.allocator.extend_tables(
             total_new, self.tables, rows_d, seq_lens_d, qsl_d, alloc_start_d, width, num_tokens, block_size
         )
@@ -212,16 +177,8 @@ class BatchBuilder:
             if need:
                 table._block_ids.extend(popped[start : start + need])
             table.num_tokens = seq_len
-        return AttentionMetadata(
-            slot_mapping=slot_mapping,
-            block_tables=block_tables,
-            seq_lens=seq_lens_d,
-            query_start_loc=qsl_d,
-            max_query_len=max(n for _, n in entries),
-            max_seq_len=max(seq_lens),
-        )
-
-    # ---------------------------------------------------------------- integrity
+        max_query_len = max(n for _, n in entries)
+        return AttentionMetadata(slot_mapping, block_tables, seq_lens_d, qsl_d, max_query_len, max(seq_lens))
 
     def check_integrity(self) -> None:
         """Raise `RuntimeError` unless the pool's and every live table's invariants hold (syncs)."""
@@ -231,7 +188,9 @@ class BatchBuilder:
         for row, table in self._live.items():
             expected = _cdiv(table.num_tokens, self.pool.block_size)
             if len(table._block_ids) != expected:
-                raise RuntimeError(f"{table!r}: {len(table._block_ids)} blocks for {table.num_tokens} tokens, expected {expected}")
+                raise RuntimeError(
+                    f"{table!r}: {len(table._block_ids)} blocks for {table.num_tokens} tokens, expected {expected}"
+                )
             if rows[row][: len(table._block_ids)] != table._block_ids:
                 raise RuntimeError(f"{table!r}: device row {rows[row][: len(table._block_ids)]} differs")
             for b in table._block_ids:

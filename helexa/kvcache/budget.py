@@ -1,73 +1,34 @@
-"""The KV budget: how many blocks the pool gets, derived from totals so every load gives the same number.
+"""The KV budget: the pool's block count, derived from totals so every load gives the same number.
 
-Never from a live free-memory reading (`torch.cuda.mem_get_info`, driver "free"): the caching
-allocator and other ranks move that number, so a budget taken from it shrinks after a reload and
-differs between tensor-parallel ranks. Here:
+Never from a live free-memory reading (`torch.cuda.mem_get_info`), which the caching allocator and
+other ranks move, so the budget would shrink after a reload and differ between tensor-parallel ranks:
 
-- CUDA: `available = total_device_memory * gpu_memory_utilization - weight_bytes - activation_reserve_bytes`
-  and `num_blocks = floor(available / bytes_per_block)`, unless `num_blocks` or
-  `kv_cache_memory` asks for a smaller exact size (a larger one is an error).
-- CPU (and any non-CUDA device): `available = physical RAM - weight_bytes - activation_reserve_bytes`;
-  the pool gets `kv_cache_memory` bytes or `num_blocks` blocks when given, else
+- CUDA: `available = total_device_memory * gpu_memory_utilization - weight_bytes - activation_reserve_bytes`,
+  `num_blocks = available // bytes_per_block`, unless `num_blocks` or `kv_cache_memory` asks for a
+  smaller exact size (a larger one is an error).
+- CPU (any non-CUDA device): `available = physical RAM - weight_bytes - activation_reserve_bytes`; the
+  pool gets `kv_cache_memory` bytes or `num_blocks` blocks when given, else
   `min(CPU_DEFAULT_FRACTION * physical RAM, CPU_DEFAULT_CAP)`, never more than `available`.
 
-The activation reserve comes from the model's shapes and the largest batch the engine runs
-(`estimate_activation_bytes`) or from a measured peak; the caller passes the number.
+The activation reserve (`estimate_activation_bytes`, or a measured peak) is the caller's number.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 
-__all__ = [
-    "KVBudget",
-    "kv_budget",
-    "parse_size",
-    "estimate_activation_bytes",
-    "kv_bytes_per_block",
-    "CPU_DEFAULT_FRACTION",
-    "CPU_DEFAULT_CAP",
-    "DEFAULT_GPU_MEMORY_UTILIZATION",
-]
+from helexa.config import parse_size
+
+__all__ = ["CPU_DEFAULT_CAP", "CPU_DEFAULT_FRACTION", "DEFAULT_GPU_MEMORY_UTILIZATION", "KVBudget", "check_int",
+           "estimate_activation_bytes", "kv_budget", "kv_bytes_per_block", "parse_size"]  # fmt: skip
 
 CPU_DEFAULT_FRACTION = 0.10  # of physical RAM, when neither --num-blocks nor --kv-cache-memory is given
 CPU_DEFAULT_CAP = 4 << 30  # 4 GiB: a CPU pool larger than this is rarely what a laptop user meant
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
 ACTIVATION_SAFETY_FACTOR = 2  # estimate x2: allocator fragmentation, kernel workspaces, temporaries
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
-}  # fmt: skip
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes in a size such as "512MiB", "2GiB", "1.5G", "4096" (an int is returned as is).
-
-    KiB/MiB/GiB/TiB and bare K/M/G/T are powers of 1024; KB/MB/GB/TB powers of 1000; case is
-    ignored. Raises `ValueError` for anything else or a size below one byte.
-    """
-    if isinstance(text, bool):
-        raise ValueError(f"not a size: {text!r}")
-    if isinstance(text, int):
-        value = text
-    else:
-        match = _SIZE_RE.match(str(text))
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
-            raise ValueError(f"not a size: {text!r} (expected e.g. 512MiB, 2GiB, 1.5G, 4096)")
-        value = int(float(match.group(1)) * _UNITS[unit])
-    if value < 1:
-        raise ValueError(f"size must be at least 1 byte, got {text!r}")
-    return value
 
 
 def _fmt(num_bytes: int) -> str:
@@ -80,28 +41,22 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _positive(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def check_int(value: object, name: str, minimum: int = 1) -> int:
+    """`value` if it is an int (not a bool) >= `minimum` (0 or 1), else ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "non-negative" if minimum == 0 else "positive"
+        raise ValueError(f"{name} must be a {kind} int (>= {minimum}), got {value!r}")
     return value
 
 
-def _non_negative(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return value
-
-
-def kv_bytes_per_block(
-    block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
+def kv_bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one block takes over all layers, K and V: `2 * L * BS * KVH * D * itemsize`."""
     return (
         2
-        * _positive(num_layers, "num_layers")
-        * _positive(block_size, "block_size")
-        * _positive(num_kv_heads, "num_kv_heads")
-        * _positive(head_dim, "head_dim")
+        * check_int(num_layers, "num_layers")
+        * check_int(block_size, "block_size")
+        * check_int(num_kv_heads, "num_kv_heads")
+        * check_int(head_dim, "head_dim")
         * _itemsize(dtype)
     )
 
@@ -118,34 +73,28 @@ def estimate_activation_bytes(
     max_num_seqs: int,
     dtype: torch.dtype,
 ) -> int:
-    """Peak activation memory of one forward over `max_num_batched_tokens` tokens, times a safety factor.
-
-    Counts, for T tokens, the tensors alive together in one decoder layer (residual, normed
-    input and output `3*T*hidden`; q/k/v `T*(H+2*KVH)*D`; attention output `T*H*D`; gate, up and
-    activation `3*T*intermediate`) in `dtype`, plus float32 logits and probabilities for
-    `max_num_seqs` rows (`2*S*vocab*4`), all times `ACTIVATION_SAFETY_FACTOR`. Deterministic:
-    a function of the shapes only.
-    """
-    tokens = _positive(max_num_batched_tokens, "max_num_batched_tokens")
-    rows = _positive(max_num_seqs, "max_num_seqs")
-    itemsize = _itemsize(dtype)
-    per_token = (
-        3 * _positive(hidden_size, "hidden_size")
-        + (_positive(num_heads, "num_heads") + 2 * _positive(num_kv_heads, "num_kv_heads")) * _positive(head_dim, "head_dim")
-        + num_heads * head_dim
-        + 3 * _positive(intermediate_size, "intermediate_size")
-    )
-    logits = 2 * min(rows, tokens) * _positive(vocab_size, "vocab_size") * 4
-    return ACTIVATION_SAFETY_FACTOR * (tokens * per_token * itemsize + logits)
+    """Peak activation bytes of one forward over T = `max_num_batched_tokens` tokens, a function of the
+    shapes only: the tensors alive together in one decoder layer (residual, normed input and output
+    `3*T*hidden`; q/k/v `T*(H+2*KVH)*D`; attention output `T*H*D`; gate, up and activation
+    `3*T*intermediate`) in `dtype`, plus fp32 logits and probabilities of `min(max_num_seqs, T)` rows,
+    all times `ACTIVATION_SAFETY_FACTOR`."""
+    shapes = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_heads=num_heads,
+                  num_kv_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab_size,
+                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)  # fmt: skip
+    for name, value in shapes.items():
+        check_int(value, name)
+    tokens = max_num_batched_tokens
+    per_token = 3 * hidden_size + (2 * num_heads + 2 * num_kv_heads) * head_dim + 3 * intermediate_size
+    logits = 2 * min(max_num_seqs, tokens) * vocab_size * 4
+    return ACTIVATION_SAFETY_FACTOR * (tokens * per_token * _itemsize(dtype) + logits)
 
 
 @dataclass(frozen=True)
 class KVBudget:
-    """The block count of a KV pool and every number that produced it (log it with `describe()`).
+    """The block count of a KV pool and every number that produced it (`describe()` logs them).
 
-    `source` says what decided the size: "num_blocks" (--num-blocks), "kv_cache_memory"
-    (--kv-cache-memory), "gpu_memory_utilization" (the CUDA budget) or "cpu_default" (the CPU
-    default fraction of RAM). `available_bytes` is the most the pool may take:
+    `source`: "num_blocks", "kv_cache_memory", "gpu_memory_utilization" (the CUDA budget) or
+    "cpu_default". `available_bytes`, the most the pool may take, is
     `total_memory_bytes * memory_utilization - weight_bytes - activation_reserve_bytes`.
     """
 
@@ -177,10 +126,9 @@ class KVBudget:
         return max(0, self.available_bytes) // self.bytes_per_block
 
     def describe(self) -> str:
-        """One log line with the arithmetic, e.g.
-        `kv budget: cuda total=80.00GiB x 0.90 - weights=15.00GiB - activations=1.20GiB = 55.80GiB available;
-        gpu_memory_utilization -> 55.80GiB / 131072 B/block (16 tokens) = 457113 blocks (7313808 tokens, 55.80GiB)`.
-        """
+        """One log line with the arithmetic, e.g. `kv budget: cuda total=80.00GiB x 0.90 - weights=15.00GiB -
+        activations=1.20GiB = 55.80GiB available; gpu_memory_utilization -> 55.80GiB / 131072 B/block
+        (16 tokens) = 457113 blocks (7313808 tokens, 55.80GiB)`."""
         return (
             f"kv budget: {self.device_type} total={_fmt(self.total_memory_bytes)} x {self.memory_utilization:.2f}"
             f" - weights={_fmt(self.weight_bytes)} - activations={_fmt(self.activation_reserve_bytes)}"
@@ -205,24 +153,22 @@ def kv_budget(
     gpu_memory_utilization: float | None = None,
     total_memory_bytes: int | None = None,
 ) -> KVBudget:
-    """Decide the pool's block count from totals (see the module docstring); same inputs, same answer.
+    """The pool's block count from totals (see the module docstring): same inputs, same answer.
 
-    `weight_bytes`: bytes of resident weights; `activation_reserve_bytes`: see
-    `estimate_activation_bytes`. At most one of `num_blocks` / `kv_cache_memory` (bytes or a size
-    string) asks for an exact size; `gpu_memory_utilization` (0, 1] sets the CUDA ceiling (default
-    0.90) and is an error elsewhere. `total_memory_bytes` overrides the device total (the CUDA
-    device's `total_memory`, or physical RAM) for planning and tests. Raises `ValueError` naming
-    the numbers and the flag to change when the result would be zero blocks or more than the
-    budget allows.
+    At most one of `num_blocks` / `kv_cache_memory` (bytes or a size string) asks for an exact size;
+    `gpu_memory_utilization` in (0, 1] sets the CUDA ceiling (default 0.90) and is an error elsewhere;
+    `total_memory_bytes` overrides the device total (CUDA `total_memory`, or physical RAM). Raises
+    `ValueError` naming the numbers and the flag to change when the result would be zero blocks or
+    over the budget.
     """
     dev = torch.device(device)
     bytes_per_block = kv_bytes_per_block(block_size, num_layers, num_kv_heads, head_dim, dtype)
-    weight_bytes = _non_negative(weight_bytes, "weight_bytes")
-    activation_reserve_bytes = _non_negative(activation_reserve_bytes, "activation_reserve_bytes")
+    weight_bytes = check_int(weight_bytes, "weight_bytes", 0)
+    activation_reserve_bytes = check_int(activation_reserve_bytes, "activation_reserve_bytes", 0)
     if num_blocks is not None and kv_cache_memory is not None:
         raise ValueError("give either --num-blocks or --kv-cache-memory, not both")
     if num_blocks is not None:
-        _non_negative(num_blocks, "num_blocks")
+        check_int(num_blocks, "num_blocks", 0)
     kv_bytes = parse_size(kv_cache_memory) if kv_cache_memory is not None else None
 
     on_cuda = dev.type == "cuda"
@@ -231,15 +177,15 @@ def kv_budget(
             raise ValueError(f"--gpu-memory-utilization applies to CUDA devices, not {dev.type}; use --kv-cache-memory")
         if isinstance(gpu_memory_utilization, bool) or not 0 < float(gpu_memory_utilization) <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-    utilization = (
-        float(gpu_memory_utilization if gpu_memory_utilization is not None else DEFAULT_GPU_MEMORY_UTILIZATION)
-        if on_cuda
-        else 1.0
-    )
+    utilization = 1.0
+    if on_cuda:
+        utilization = float(
+            DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
+        )
     if total_memory_bytes is None:
         total = _cuda_total_memory(dev) if on_cuda else _physical_memory()
     else:
-        total = _positive(total_memory_bytes, "total_memory_bytes")
+        total = check_int(total_memory_bytes, "total_memory_bytes")
     available = int(total * utilization) - weight_bytes - activation_reserve_bytes
 
     if num_blocks is not None:
@@ -253,19 +199,8 @@ def kv_budget(
         requested = max(0, min(int(total * CPU_DEFAULT_FRACTION), CPU_DEFAULT_CAP, available))
     count = num_blocks if num_blocks is not None else requested // bytes_per_block
 
-    budget = KVBudget(
-        device_type=dev.type,
-        source=source,
-        num_blocks=count,
-        block_size=block_size,
-        bytes_per_block=bytes_per_block,
-        total_memory_bytes=total,
-        memory_utilization=utilization,
-        weight_bytes=weight_bytes,
-        activation_reserve_bytes=activation_reserve_bytes,
-        available_bytes=available,
-        requested_bytes=requested,
-    )
+    budget = KVBudget(dev.type, source, count, block_size, bytes_per_block, total, utilization, weight_bytes,
+                      activation_reserve_bytes, available, requested)  # fmt: skip
     fix = "raise --gpu-memory-utilization" if on_cuda else "free host memory"
     if count == 0:
         ask = {
@@ -293,4 +228,6 @@ def _physical_memory() -> int:
     try:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (AttributeError, ValueError, OSError):
-        raise ValueError("cannot read physical memory on this platform; pass --kv-cache-memory or --num-blocks") from None
+        raise ValueError(
+            "cannot read physical memory on this platform; pass --kv-cache-memory or --num-blocks"
+        ) from None

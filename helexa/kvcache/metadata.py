@@ -11,8 +11,7 @@ import torch
 class AttentionMetadata:
     """Everything `write_kv` and `paged_attention` need for one step of a flattened varlen batch.
 
-    All tensors live on the model's device. Host ints (`max_query_len`, `max_seq_len`) are carried
-    so kernel launches need no device synchronisation to size their grids.
+    All tensors live on the model's device; the host ints let launches size their grids without a sync.
     """
 
     slot_mapping: torch.Tensor  # (T,) int64 — pool slot of each new token's K/V; -1 = skip
@@ -29,14 +28,3 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
-
-    def to(self, device: torch.device | str, non_blocking: bool = True) -> "AttentionMetadata":
-        """A copy on `device` (one transfer per tensor, non-blocking where the source is pinned)."""
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping.to(device, non_blocking=non_blocking),
-            block_tables=self.block_tables.to(device, non_blocking=non_blocking),
-            seq_lens=self.seq_lens.to(device, non_blocking=non_blocking),
-            query_start_loc=self.query_start_loc.to(device, non_blocking=non_blocking),
-            max_query_len=self.max_query_len,
-            max_seq_len=self.max_seq_len,
-        )

@@ -5,29 +5,19 @@ from __future__ import annotations
 import torch
 
 from helexa.kvcache.allocator import AllocatorBackend, BlockAllocator, BlockIds
+from helexa.kvcache.budget import kv_bytes_per_block
 
 __all__ = ["BlockPool"]
 
 
-def _positive(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 class BlockPool:
-    """The whole paged KV cache of a model: `num_layers` pairs of (k_cache, v_cache) and their blocks.
+    """The paged KV cache of a model: `num_layers` (k_cache, v_cache) pairs and the allocator of their blocks.
 
-    Each cache is `[num_blocks, block_size, num_kv_heads, head_dim]` of `dtype`, zero-filled,
-    allocated once here and never grown, shrunk or reallocated. A token's *slot* is
-    `block_id * block_size + offset`. All `num_blocks` blocks are allocatable (block 0 is not
-    reserved; see `helexa.kvcache.allocator`), so `num_blocks` is the exact capacity admission
-    counts against.
-
-    The allocator state lives on `device`; `backend` picks its implementation ("auto": Triton
-    kernels on CUDA, torch ops elsewhere; "triton" on CPU needs `TRITON_INTERPRET=1`).
-    `kv_device` (default `device`) places only the K/V tensors: pass "meta" for a pool with the
-    real shapes and no storage (planning, tests of very large pools), the allocator still runs.
+    Each cache is (num_blocks, block_size, num_kv_heads, head_dim) of `dtype`, zero-filled, allocated
+    here once and never resized. A token's slot is `block_id * block_size + offset`. All `num_blocks`
+    blocks are allocatable, so `num_blocks` is the exact capacity admission counts against.
+    The allocator state lives on `device` (`backend`: see `BlockAllocator`); `kv_device` (default
+    `device`) places only the K/V tensors: "meta" gives the real shapes without storage.
     """
 
     def __init__(
@@ -43,37 +33,21 @@ class BlockPool:
         backend: AllocatorBackend = "auto",
         kv_device: torch.device | str | None = None,
     ) -> None:
-        self.block_size = _positive(block_size, "block_size")
-        self.num_layers = _positive(num_layers, "num_layers")
-        self.num_kv_heads = _positive(num_kv_heads, "num_kv_heads")
-        self.head_dim = _positive(head_dim, "head_dim")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-        self.dtype = dtype
-        self.allocator = BlockAllocator(_positive(num_blocks, "num_blocks"), device, backend)
+        # Bytes one block takes over all layers, K and V; validates the shape arguments and dtype.
+        self.bytes_per_block = kv_bytes_per_block(block_size, num_layers, num_kv_heads, head_dim, dtype)
+        self.block_size, self.num_layers = block_size, num_layers
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.allocator = BlockAllocator(num_blocks, device, backend)
         self.device = self.allocator.device
         self.kv_device = torch.device(kv_device) if kv_device is not None else self.device
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(shape, dtype=dtype, device=self.kv_device),  # (NB, BS, KVH, D)
-                torch.zeros(shape, dtype=dtype, device=self.kv_device),  # (NB, BS, KVH, D)
-            )
-            for _ in range(num_layers)
-        ]
-
-    # ---------------------------------------------------------------- sizes
+        caches = (torch.zeros(shape, dtype=dtype, device=self.kv_device) for _ in range(2 * num_layers))
+        self._caches = list(zip(caches, caches))  # per layer (k_cache, v_cache), each (NB, BS, KVH, D)
 
     @property
     def num_blocks(self) -> int:
         """Total blocks in the pool, all allocatable."""
         return self.allocator.num_blocks
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes one block takes over all layers, K and V: 2 * L * BS * KVH * D * itemsize."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,8 +64,6 @@ class BlockPool:
         """The allocator implementation in use: "triton" or "torch"."""
         return self.allocator.backend
 
-    # ---------------------------------------------------------------- caches
-
     def k_cache(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s key cache, (num_blocks, block_size, num_kv_heads, head_dim)."""
         return self._caches[self._layer(layer)][0]
@@ -104,26 +76,24 @@ class BlockPool:
         """One (k_cache, v_cache) pair per layer, in layer order (a new list of the same tensors)."""
         return list(self._caches)
 
-    # ---------------------------------------------------------------- allocation (see BlockAllocator)
-
     def can_allocate(self, n: int) -> bool:
         """True when `allocate(n)` would succeed now."""
         return self.allocator.can_allocate(n)
 
     def allocate(self, n: int) -> torch.Tensor:
-        """(n,) int32 ids of newly allocated blocks on `device`; raises `OutOfBlocks` (nothing taken)."""
+        """(n,) int32 ids of newly allocated blocks on `device`; `BlockAllocator.allocate`."""
         return self.allocator.allocate(n)
 
     def free(self, block_ids: BlockIds) -> None:
-        """Release one reference per block; raises `ValueError` (nothing changed) on a bad id."""
+        """Release one reference per block; `BlockAllocator.free`."""
         self.allocator.free(block_ids)
 
     def incref(self, block_ids: BlockIds) -> None:
-        """Add one reference per allocated block."""
+        """Add one reference per allocated block; `BlockAllocator.incref`."""
         self.allocator.incref(block_ids)
 
     def decref(self, block_ids: BlockIds) -> None:
-        """Drop one reference per block; blocks at zero return to the free stack."""
+        """Drop one reference per block; `BlockAllocator.decref`."""
         self.allocator.decref(block_ids)
 
     def refcount(self, block_id: int) -> int:

@@ -8,7 +8,6 @@ so the pipeliner sees what it sees on a GPU. Used by test_compile_sm90.py.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import sys
@@ -17,12 +16,20 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from helexa.kernels import attention, kv_write
+
 H200 = GPUTarget("cuda", 90, 32)
-attention = importlib.import_module("helexa.kernels.paged_attention")
-write_kv = importlib.import_module("helexa.kernels.write_kv")
 
 
-def _compile(kernel, pointers: dict[str, str], constants: dict, *, num_warps: int, num_stages: int):
+def _ptrs(dtype: str, names: str) -> dict[str, str]:
+    return {f"{n}_ptr": f"*{dtype}" for n in names.split()}
+
+
+def _unit(names: str) -> dict[str, int]:
+    return dict.fromkeys(names.split(), 1)
+
+
+def _compile(kernel, pointers: dict[str, str], constants: dict, num_warps: int, num_stages: int):
     names = list(inspect.signature(kernel.fn).parameters)
     signature = {}
     for name in names:
@@ -36,19 +43,8 @@ def _compile(kernel, pointers: dict[str, str], constants: dict, *, num_warps: in
             signature[name] = "i32"
     divisible = [n for n in names if signature[n] != "constexpr" and (n in pointers or n.startswith("stride_"))]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=H200,
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
-
-
-def _report(name: str, compiled) -> None:
-    ttgir = compiled.asm["ttgir"]
-    print(json.dumps({
-        "name": name,
-        "shared": compiled.metadata.shared,
-        "async_copy": "async_copy_global_to_local" in ttgir,
-        "wgmma": "warp_group_dot" in ttgir,
-        "global_store": "st.global" in compiled.asm["ptx"],
-    }), flush=True)
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=H200, options=options)
 
 
 ATTENTION_CASES = {
@@ -64,31 +60,27 @@ def main(names: list[str]) -> None:
         if name in ATTENTION_CASES:
             dtype, head_dim, group, decode = ATTENTION_CASES[name]
             block_m, tile_n, num_warps, num_stages = attention._tile_config(decode, group, head_dim)
-            pointers = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}",
-                        "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-                        "out_ptr": f"*{dtype}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-            constants = dict(
-                HEAD_DIM=head_dim, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n, BLOCK_D=head_dim,
-                SPLIT=decode, UPCAST=False, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", INTERPRETED=False,
-                stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1, stride_btn=1,
-            )
-            _report(name, _compile(attention._attention_kernel, pointers, constants,
-                                   num_warps=num_warps, num_stages=num_stages))
+            pointers = _ptrs(dtype, "q k_cache v_cache out") | _ptrs("i32", "block_tables seq_lens query_start_loc")
+            constants = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n)
+            constants |= dict(BLOCK_D=head_dim, SPLIT=decode, UPCAST=False, INTERPRETED=False)
+            constants |= dict(DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+            constants |= _unit("stride_qd stride_kd stride_vd stride_od stride_btn")
+            pointers |= _ptrs("fp32", "part_out part_lse")
+            compiled = _compile(attention._attention_kernel, pointers, constants, num_warps, num_stages)
         elif name == "reduce":
-            _report(name, _compile(
-                attention._reduce_splits_kernel,
-                {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16"},
-                dict(HEAD_DIM=128, SPLITS_PAD=32, BLOCK_H=2, BLOCK_D=128, stride_od=1), num_warps=4, num_stages=1,
-            ))
+            pointers = _ptrs("fp32", "part_out part_lse") | _ptrs("bf16", "out")
+            constants = dict(HEAD_DIM=128, SPLITS_PAD=32, BLOCK_H=2, BLOCK_D=128, stride_od=1)
+            compiled = _compile(attention._reduce_splits_kernel, pointers, constants, 4, 1)
         elif name == "write_kv":
-            _report(name, _compile(
-                write_kv._write_kv_kernel,
-                {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "slot_ptr": "*i64"},
-                dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, stride_kd=1, stride_vd=1, stride_kcd=1, stride_vcd=1),
-                num_warps=4, num_stages=1,
-            ))
+            pointers = _ptrs("bf16", "k v k_cache v_cache") | _ptrs("i64", "slot")
+            constants = dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128) | _unit("stride_kd stride_vd stride_kcd stride_vcd")
+            compiled = _compile(kv_write._write_kv_kernel, pointers, constants, 4, 1)
         else:
             raise SystemExit(f"unknown kernel case {name!r}")
+        ttgir = compiled.asm["ttgir"]
+        report = dict(name=name, shared=compiled.metadata.shared, global_store="st.global" in compiled.asm["ptx"])
+        report |= dict(async_copy="async_copy_global_to_local" in ttgir, wgmma="warp_group_dot" in ttgir)
+        print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Builders of random paged-attention problems shared by the kernel tests and the benchmarks.
+"""Builders of random paged-attention problems for the kernel tests.
 
 A problem is a batch of sequences, each given as (prefix_len, q_len): `prefix_len` tokens already
-in the cache and `q_len` new query tokens whose K/V are also already written (SPEC: seq_lens
+in the cache and `q_len` new query tokens whose K/V are also already written (so seq_lens
 include the new tokens). Blocks are drawn from a shuffled pool so tables are scattered and
 non-contiguous; cache rows past each sequence's end and unused table entries point at NaN so a
 kernel that reads them fails the comparison.
@@ -30,8 +30,7 @@ class PagedProblem:
         return self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start_loc
 
     def args_fp64(self) -> tuple[torch.Tensor, ...]:
-        return (self.q.double(), self.k_cache.double(), self.v_cache.double(),
-                self.block_tables, self.seq_lens, self.query_start_loc)
+        return (self.q.double(), self.k_cache.double(), self.v_cache.double(), *self.args()[3:])
 
 
 def make_problem(
@@ -72,10 +71,7 @@ def make_problem(
     query_start_loc[1:] = torch.cumsum(q_lens, 0)
     seq_lens = torch.tensor([p + n for p, n in seqs], dtype=torch.int32)
     q = torch.randn((int(q_lens.sum()), num_heads, head_dim), generator=gen).to(dtype)
-    return PagedProblem(
-        q.to(device), k_cache.to(device), v_cache.to(device), table.to(device),
-        seq_lens.to(device), query_start_loc.to(device),
-    )
+    return PagedProblem(*(t.to(device) for t in (q, k_cache, v_cache, table, seq_lens, query_start_loc)))
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -26,8 +26,9 @@ def compiled() -> dict[str, dict]:
     pytest.importorskip("triton.backends.nvidia.compiler", reason="triton's CUDA backend is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(HERE / "_compile_sm90.py")], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_compile_sm90.py")], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     if proc.returncode != 0:
         pytest.fail(f"compiling for sm_90 failed:\n{proc.stderr[-4000:]}")
     return {r["name"]: r for r in map(json.loads, proc.stdout.splitlines())}

@@ -1,15 +1,14 @@
-"""The torch reference (the oracle) against SDPA, and the backend dispatch of helexa.kernels."""
+"""The torch reference (the oracle) against SDPA and itself, and the backend dispatch of helexa.kernels."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _paged_cases import make_problem
 
 import helexa.kernels as kernels
 from helexa.kernels import AttentionBackend, get_attention_backend, reference
-
-from _paged_cases import make_problem
 
 
 def _sdpa_on_contiguous(q, k, v, prefix_len, scale=None):
@@ -77,8 +76,8 @@ def test_get_attention_backend():
 
 
 def test_kernel_module_does_not_shadow_public_function():
-    import helexa.kernels.paged_attention  # noqa: F401 — the module is loaded already
-    import helexa.kernels.write_kv  # noqa: F401
+    import helexa.kernels.attention  # noqa: F401 — the modules are loaded already
+    import helexa.kernels.kv_write  # noqa: F401
 
     assert callable(kernels.paged_attention) and kernels.paged_attention.__module__ == "helexa.kernels"
     assert kernels.write_kv.__module__ == "helexa.kernels"
@@ -91,6 +90,7 @@ def test_auto_dispatch_on_cpu_follows_triton_interpret(monkeypatch, interpret, e
     def spy(name):
         def record(*args, **kwargs):
             calls.append(name)
+
         return record
 
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
@@ -102,3 +102,49 @@ def test_auto_dispatch_on_cpu_follows_triton_interpret(monkeypatch, interpret, e
     kernels.paged_attention(*p.args())
     kernels.write_kv(p.q[:, :2], p.q[:, :2], p.k_cache, p.v_cache, torch.tensor([0]))
     assert calls == [expect, expect]
+
+
+def test_batched_decode_equals_one_sequence_at_a_time():
+    """The batched decode path equals attending each sequence alone, whatever the padding holds."""
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, block_size, kvh, group, d = 40, 8, 2, 3, 32
+    k_cache = torch.randn(num_blocks, block_size, kvh, d, generator=gen, dtype=torch.float64)
+    v_cache = torch.randn(num_blocks, block_size, kvh, d, generator=gen, dtype=torch.float64)
+    lens = [1, 9, 17, 30, 64, 5]
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((len(lens), 8), 10_000, dtype=torch.int32)  # padding entries out of range on purpose
+    used = 0
+    for b, n in enumerate(lens):
+        nb = -(-n // block_size)
+        tables[b, :nb] = perm[used : used + nb].int()
+        used += nb
+    for b, n in enumerate(lens):  # poison every cache row past a sequence's end
+        last = int(tables[b, (n - 1) // block_size])
+        k_cache[last, (n - 1) % block_size + 1 :] = float("nan")
+        v_cache[last, (n - 1) % block_size + 1 :] = float("nan")
+    q = torch.randn(len(lens), kvh * group, d, generator=gen, dtype=torch.float64)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    out = reference.paged_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), qsl)
+    assert torch.isfinite(out).all()
+    for b, n in enumerate(lens):
+        one = (tables[b : b + 1], torch.tensor([n], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32))
+        alone = reference.paged_attention(q[b : b + 1], k_cache, v_cache, *one)
+        torch.testing.assert_close(out[b : b + 1], alone, rtol=1e-12, atol=1e-12)
+
+
+def test_batched_decode_float32_matches_the_float64_oracle():
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, block_size, kvh, group, d = 48, 16, 3, 3, 64
+    k_cache = torch.randn(num_blocks, block_size, kvh, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kvh, d, generator=gen)
+    lens = [3, 40, 77, 16, 120]
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * 8].view(len(lens), 8).int()
+    for b, n in enumerate(lens):  # NaN past each sequence's end, in its last block
+        last = int(tables[b, (n - 1) // block_size])
+        v_cache[last, (n - 1) % block_size + 1 :] = float("nan")
+    q = torch.randn(len(lens), kvh * group, d, generator=gen)
+    args = (tables, torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens) + 1, dtype=torch.int32))
+    fast = reference.paged_attention(q, k_cache, v_cache, *args)  # float32
+    oracle = reference.paged_attention(q.double(), k_cache.double(), v_cache.double(), *args)
+    assert torch.isfinite(fast).all()
+    torch.testing.assert_close(fast.double(), oracle, rtol=1e-5, atol=1e-5)

@@ -6,12 +6,11 @@ import os
 
 import pytest
 import torch
+from _paged_cases import TOLERANCE, make_problem, relative_error
 
 import helexa.kernels as kernels
 from helexa.kernels import reference
-from helexa.kernels.paged_attention import choose_num_splits, paged_attention_triton
-
-from _paged_cases import TOLERANCE, make_problem, relative_error
+from helexa.kernels.attention import choose_num_splits, paged_attention_triton
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run in the Triton interpreter"
@@ -94,8 +93,9 @@ def test_strided_q_and_out_and_custom_scale():
 
 def test_int64_index_tensors():
     p = make_problem(DECODE, 4, 2, 64, 8, torch.float32, seed=9)
-    out = paged_attention_triton(p.q, p.k_cache, p.v_cache, p.block_tables.long(), p.seq_lens.long(),
-                                 p.query_start_loc.long())
+    out = paged_attention_triton(
+        p.q, p.k_cache, p.v_cache, p.block_tables.long(), p.seq_lens.long(), p.query_start_loc.long()
+    )
     assert relative_error(out, reference.paged_attention(*p.args_fp64())) < 1e-4
 
 
@@ -142,8 +142,7 @@ def test_large_pool_needs_64bit_offsets():
 def test_empty_batch_returns_out_untouched():
     p = make_problem([(4, 1)], 4, 2, 64, 8, torch.float32)
     q = p.q[:0]
-    out = paged_attention_triton(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens,
-                                 torch.zeros(2, dtype=torch.int32))
+    out = paged_attention_triton(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, torch.zeros(2, dtype=torch.int32))
     assert out.shape == (0, 4, 64)
 
 
@@ -168,13 +167,11 @@ def test_choose_num_splits():
         (lambda a: a.update(seq_lens=a["seq_lens"] * 0 + 1000), "blocks"),
         (lambda a: a.update(out=torch.empty(3, 4, 32)), "out must match"),
     ],
-    ids=["heads", "mixed-dtype", "fp64", "cache-shape", "table-dim", "batch", "index-dtype",
-         "qsl-values", "too-long", "out-shape"],
+    ids="heads mixed-dtype fp64 cache-shape table-dim batch index-dtype qsl-values too-long out-shape".split(),
 )
 def test_bad_arguments_raise_value_error(mutate, match):
     p = make_problem(DECODE, 4, 2, 64, 8, torch.float32)
-    args = dict(q=p.q, k_cache=p.k_cache, v_cache=p.v_cache, block_tables=p.block_tables,
-                seq_lens=p.seq_lens, query_start_loc=p.query_start_loc, out=None)
+    args = dict(zip(["q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc"], p.args()), out=None)
     mutate(args)
     with pytest.raises(ValueError, match=match):
         paged_attention_triton(**args)

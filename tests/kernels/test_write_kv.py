@@ -70,8 +70,9 @@ def test_reference_writes_rows_where_slots_say():
 def test_empty_step_is_a_no_op():
     k_cache = torch.randn((2, 8, 1, 64))
     before = k_cache.clone()
-    write_kv_triton(torch.empty(0, 1, 64), torch.empty(0, 1, 64), k_cache, k_cache.clone(),
-                    torch.empty(0, dtype=torch.int64))
+    write_kv_triton(
+        torch.empty(0, 1, 64), torch.empty(0, 1, 64), k_cache, k_cache.clone(), torch.empty(0, dtype=torch.int64)
+    )
     assert torch.equal(k_cache, before)
 
 

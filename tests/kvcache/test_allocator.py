@@ -14,7 +14,9 @@ BACKENDS = ["torch", "triton"]
 
 
 def _pool(backend: str, num_blocks: int = 8) -> BlockPool:
-    return BlockPool(num_blocks, 4, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, device="cpu", backend=backend)
+    return BlockPool(
+        num_blocks, 4, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, device="cpu", backend=backend
+    )
 
 
 def _snapshot(pool: BlockPool) -> tuple:

@@ -161,14 +161,12 @@ def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return torch.einsum("hln,nhd->lhd", scores.softmax(-1), v.double()).float()  # (L, H, D)
 
 
-@pytest.mark.parametrize(
-    "backend,kernels", [("torch", "reference"), ("triton", "reference"), ("triton", "triton")]
-)
+@pytest.mark.parametrize("backend,kernels", [("torch", "reference"), ("triton", "reference"), ("triton", "triton")])
 def test_end_to_end_through_the_kernels(backend: str, kernels: str) -> None:
     """Write K/V through the slot mapping, attend through the block tables, compare with plain attention."""
     if kernels == "triton":
-        from helexa.kernels.paged_attention import paged_attention_triton as paged_attention
-        from helexa.kernels.write_kv import write_kv_triton as write_kv
+        from helexa.kernels.attention import paged_attention_triton as paged_attention
+        from helexa.kernels.kv_write import write_kv_triton as write_kv
     else:
         write_kv, paged_attention = reference.write_kv, reference.paged_attention
     torch.manual_seed(1)
@@ -202,9 +200,7 @@ def test_end_to_end_through_the_kernels(backend: str, kernels: str) -> None:
         v_new = torch.randn(total, num_kv_heads, head_dim)
         q = torch.randn(total, num_heads, head_dim)
         write_kv(k_new, v_new, k_cache, v_cache, attn.slot_mapping)
-        out = paged_attention(
-            q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc
-        )
+        out = paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc)
         start = 0
         for i, n in step:
             ks, vs = history.setdefault(i, ([], []))

@@ -66,7 +66,9 @@ def test_cpu_default_is_a_capped_fraction_of_ram() -> None:
     big = kv_budget(**SHAPE, device="cpu", total_memory_bytes=512 * GiB)
     assert big.requested_bytes == CPU_DEFAULT_CAP and big.num_blocks == CPU_DEFAULT_CAP // BPB
     # the default never takes more than what is left after weights and activations
-    tight = kv_budget(**SHAPE, device="cpu", total_memory_bytes=16 * GiB, weight_bytes=15 * GiB, activation_reserve_bytes=900 * MiB)
+    tight = kv_budget(
+        **SHAPE, device="cpu", total_memory_bytes=16 * GiB, weight_bytes=15 * GiB, activation_reserve_bytes=900 * MiB
+    )
     assert tight.num_blocks == (GiB - 900 * MiB) // BPB
 
 
@@ -140,7 +142,9 @@ def test_cuda_budget_from_totals(fake_cuda) -> None:
     assert (b.source, b.memory_utilization, b.available_bytes) == ("gpu_memory_utilization", 0.9, available)
     assert b.num_blocks == available // (2 * 32 * 16 * 8 * 128 * 2)
     assert "cuda total=80.00GiB x 0.90" in b.describe()
-    half = kv_budget(**shape, device="cuda:0", weight_bytes=weights, activation_reserve_bytes=act, gpu_memory_utilization=0.5)
+    half = kv_budget(
+        **shape, device="cuda:0", weight_bytes=weights, activation_reserve_bytes=act, gpu_memory_utilization=0.5
+    )
     assert half.num_blocks == (40 * GiB - weights - act) // b.bytes_per_block
     exact = kv_budget(**shape, device="cuda", weight_bytes=weights, num_blocks=1000)
     assert exact.num_blocks == 1000 and exact.source == "num_blocks"

@@ -59,9 +59,9 @@ class Model:
         return slots, [r + [0] * (width - len(r)) for r in rows]
 
 
-def _outcome(fn):
+def _outcome(fn, *args):
     try:
-        return "ok", fn()
+        return "ok", fn(*args)
     except OutOfBlocks as e:
         return "OutOfBlocks", (e.requested, e.free, e.total)
     except ValueError:
@@ -88,8 +88,8 @@ def test_random_operations_keep_invariants_and_backends_agree(data: st.DataObjec
         op = data.draw(st.sampled_from(["allocate", "free", "decref", "incref", "new_table", "release", "build"]))
         if op == "allocate":
             n = data.draw(st.integers(0, 5), label="n")
-            results = [_outcome(lambda p=p: p.allocate(n).tolist()) for p in pools]
-            expected = _outcome(lambda: model.allocate(n))
+            results = [_outcome(lambda p=p, n=n: p.allocate(n).tolist()) for p in pools]
+            expected = _outcome(model.allocate, n)
             if expected[0] == "ok":
                 loose.update((b, 1) for b in expected[1])
         elif op in ("free", "decref", "incref"):
@@ -100,10 +100,11 @@ def test_random_operations_keep_invariants_and_backends_agree(data: st.DataObjec
             free_now = [b for b in range(NUM_BLOCKS) if model.refs[b] == 0]
             pick = st.sampled_from(held) if held else st.nothing()
             bad = st.sampled_from(free_now + [-1, NUM_BLOCKS]) if free_now else st.sampled_from([-1, NUM_BLOCKS])
-            ids = data.draw(st.lists(pick | bad if data.draw(st.booleans(), label="invalid") else pick, max_size=4)
-                            if held else st.lists(bad, max_size=2), label="ids")
-            results = [_outcome(lambda p=p: getattr(p, op)(ids)) for p in pools]
-            expected = _outcome(lambda: (model.incref if op == "incref" else model.release)(ids))
+            invalid = bool(held) and data.draw(st.booleans(), label="invalid")
+            some = st.lists(pick | bad if invalid else pick, max_size=4) if held else st.lists(bad, max_size=2)
+            ids = data.draw(some, label="ids")
+            results = [_outcome(getattr(p, op), ids) for p in pools]
+            expected = _outcome(model.incref if op == "incref" else model.release, ids)
             if expected[0] == "ok":
                 for b in ids:
                     loose[b] = loose.get(b, 0) + (1 if op == "incref" else -1)
@@ -129,19 +130,17 @@ def test_random_operations_keep_invariants_and_backends_agree(data: st.DataObjec
             if not tables:
                 continue
             keys = data.draw(st.lists(st.sampled_from(sorted(tables)), min_size=1, unique=True), label="batch")
-            counts = [
-                data.draw(st.integers(1, max(1, min(6, MAX_LEN - model.tables[k][1]))), label="n") for k in keys
-            ]
+            counts = [data.draw(st.integers(1, max(1, min(6, MAX_LEN - model.tables[k][1]))), label="n") for k in keys]
             if any(model.tables[k][1] + n > MAX_LEN for k, n in zip(keys, counts)):
                 continue
             results = []
             for i, b in enumerate(builders):
-                outcome = _outcome(lambda b=b, i=i: b.build([(tables[k][i], n) for k, n in zip(keys, counts)]))
+                outcome = _outcome(b.build, [(tables[k][i], n) for k, n in zip(keys, counts)])
                 if outcome[0] == "ok":
                     attn = outcome[1]
                     outcome = ("ok", (attn.slot_mapping.tolist(), attn.block_tables.tolist()))
                 results.append(outcome)
-            expected = _outcome(lambda: model.build(list(zip(keys, counts))))
+            expected = _outcome(model.build, list(zip(keys, counts)))
 
         assert results[0] == results[1] == expected, (op, results, expected)
         for pool, builder in zip(pools, builders):

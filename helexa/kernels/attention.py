@@ -1,20 +1,12 @@
-"""Triton `paged_attention`: variable-length causal attention over the paged KV cache.
+"""Triton `paged_attention`: varlen causal attention over the paged KV cache (decode, prefill, extend).
 
-One kernel family serves decode (1 new token), prefill (all new) and extend (new tokens after a
-cached prefix) in the same flattened batch:
-
-- `_attention_kernel`: one program per (query tile, KV head, split). A query tile holds up to
-  `BLOCK_Q` consecutive query tokens of one sequence times the `GROUP` query heads that share the
-  KV head, packed as `BLOCK_M = BLOCK_Q * GROUP` rows, so each K/V tile is read once for the whole
-  GQA group (MHA: GROUP = 1; MQA: GROUP = num_heads). Programs find their sequence by a binary
-  search over `query_start_loc`, so launching needs no device-to-host transfer.
-- The keys are walked in tiles of `TILE_N` positions, independent of the cache block size: each
-  position looks its block up in the block table. Online softmax in base 2, fp32 accumulation.
-- Flash-decoding: with `num_splits > 1` the key range of every tile is divided among that many
-  programs, each writing a normalised partial output and its log-sum-exp; `_reduce_splits_kernel`
-  merges them. The wrapper splits only decode-like batches whose (sequence x KV head) programs
-  would not fill the device.
-- All cache and token offsets are computed in 64-bit, so pools over 2^31 elements work.
+A program handles one (query tile, KV head, split): up to `BLOCK_Q` queries of one sequence times
+the `GROUP` query heads of the KV head (`BLOCK_M = BLOCK_Q * GROUP` rows), so a K/V tile is read
+once per GQA group. It finds its sequence by binary search over `query_start_loc` (no host copy at
+launch) and walks the keys in tiles of `TILE_N` positions through the block table, with an online
+base-2 softmax in fp32. With `num_splits > 1` (flash-decoding) each program covers a share of the
+keys and writes a partial output and its log-sum-exp, merged by `_reduce_splits_kernel`. Offsets
+are 64-bit, so pools over 2^31 elements work.
 """
 
 from __future__ import annotations
@@ -26,11 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from helexa.kernels._checks import check_paged_attention
+from helexa.kernels._checks import TRITON_DTYPES, check_paged_attention
 
-__all__ = ["paged_attention_triton", "choose_num_splits"]
+__all__ = ["choose_num_splits", "paged_attention_triton"]
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
 _MAX_FORCED_SPLITS = 64  # the reduce holds all splits of a tile of heads in registers
@@ -61,26 +52,18 @@ def _attend_tile(
     q_pos,  # (M,)
     kv_len, table_row, k_head, v_head, dims64, d_valid,
     block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-    TILE_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
+    TILE_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
     """One online-softmax step over key positions [tile * TILE_N, (tile + 1) * TILE_N)."""
     pos = tile * TILE_N + tl.arange(0, TILE_N)  # (N,) key positions
     k_valid = pos < kv_len
     block = tl.load(table_row + (pos // block_size) * stride_btn, mask=k_valid, other=0).to(tl.int64)
-    row_in_block = (pos % block_size).to(tl.int64)
+    row = (pos % block_size).to(tl.int64)
     kv_mask = k_valid[:, None] & d_valid[None, :]  # (N, D)
-    k = tl.load(
-        k_head + block[:, None] * stride_kb + row_in_block[:, None] * stride_ks + dims64[None, :] * stride_kd,
-        mask=kv_mask,
-        other=0.0,
-    )  # (N, D)
-    v = tl.load(
-        v_head + block[:, None] * stride_vb + row_in_block[:, None] * stride_vs + dims64[None, :] * stride_vd,
-        mask=kv_mask,
-        other=0.0,
-    )  # (N, D)
+    k_offs = block[:, None] * stride_kb + row[:, None] * stride_ks + dims64[None, :] * stride_kd  # (N, D)
+    v_offs = block[:, None] * stride_vb + row[:, None] * stride_vs + dims64[None, :] * stride_vd  # (N, D)
+    k = tl.load(k_head + k_offs, mask=kv_mask, other=0.0)  # (N, D)
+    v = tl.load(v_head + v_offs, mask=kv_mask, other=0.0)  # (N, D)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -114,17 +97,10 @@ def _attention_kernel(
     stride_ot, stride_oh, stride_od,
     stride_ps, stride_pt, stride_ph,
     stride_ls, stride_lt,
-    HEAD_DIM: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    TILE_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    INTERPRETED: tl.constexpr,
-):
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -174,19 +150,15 @@ def _attention_kernel(
     if INTERPRETED:
         tile = tile_lo
         while tile < tile_hi:
-            acc, l_i, m_i = _attend_tile(
-                tile, acc, l_i, m_i, q, q_pos, kv_len, table_row, k_head, v_head, dims64, d_valid,
-                block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-                TILE_N, UPCAST, DOT_PRECISION,
-            )
+            acc, l_i, m_i = _attend_tile(tile, acc, l_i, m_i, q, q_pos, kv_len, table_row, k_head, v_head, dims64,
+                d_valid, block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                stride_vd, TILE_N, UPCAST, DOT_PRECISION)  # fmt: skip
             tile += 1
     else:
         for tile in range(tile_lo, tile_hi):
-            acc, l_i, m_i = _attend_tile(
-                tile, acc, l_i, m_i, q, q_pos, kv_len, table_row, k_head, v_head, dims64, d_valid,
-                block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-                TILE_N, UPCAST, DOT_PRECISION,
-            )
+            acc, l_i, m_i = _attend_tile(tile, acc, l_i, m_i, q, q_pos, kv_len, table_row, k_head, v_head, dims64,
+                d_valid, block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                stride_vd, TILE_N, UPCAST, DOT_PRECISION)  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # (M, D)
@@ -210,11 +182,8 @@ def _reduce_splits_kernel(
     stride_ps, stride_pt, stride_ph,
     stride_ls, stride_lt,
     stride_ot, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     """Merge the split partials of one token's heads [h0, h0 + BLOCK_H), weighting by exp2(lse)."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BH,)
@@ -238,7 +207,7 @@ def _reduce_splits_kernel(
         + heads64[None, :, None] * stride_ph + dims[None, None, :],
         mask=(weight > 0.0)[:, :, None],
         other=0.0,
-    )  # (S, BH, D)
+    )  # (S, BH, D)  # fmt: skip
     total = tl.sum(weight, 0)  # (BH,)
     total = tl.where(total > 0.0, total, 1.0)
     o = tl.sum(parts * weight[:, :, None], 0) / total[:, None]  # (BH, D)
@@ -246,7 +215,7 @@ def _reduce_splits_kernel(
     tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=h_valid[:, None] & (dims[None, :] < HEAD_DIM))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -284,22 +253,18 @@ def paged_attention_triton(
     block_m: int | None = None,
     tile_n: int | None = None,
 ) -> torch.Tensor:
-    """Varlen causal attention over the paged KV cache, with Triton kernels.
+    """Varlen causal attention over the paged KV cache with Triton kernels; `reference.paged_attention`
+    defines the result. q: (T, H, D) fp32/fp16/bf16; k_cache, v_cache: (NB, BS, KVH, D) of q's dtype,
+    H % KVH == 0, D <= 256; block_tables: (B, MB); seq_lens: (B,); query_start_loc: (B+1,); index
+    tensors int32/int64; out: optional (T, H, D). Returns (T, H, D) in q's dtype, accumulated in fp32,
+    without reading any tensor value on the host.
 
-    q: (T, H, D) fp32/fp16/bf16; k_cache, v_cache: (NB, BS, KVH, D) same dtype, H % KVH == 0,
-    D <= 256 (padded internally to a power of two); block_tables: (B, MB); seq_lens: (B,) context
-    lengths including the new tokens; query_start_loc: (B+1,) prefix sums of query lengths;
-    index tensors int32 or int64; scale defaults to D**-0.5; out: optional (T, H, D) buffer.
-    Query i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to positions
-    <= it. Returns (T, H, D) in q's dtype (`out` itself when given); accumulates in fp32.
-
-    Tuning knobs (keyword-only, results are the same for any choice): `num_splits` forces the
-    flash-decoding split count (default: chosen from B x KVH against the SM count for batches of at
-    most one query per sequence, 1 otherwise); `block_m` (rows of a query tile, a power of two
-    >= the padded GQA group) and `tile_n` (keys per tile, a power of two >= 16).
-    Launches without reading any tensor value on the host.
+    Keyword-only tuning knobs, same result for any choice: `num_splits` (flash-decoding splits;
+    default: sized against the SMs for batches of one query per sequence, else 1), `block_m` (rows
+    of a query tile, a power of two >= the padded GQA group), `tile_n` (keys per tile, a power of
+    two >= 16).
     """
-    check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, _FLOAT_DTYPES)
+    check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, TRITON_DTYPES)
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     batch = block_tables.shape[0]
@@ -323,55 +288,33 @@ def paged_attention_triton(
         raise ValueError(f"tile_n={tile_n} must be a power of two >= 16")
     block_q = block_m // group
 
-    if num_splits is None:
-        if not decode_like:
-            num_splits = 1
-        elif q.is_cuda:
+    if num_splits is None:  # only decode-like batches split, sized against the SMs where there are some
+        num_splits = _INTERPRETER_SPLITS if decode_like else 1
+        if decode_like and q.is_cuda:
             num_splits = choose_num_splits(batch * num_kv_heads, _sm_count(q.device.index or 0))
-        else:
-            num_splits = _INTERPRETER_SPLITS
     if not 1 <= num_splits <= _MAX_FORCED_SPLITS:
         raise ValueError(f"num_splits={num_splits} must be in [1, {_MAX_FORCED_SPLITS}]")
-
-    if num_splits > 1:
-        part_out = torch.empty((num_splits, total_q, num_heads, block_d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_splits, total_q, num_heads), dtype=torch.float32, device=q.device)
-    else:  # unused by the kernel; any valid pointer will do
-        part_out = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)
+    split = num_splits > 1
+    # (S, T, H, BLOCK_D) and (S, T, H) partials; without splits a dummy the kernel never touches
+    part_out = q.new_empty((num_splits, total_q, num_heads, block_d) if split else (1, 1, 1, 1), dtype=torch.float32)
+    part_lse = q.new_empty(part_out.shape[:3], dtype=torch.float32)
 
     num_q_tiles = total_q // block_q + batch  # upper bound on the tiles of all sequences
-    grid = (num_q_tiles, num_kv_heads, num_splits)
-    _attention_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        out, part_out, part_lse,
+    _attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
         batch, block_size, scale * _LOG2E, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         *part_out.stride()[:3], *part_lse.stride()[:2],
-        HEAD_DIM=head_dim,
-        GROUP=group,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        TILE_N=tile_n,
-        BLOCK_D=block_d,
-        SPLIT=num_splits > 1,
-        UPCAST=not q.is_cuda,
-        INTERPRETED=not q.is_cuda,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    if num_splits > 1:
+        HEAD_DIM=head_dim, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, BLOCK_D=block_d,
+        SPLIT=split, UPCAST=not q.is_cuda, INTERPRETED=not q.is_cuda,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if split:
         splits_pad = triton.next_power_of_2(num_splits)
         block_h = min(triton.next_power_of_2(num_heads), max(1, 8192 // (splits_pad * block_d)))
         _reduce_splits_kernel[(total_q, triton.cdiv(num_heads, block_h))](
-            part_out, part_lse, out,
-            num_splits, num_heads,
+            part_out, part_lse, out, num_splits, num_heads,
             *part_out.stride()[:3], *part_lse.stride()[:2], *out.stride(),
-            HEAD_DIM=head_dim,
-            SPLITS_PAD=splits_pad,
-            BLOCK_H=block_h,
-            BLOCK_D=block_d,
-            num_warps=4,
-        )
+            HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
     return out
