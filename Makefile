@@ -7,9 +7,11 @@ PIP    := $(PY) -m pip
 # own range keeps whatever CUDA build is installed.
 TORCH_CPU  ?= torch==2.13.0
 TRITON_PIN ?= triton==3.6.0
+# The newest Triton the kernels are tested on (pyproject's range ends after it); CPU machines test both.
+TRITON_NEXT ?= triton==3.9.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup test serve bench bench-serve soak pull clean
+.PHONY: setup lint test test-triton-next serve bench bench-serve soak pull clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +26,26 @@ endif
 
 setup: $(VENV)/.installed
 
-test: setup
+lint: setup
+	$(PY) -m ruff check helexa tests bench
+	$(PY) -m ruff format --check helexa tests bench
+	$(PY) -m mypy
+
+test: lint
 	$(PY) -m pytest -q -p no:cacheprovider tests
+ifneq ($(HAS_GPU),1)
+	$(MAKE) test-triton-next
+endif
+
+# The kernel and KV-cache tests again, in the interpreter of the newest tested Triton (no CUDA needed).
+.triton-next/.installed: Makefile
+	rm -rf .triton-next
+	$(PIP) install --quiet --no-deps --target .triton-next $(TRITON_NEXT)
+	touch $@
+
+test-triton-next: setup .triton-next/.installed
+	PYTHONPATH=.triton-next $(PY) -c "import triton; print('kernel tests on triton', triton.__version__)"
+	PYTHONPATH=.triton-next $(PY) -m pytest -q -p no:cacheprovider tests/kernels tests/kvcache
 
 serve: setup
 	$(PY) -m helexa.server $(ARGS)
@@ -44,4 +64,4 @@ soak: setup
 	HELEXA_SOAK=long $(PY) -m pytest -q -p no:cacheprovider tests -k soak
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .triton-next build *.egg-info

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -122,22 +123,20 @@ def option(
     rule: Rule | None,
     *,
     group: str,
-    optional: bool = False,
     flag: str | None = None,
     metavar: str | None = None,
     exclusive: str | None = None,
     cli: bool = True,
 ) -> Any:
-    """A config field: `default`, its `help` text, the `rule` its value keeps (None: any value).
+    """A config field: `default` (None: optional), its `help` text, the `rule` its value keeps (None: any value).
 
-    `optional`: None is allowed too. `flag`: the command-line name (default `--field-name`);
-    `exclusive`: fields sharing this name are mutually exclusive flags; `cli=False`: no flag.
+    `flag`: the command-line name (default `--field-name`); `exclusive`: fields sharing this name are
+    mutually exclusive flags; `cli=False`: no flag.
     """
     meta = {
         "help": help,
         "rule": rule,
         "group": group,
-        "optional": optional,
         "flag": flag,
         "metavar": metavar,
         "exclusive": exclusive,
@@ -146,11 +145,17 @@ def option(
     return dataclasses.field(default=default, metadata=meta)
 
 
+_placement = functools.partial(option, group="model and placement")
+_budget = functools.partial(option, group="KV budget")
+_scheduling = functools.partial(option, group="scheduling and admission")
+_faults = functools.partial(option, group="device faults")
+
+
 def validate(config: Any) -> None:
     """Raise `ValueError` naming the first field of `config` whose value breaks its rule."""
     for f in fields(config):
         value, rule = getattr(config, f.name), f.metadata.get("rule")
-        if rule is None or (value is None and f.metadata["optional"]):
+        if rule is None or (value is None and f.default is None):
             continue
         if not rule.test(value):
             raise ValueError(f"{f.name} must be {rule.expected}, got {value!r}")
@@ -160,34 +165,26 @@ def validate(config: Any) -> None:
 class AdmissionConfig:
     """How admission gates, queues and times out requests; fixed while a model is loaded."""
 
-    max_num_seqs: int = option(
-        64, "most sequences in flight at once", Rule.at_least(1), group="scheduling and admission"
-    )
-    max_queue_depth: int = option(
-        1024, "most requests waiting for admission (0: none wait)", Rule.at_least(0), group="scheduling and admission"
-    )
+    max_num_seqs: int = _scheduling(64, "most sequences in flight at once", Rule.at_least(1))
+    max_queue_depth: int = _scheduling(1024, "most requests waiting for admission (0: none wait)", Rule.at_least(0))
     # Long enough for a 70-150 s agentic turn to wait behind two or three others of its size.
-    max_wait_secs: float = option(
-        600.0, "longest a request may wait for admission", Rule.seconds(positive=True), group="scheduling and admission"
-    )
-    default_max_tokens: int = option(
+    max_wait_secs: float = _scheduling(600.0, "longest a request may wait for admission", Rule.seconds(positive=True))
+    default_max_tokens: int = _scheduling(
         4096,
-        "output tokens reserved for a request that gives no max_tokens (capped by what is left of the "
-        "context after the prompt)",
+        "output tokens reserved for a request that gives no max_tokens (at most what is left of the context "
+        "after the prompt)",
         Rule.at_least(1),
-        group="scheduling and admission",
     )
-    policy: str = option(
+    policy: str = _scheduling(
         "fifo",
-        "fifo: the queue's head blocks everything behind it; backfill: a request behind the head may "
-        "start now if it is estimated to end before the head could start",
+        "fifo: the queue's head blocks everything behind it; backfill: a request behind the head may start "
+        "now if it is estimated to end before the head could start",
         Rule.one_of(*ADMISSION_POLICIES),
-        group="scheduling and admission",
         flag="--admission-policy",
     )
     # Wait estimates are re-simulated at once after a grant, release or cancel, and at most this
     # often when only decode progress or measured rates changed (0: always).
-    replan_interval_secs: float = option(0.25, "", Rule.seconds(), group="scheduling and admission", cli=False)
+    replan_interval_secs: float = _scheduling(0.25, "", Rule.seconds(), cli=False)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -204,68 +201,39 @@ class EngineConfig:
     Build one from flat names with `EngineConfig.of(max_num_seqs=8, num_blocks=64, ...)`.
     """
 
-    model: str | None = option(
+    model: str | None = _placement(
         None,
         "a Hugging Face style directory or a known model name (default: smollm2-135m-instruct)",
         TEXT,
-        group="model and placement",
-        optional=True,
         metavar="PATH|NAME",
     )
-    device: str = option(
-        "auto", "where the model runs", Rule.one_of("auto", "cpu", "cuda"), group="model and placement"
-    )
-    dtype: str = option(
+    device: str = _placement("auto", "where the model runs", Rule.one_of("auto", "cpu", "cuda"))
+    dtype: str = _placement(
         "auto",
         "weights and KV cache dtype (auto: float32 on CPU, the checkpoint's on CUDA)",
         Rule.one_of("auto", "float32", "bfloat16", "float16"),
-        group="model and placement",
     )
-    attention_backend: str = option(
-        "auto",
-        "kernel implementation (auto: Triton on CUDA, torch on CPU)",
-        Rule.one_of("auto", "triton", "torch"),
-        group="model and placement",
+    attention_backend: str = _placement(
+        "auto", "kernel implementation (auto: Triton on CUDA, torch on CPU)", Rule.one_of("auto", "triton", "torch")
     )
-    block_size: int = option(16, "tokens per KV block", POWER_OF_TWO, group="KV budget")
-    num_blocks: int | None = option(
-        None, "an exact KV block count", Rule.at_least(1), group="KV budget", optional=True, exclusive="budget"
+    block_size: int = _budget(16, "tokens per KV block", POWER_OF_TWO)
+    num_blocks: int | None = _budget(None, "an exact KV block count", Rule.at_least(1), exclusive="budget")
+    kv_cache_memory: int | None = _budget(None, "KV pool size in bytes, e.g. 512MiB, 2GiB", SIZE, exclusive="budget")
+    gpu_memory_utilization: float | None = _budget(
+        None, "fraction of device memory for weights, activations and KV (CUDA)", FRACTION, exclusive="budget"
     )
-    kv_cache_memory: int | None = option(
-        None, "KV pool size in bytes, e.g. 512MiB, 2GiB", SIZE, group="KV budget", optional=True, exclusive="budget"
+    max_model_len: int | None = _scheduling(
+        None, "longest sequence (prompt + output) accepted (default: the model's)", Rule.at_least(1)
     )
-    gpu_memory_utilization: float | None = option(
-        None,
-        "fraction of device memory for weights, activations and KV (CUDA)",
-        FRACTION,
-        group="KV budget",
-        optional=True,
-        exclusive="budget",
+    max_num_batched_tokens: int = _scheduling(
+        2048, "most tokens one engine step runs (decode tokens and prefill chunks)", Rule.at_least(1)
     )
-    max_model_len: int | None = option(
-        None,
-        "longest sequence (prompt + output) accepted (default: the model's)",
-        Rule.at_least(1),
-        group="scheduling and admission",
-        optional=True,
+    seed: int = _scheduling(0, "seeds the default generator unseeded requests sample from", ANY_INT)
+    max_fault_retries: int = _faults(
+        3, "consecutive device faults the engine recovers from before it gives up", Rule.at_least(0)
     )
-    max_num_batched_tokens: int = option(
-        2048,
-        "most tokens one engine step runs (decode tokens and prefill chunks)",
-        Rule.at_least(1),
-        group="scheduling and admission",
-    )
-    seed: int = option(
-        0, "seeds the default generator unseeded requests sample from", ANY_INT, group="scheduling and admission"
-    )
-    max_fault_retries: int = option(
-        3,
-        "consecutive device faults the engine recovers from before it gives up",
-        Rule.at_least(0),
-        group="device faults",
-    )
-    fault_backoff_secs: float = option(
-        0.5, "wait before the n-th consecutive reload: this x 2^(n-1) seconds", Rule.seconds(), group="device faults"
+    fault_backoff_secs: float = _faults(
+        0.5, "wait before the n-th consecutive reload: this x 2^(n-1) seconds", Rule.seconds()
     )
     admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass
 
@@ -10,6 +11,8 @@ from helexa.config import SIZE, TEXT, Rule, option, validate
 __all__ = ["ServerSettings", "is_loopback"]
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+PORT = Rule("a port in [0, 65535]", lambda v: isinstance(v, int) and 0 <= v <= 65535, int, metavar="N")
+_http = functools.partial(option, group="HTTP server")
 
 
 def is_loopback(host: str) -> bool:
@@ -26,37 +29,15 @@ def is_loopback(host: str) -> bool:
 class ServerSettings:
     """Where and how the HTTP server listens; `api_key` set means `/v1/*` needs `Authorization: Bearer KEY`."""
 
-    host: str = option("127.0.0.1", "bind address", TEXT, group="HTTP server")
-    port: int = option(
-        8000,
-        "bind port (0: any free port)",
-        Rule("a port in [0, 65535]", lambda v: isinstance(v, int) and 0 <= v <= 65535, int, metavar="N"),
-        group="HTTP server",
-    )
-    api_key: str | None = option(
-        None,
-        "require 'Authorization: Bearer KEY' on /v1/* (default: $HELEXA_API_KEY; the key is never printed)",
-        TEXT,
-        group="HTTP server",
-        optional=True,
-    )
+    host: str = _http("127.0.0.1", "bind address", TEXT)
+    port: int = _http(8000, "bind port (0: any free port)", PORT)
+    api_key: str | None = _http(None, "require 'Authorization: Bearer KEY' on /v1/* (default: $HELEXA_API_KEY)", TEXT)
     # 8 MiB: a 128k-token prompt as JSON-escaped text, with room to spare.
-    max_body_bytes: int = option(
-        8 << 20,
-        "largest request body accepted (413 beyond), e.g. 8MiB",
-        SIZE,
-        group="HTTP server",
-        flag="--max-body-size",
+    max_body_bytes: int = _http(8 << 20, "largest request body accepted (413 beyond)", SIZE, flag="--max-body-size")
+    shutdown_grace_secs: float = _http(
+        30.0, "on SIGTERM/SIGINT, how long in-flight requests may finish", Rule.seconds()
     )
-    shutdown_grace_secs: float = option(
-        30.0,
-        "on SIGTERM/SIGINT, how long in-flight requests may finish before they are aborted",
-        Rule.seconds(),
-        group="HTTP server",
-    )
-    log_level: str = option(
-        "info", "log level of helexa's and uvicorn's loggers", Rule.one_of(*LOG_LEVELS), group="HTTP server"
-    )
+    log_level: str = _http("info", "log level of helexa's and uvicorn's loggers", Rule.one_of(*LOG_LEVELS))
 
     def __post_init__(self) -> None:
         validate(self)
