@@ -69,8 +69,28 @@ class FifoPlan:
         return self.append_if_starts_by(blocks, run_seconds, math.inf)[0]
 
     def extend(self, requests: Iterable[tuple[int, float]]) -> list[float]:
-        """`append` each `(blocks, run_seconds)` in order; returns their estimated starts."""
-        return [self.append(blocks, run_seconds) for blocks, run_seconds in requests]
+        """`append` each `(blocks, run_seconds)` in order; returns their estimated starts.
+
+        One tight loop (a full replan runs it over the whole queue): the same simulation as `append`.
+        """
+        t, avail, slots, events = self._time, self._blocks, self._slots, self._events
+        pop, push, starts = heapq.heappop, heapq.heappush, []
+        try:
+            for blocks, run_seconds in requests:
+                while avail < blocks or slots < 1:
+                    if not events:
+                        raise ValueError(
+                            f"a request needing {blocks} blocks can never start: at most {avail} "
+                            f"blocks and {slots} sequence slots are ever free in this plan"
+                        )
+                    when, freed = pop(events)
+                    t, avail, slots = max(t, when), avail + freed, slots + 1
+                avail, slots = avail - blocks, slots - 1
+                push(events, (t + run_seconds, blocks))
+                starts.append(t)
+        finally:
+            self._time, self._blocks, self._slots = t, avail, slots
+        return starts
 
     def append_if_starts_by(self, blocks: int, run_seconds: float, latest_start: float) -> tuple[float, bool]:
         """`append` when the estimated start is <= `latest_start`, else leave the plan unchanged.
