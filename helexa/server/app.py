@@ -1,25 +1,15 @@
-"""The Starlette app: OpenAI-compatible routes over a running `Engine`.
-
-`create_app(engine, settings)` builds it. A generation request goes: parse and validate
-(`protocol`) → render the chat template and tokenise (in a worker thread: templates and long
-prompts are CPU work) → `GenerationRun.submit` (admission answers at once: granted, queued, or an
-error with its status, code and Retry-After) → wait for the engine's events while watching for the
-client leaving (which aborts the run) → shape the OpenAI response, or stream it as server-sent
-events. A streaming request waits for its first event before answering, so a request that times
-out in the admission queue still gets a proper 503 with Retry-After instead of a broken stream.
-"""
+"""The Starlette app: OpenAI-compatible routes over a running `Engine`."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -32,13 +22,11 @@ from helexa.engine import Engine, TokenEvent
 from helexa.server.errors import APIError, error_response
 from helexa.server.formats import FORMATS, ApiFormat, LogprobFormatter
 from helexa.server.generation import Choice, GenerationRun, event_error
-from helexa.server.metrics import CONTENT_TYPE, ServerMetrics
+from helexa.server.metrics import ServerMetrics
 from helexa.server.middleware import AuthMiddleware, BodyLimitMiddleware, RequestContextMiddleware, request_id_of
 from helexa.server.protocol import GenerationRequest, decode_json
 from helexa.server.settings import ServerSettings
-from helexa.server.sse import EventStreamResponse, sse, until_disconnected
-
-__all__ = ["ServerState", "create_app"]
+from helexa.server.sse import EventStreamResponse, race_disconnect, sse
 
 logger = logging.getLogger("helexa.server")
 
@@ -59,9 +47,6 @@ def _state(request: Request) -> ServerState:
     return request.app.state.helexa
 
 
-# --------------------------------------------------------------------------- from request to engine
-
-
 def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[list[int]]:
     """Token ids of each prompt: the rendered chat template, or the completion prompt (text or ids)."""
     tokenizer = state.engine.tokenizer
@@ -78,60 +63,6 @@ def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[list[int]]:
     return ids
 
 
-async def _start(
-    request: Request, parse: Callable[[dict[str, Any]], GenerationRequest], prefix: str
-) -> tuple[ServerState, GenerationRequest, GenerationRun]:
-    """Parse, tokenise and submit; raises `APIError` for every answer but a granted or queued run."""
-    state = _state(request)
-    if state.draining:
-        raise APIError("shutting_down", "the server is shutting down and admits no new requests")
-    req = parse(decode_json(await request.body()))
-    prompt_ids = await run_in_threadpool(_prompt_ids, state, req)
-    run = GenerationRun(state.engine, f"{prefix}{uuid.uuid4().hex}", prompt_ids, req)
-    run.submit()
-    return state, req, run
-
-
-async def _race_disconnect(request: Request, work: asyncio.Future) -> bool:
-    """Await `work` unless the client disconnects first (then `work` is cancelled); True if `work` finished."""
-    watch = asyncio.ensure_future(until_disconnected(request.receive))
-    try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if work in done:
-        return True
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await work
-    return False
-
-
-async def _collect(request: Request, run: GenerationRun) -> bool:
-    """Run every choice to its end; False (and every choice aborted) when the client left first."""
-
-    async def drain() -> None:
-        async for _ in run.events():
-            pass
-
-    finished = await _race_disconnect(request, asyncio.ensure_future(drain()))
-    if not finished:
-        run.abort()
-        logger.info(
-            "request %s: client disconnected before completion; aborted %d choices",
-            request_id_of(request.scope),
-            len(run.handles),
-        )
-    return finished
-
-
-def _raise_choice_error(run: GenerationRun) -> None:
-    for choice in run.choices:
-        error = event_error(TokenEvent(finish_reason=choice.finish_reason, error=choice.error))
-        if error is not None:
-            raise error
-
-
 def _observe(state: ServerState, run: GenerationRun) -> None:
     for waited in run.admission_waits:
         state.metrics.observe_admission_wait(waited)
@@ -139,49 +70,45 @@ def _observe(state: ServerState, run: GenerationRun) -> None:
         state.metrics.observe_ttft(run.first_token_at - run.started)
 
 
-async def _stream_start(
-    request: Request, run: GenerationRun
-) -> tuple[tuple[Choice, TokenEvent], AsyncGenerator[tuple[Choice, TokenEvent], None]] | None:
-    """Wait for the run's first event (so admission errors become real HTTP errors); None if the client left."""
-    events = run.events()
-    first = asyncio.ensure_future(events.__anext__())
-    if not await _race_disconnect(request, first):
-        await events.aclose()
-        run.abort()
-        return None
-    item = first.result()
-    error = event_error(item[1])
-    if error is not None:
-        await events.aclose()
-        raise error
-    return item, events
-
-
-async def _chain(
-    first: tuple[Choice, TokenEvent], rest: AsyncIterator[tuple[Choice, TokenEvent]]
-) -> AsyncIterator[tuple[Choice, TokenEvent]]:
-    yield first
-    async for item in rest:
-        yield item
-
-
-# --------------------------------------------------------------------------- the generation route
-
-
 async def generate(request: Request) -> Response | EventStreamResponse:
-    """`POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`: one route, shaped by the path's format."""
+    """`POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`: one route, shaped by the path's format.
+
+    A stream answers only after its run's first event, so admission errors (a queue timeout included) are
+    real HTTP errors with their Retry-After; a client gone before the answer aborts the run and gets 499.
+    """
+    state = _state(request)
+    if state.draining:
+        raise APIError("shutting_down", "the server is shutting down and admits no new requests")
     parse, fmt_type = FORMATS[request.url.path]
-    state, req, run = await _start(request, parse, fmt_type.id_prefix)
+    req = parse(decode_json(await request.body()))
+    prompt_ids = await run_in_threadpool(_prompt_ids, state, req)
+    run = GenerationRun(state.engine, f"{fmt_type.id_prefix}{uuid.uuid4().hex}", prompt_ids, req)
+    run.submit()
     fmt = fmt_type(req, run, state.engine.model_name, state.logprobs)
     if req.stream:
-        started = await _stream_start(request, run)
-        if started is None:
+        events = run.events()
+        first = asyncio.ensure_future(anext(events))
+        if not await race_disconnect(request.receive, first):
+            await events.aclose()
+            run.abort()
             return Response(status_code=499)
-        return EventStreamResponse(_stream(state, fmt, *started, request), run.abort)
+        error = event_error(first.result()[1])
+        if error is not None:
+            await events.aclose()
+            raise error
+        return EventStreamResponse(_stream(state, fmt, first.result(), events, request), run.abort)
     try:
-        if not await _collect(request, run):
+        if not await race_disconnect(request.receive, asyncio.ensure_future(run.finish())):
+            run.abort()
+            logger.info(
+                "request %s: client disconnected before completion; aborted %d choices",
+                request_id_of(request.scope),
+                len(run.handles),
+            )
             return Response(status_code=499)
-        _raise_choice_error(run)
+        for choice in run.choices:
+            if (error := event_error(choice)) is not None:
+                raise error
         return JSONResponse(fmt.body())
     finally:
         _observe(state, run)
@@ -198,7 +125,9 @@ async def _stream(
     try:
         for chunk in fmt.start():
             yield chunk
-        async for choice, event in _chain(first, events):
+        item: tuple[Choice, TokenEvent] | None = first
+        while item is not None:
+            choice, event = item
             error = event_error(event)
             if error is not None:
                 logger.warning(
@@ -209,6 +138,7 @@ async def _stream(
                 break
             for chunk in fmt.event(choice, event):
                 yield chunk
+            item = await anext(events, None)
         for chunk in fmt.end(failed):
             yield chunk
     finally:
@@ -216,27 +146,11 @@ async def _stream(
         _observe(state, fmt.run)
 
 
-# --------------------------------------------------------------------------- the other routes
-
-
 async def models(request: Request) -> Response:
     """`GET /v1/models`: the one model this server serves."""
     state = _state(request)
-    engine = state.engine
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": engine.model_name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "helexa",
-                    "max_model_len": engine.max_model_len,
-                }
-            ],
-        }
-    )
+    model = {"id": state.engine.model_name, "object": "model", "created": state.created, "owned_by": "helexa"}
+    return JSONResponse({"object": "list", "data": [{**model, "max_model_len": state.engine.max_model_len}]})
 
 
 async def admission(request: Request) -> Response:
@@ -264,7 +178,7 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     """`GET /metrics`: Prometheus text."""
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -286,11 +200,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starlette:
-    """The OpenAI-compatible app over a started `engine`; `app.state.helexa` is its `ServerState`.
-
-    Middleware: request ids and the last-resort 500 handler, Bearer auth on `/v1/*` when
-    `settings.api_key` is set, the request-body limit.
-    """
+    """The OpenAI-compatible app over a started `engine`; `app.state.helexa` is its `ServerState`."""
     settings = settings or ServerSettings()
     state = ServerState(
         engine=engine, settings=settings, metrics=ServerMetrics(engine), logprobs=LogprobFormatter(engine.tokenizer)

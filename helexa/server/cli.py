@@ -8,8 +8,6 @@ import os
 from helexa.config import EngineConfig, HelpFormatter, add_flags, from_flags
 from helexa.server.settings import ServerSettings
 
-__all__ = ["build_parser", "configs_from_args"]
-
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `python -m helexa.server`; every flag is optional."""

@@ -1,8 +1,5 @@
-"""OpenAI-shaped errors: one exception type the routes raise, and the JSON response it becomes.
-
-Every error the server sends is `{"error": {"message", "type", "code", "param"}}`. The status, code
-and type of each case are decided here, admission's rejections included (`from_admission`).
-"""
+"""OpenAI-shaped errors, `{"error": {"message", "type", "code", "param"}}`: every status and code the
+server sends is decided here, admission's rejections included (`from_admission`)."""
 
 from __future__ import annotations
 
@@ -11,8 +8,6 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from helexa.admission import AdmissionRejected
-
-__all__ = ["ADMISSION_ERRORS", "APIError", "error_body", "error_response", "from_admission"]
 
 # Admission's rejection reason -> (HTTP status, OpenAI error code, OpenAI error type).
 ADMISSION_ERRORS: dict[str, tuple[int, str, str]] = {
@@ -39,9 +34,8 @@ _SERVER_ERRORS: dict[str, tuple[int, str]] = {
 class APIError(Exception):
     """An error response: HTTP `status`, OpenAI `code` and `type`, a `message`, the offending `param`.
 
-    `retry_after` (whole seconds >= 1) becomes a `Retry-After` header; None for none. Build one with
-    `APIError(code, message, param=...)` for the server's own codes (status and type looked up), or
-    `from_admission(rejection)` for admission's.
+    `retry_after` (whole seconds >= 1) becomes a `Retry-After` header. The server's own codes take
+    their status and type from the code; admission's come from `from_admission`.
     """
 
     def __init__(
@@ -59,28 +53,17 @@ class APIError(Exception):
                 raise ValueError(f"unknown error code {code!r}: give status and error_type explicitly")
             status, error_type = status or _SERVER_ERRORS[code][0], error_type or _SERVER_ERRORS[code][1]
         super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-        self.status = status
-        self.error_type = error_type
-        self.retry_after = retry_after
+        self.code, self.message, self.param = code, message, param
+        self.status, self.error_type, self.retry_after = status, error_type, retry_after
 
     def body(self) -> dict[str, Any]:
-        """The OpenAI-shaped JSON body."""
-        return error_body(self.message, self.error_type, self.code, self.param)
+        return {"error": {"message": self.message, "type": self.error_type, "code": self.code, "param": self.param}}
 
     def headers(self) -> dict[str, str]:
-        """`Retry-After` when the error is temporary and an estimate exists."""
         return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def __repr__(self) -> str:
         return f"APIError({self.code!r}, status={self.status}, param={self.param!r})"
-
-
-def error_body(message: str, error_type: str, code: str, param: str | None = None) -> dict[str, Any]:
-    """`{"error": {"message", "type", "code", "param"}}`."""
-    return {"error": {"message": message, "type": error_type, "code": code, "param": param}}
 
 
 def from_admission(rejection: AdmissionRejected) -> APIError:
@@ -90,5 +73,5 @@ def from_admission(rejection: AdmissionRejected) -> APIError:
 
 
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The JSON response for `error`, with its Retry-After and any extra `headers`."""
+    """The JSON response for `error`, with its Retry-After and any extra `headers` (also a raw ASGI app)."""
     return JSONResponse(error.body(), status_code=error.status, headers={**error.headers(), **(headers or {})})

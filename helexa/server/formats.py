@@ -1,22 +1,12 @@
-"""One small formatter per OpenAI API: the response body, or the streamed events, of a finished or running run.
-
-Shapes follow the OpenAI API as the official `openai` client parses them:
-- chat: `chat.completion` objects and `chat.completion.chunk` chunks, logprobs as
-  `{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`;
-- completions: `text_completion` objects and chunks, logprobs as
-  `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`;
-- responses: a `response` object, and the events `response.created`, `response.in_progress`,
-  `response.output_item.added`, `response.content_part.added`, `response.output_text.delta`…,
-  `response.output_text.done`, `response.content_part.done`, `response.output_item.done`, then
-  `response.completed` (with `status: "incomplete"` when `max_output_tokens` cut the text).
-"""
+"""One formatter per OpenAI API (chat, completions, responses): the body of a finished run, or the
+streamed events of a running one, shaped as the official `openai` client parses them (objects and event
+order: docs/reference.md, "Responses and streaming")."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from helexa.engine.stream import TokenEvent, TokenLogprob
@@ -24,34 +14,6 @@ from helexa.model.text.tokenizer import Tokenizer
 from helexa.server.generation import Choice, GenerationRun
 from helexa.server.protocol import GenerationRequest, parse_chat, parse_completion, parse_response
 from helexa.server.sse import DONE, sse
-
-__all__ = ["FORMATS", "ApiFormat", "LogprobFormatter", "Usage"]
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Token counts of one request (the prompt counted once, even with several choices)."""
-
-    prompt_tokens: int
-    completion_tokens: int
-
-    def openai(self) -> dict[str, int]:
-        """Chat and completions `usage`."""
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-
-    def responses(self) -> dict[str, Any]:
-        """The Responses API's `usage`."""
-        return {
-            "input_tokens": self.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": self.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
 
 
 class LogprobFormatter:
@@ -66,7 +28,6 @@ class LogprobFormatter:
         self._cache: dict[int, str] = {}
 
     def token(self, token_id: int) -> str:
-        """The string of one token id."""
         text = self._cache.get(token_id)
         if text is None:
             text = self._cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -107,20 +68,17 @@ class LogprobFormatter:
 
 
 class ApiFormat:
-    """How one API shapes a run: `body()` once every choice ended, or `start()`, `event()` per engine
-    event and `end(failed)` while streaming (each yields SSE bytes). `failed`: the stream ended on an error
-    event (already sent as an error event)."""
+    """How one API shapes a run: `body()` once every choice ended; while streaming, `start()`, `event()`
+    per engine event and `end(failed)` (`failed`: the stream ended on an error event, already sent), each
+    yielding SSE bytes. Chat and completions share the chunk, usage and `[DONE]` framing here."""
 
     id_prefix: ClassVar[str]
+    body_object: ClassVar[str]
+    chunk_object: ClassVar[str]
 
     def __init__(self, req: GenerationRequest, run: GenerationRun, model: str, logprobs: LogprobFormatter) -> None:
         self.req, self.run, self.model, self.logprobs = req, run, model, logprobs
-        self.tokenizer = logprobs.tokenizer
         self.created = int(time.time())
-
-    @property
-    def usage(self) -> Usage:
-        return Usage(self.run.prompt_tokens, self.run.completion_tokens)
 
     def body(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -131,10 +89,12 @@ class ApiFormat:
     def event(self, choice: Choice, event: TokenEvent) -> Iterator[bytes]:
         raise NotImplementedError
 
-    def end(self, failed: bool) -> Iterator[bytes]:
-        raise NotImplementedError
+    def _usage(self) -> dict[str, int]:
+        """Token counts (the prompt counted once, even with several choices)."""
+        prompt, completion = self.run.prompt_tokens, self.run.completion_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _object(self, kind: str, choices: list[dict[str, Any]], usage: Usage | None) -> dict[str, Any]:
+    def _object(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": self.run.request_id,
             "object": kind,
@@ -144,19 +104,25 @@ class ApiFormat:
             "choices": choices,
         }
         if usage is not None or (self.req.stream and self.req.include_usage):
-            body["usage"] = None if usage is None else usage.openai()  # null on every chunk but the last
+            body["usage"] = usage  # null on every chunk but the last
         return body
 
-    def _usage_end(self, kind: str, failed: bool) -> Iterator[bytes]:
+    def _chunk(
+        self, index: int, logprobs: dict[str, Any] | None = None, finish_reason: str | None = None, **content: Any
+    ) -> bytes:
+        choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+        return sse(self._object(self.chunk_object, [choice], None))
+
+    def end(self, failed: bool) -> Iterator[bytes]:
         if self.req.include_usage and not failed:
-            yield sse(self._object(kind, [], self.usage))
+            yield sse(self._object(self.chunk_object, [], self._usage()))
         yield DONE
 
 
 class ChatFormat(ApiFormat):
     """`POST /v1/chat/completions`."""
 
-    id_prefix = "chatcmpl-"
+    id_prefix, body_object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         return None if self.req.logprobs is None else {"content": self.logprobs.chat(logprobs), "refusal": None}
@@ -171,39 +137,22 @@ class ChatFormat(ApiFormat):
             }
             for c in self.run.choices
         ]
-        return self._object("chat.completion", choices, self.usage)
-
-    def _chunk(
-        self,
-        index: int,
-        delta: dict[str, Any],
-        logprobs: dict[str, Any] | None = None,
-        finish_reason: str | None = None,
-    ) -> bytes:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return sse(self._object("chat.completion.chunk", [choice], None))
+        return self._object(self.body_object, choices, self._usage())
 
     def start(self) -> Iterator[bytes]:
         for choice in self.run.choices:
-            yield self._chunk(choice.index, {"role": "assistant", "content": ""})
+            yield self._chunk(choice.index, delta={"role": "assistant", "content": ""})
 
     def event(self, choice: Choice, event: TokenEvent) -> Iterator[bytes]:
         if event.text or event.finished or event.logprobs:
-            yield self._chunk(
-                choice.index,
-                {"content": event.text} if event.text else {},
-                self._logprobs(event.logprobs),
-                event.finish_reason,
-            )
-
-    def end(self, failed: bool) -> Iterator[bytes]:
-        return self._usage_end("chat.completion.chunk", failed)
+            delta = {"content": event.text} if event.text else {}
+            yield self._chunk(choice.index, self._logprobs(event.logprobs), event.finish_reason, delta=delta)
 
 
 class CompletionFormat(ApiFormat):
     """`POST /v1/completions` (with `echo`: the prompt text before each choice's output)."""
 
-    id_prefix = "cmpl-"
+    id_prefix, body_object, chunk_object = "cmpl-", "text_completion", "text_completion"
 
     def __init__(self, req: GenerationRequest, run: GenerationRun, model: str, logprobs: LogprobFormatter) -> None:
         super().__init__(req, run, model, logprobs)
@@ -213,7 +162,7 @@ class CompletionFormat(ApiFormat):
         if not self.req.echo:
             return ""
         prompt = self.req.prompts[choice.index // self.req.n]
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        return prompt if isinstance(prompt, str) else self.logprobs.tokenizer.decode(prompt)
 
     def _logprobs(self, logprobs: Sequence[TokenLogprob], offset: int) -> dict[str, Any] | None:
         if self.req.logprobs is None:
@@ -232,28 +181,19 @@ class CompletionFormat(ApiFormat):
                     "logprobs": self._logprobs(c.logprobs, len(echo)),
                 }
             )
-        return self._object("text_completion", choices, self.usage)
-
-    def _chunk(
-        self, index: int, text: str, logprobs: dict[str, Any] | None = None, finish_reason: str | None = None
-    ) -> bytes:
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        return sse(self._object("text_completion", [choice], None))
+        return self._object(self.body_object, choices, self._usage())
 
     def start(self) -> Iterator[bytes]:
         for choice in self.run.choices:
             if echo := self._echo(choice):
                 self._offsets[choice.index] = len(echo)
-                yield self._chunk(choice.index, echo)
+                yield self._chunk(choice.index, text=echo)
 
     def event(self, choice: Choice, event: TokenEvent) -> Iterator[bytes]:
         if event.text or event.finished or event.logprobs:
             logprobs = self._logprobs(event.logprobs, self._offsets[choice.index])
             self._offsets[choice.index] += len(event.text)
-            yield self._chunk(choice.index, event.text, logprobs, event.finish_reason)
-
-    def end(self, failed: bool) -> Iterator[bytes]:
-        return self._usage_end("text_completion", failed)
+            yield self._chunk(choice.index, logprobs, event.finish_reason, text=event.text)
 
 
 class ResponsesFormat(ApiFormat):
@@ -264,16 +204,28 @@ class ResponsesFormat(ApiFormat):
     def __init__(self, req: GenerationRequest, run: GenerationRun, model: str, logprobs: LogprobFormatter) -> None:
         super().__init__(req, run, model, logprobs)
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self._where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         self._seq = 0
 
+    @staticmethod
+    def _part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
     def _message(self, text: str | None, status: str) -> dict[str, Any]:
-        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        content = [] if text is None else [self._part(text)]
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
     def _response(self, choice: Choice | None) -> dict[str, Any]:
         """The `response` object: in progress (`choice` None), completed, or incomplete (cut at the limit)."""
         status = "in_progress" if choice is None else "incomplete" if choice.finish_reason == "length" else "completed"
-        sampling = self.req.sampling
+        prompt, completion = self.run.prompt_tokens, self.run.completion_tokens
+        usage = {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion,
+        }
         return {
             "id": self.run.request_id,
             "object": "response",
@@ -289,13 +241,13 @@ class ResponsesFormat(ApiFormat):
             "previous_response_id": None,
             "reasoning": None,
             "store": False,
-            "temperature": _or(sampling.get("temperature"), 1.0),
-            "top_p": _or(sampling.get("top_p"), 1.0),
+            "temperature": self.req.sampling.get("temperature", 1.0),
+            "top_p": self.req.sampling.get("top_p", 1.0),
             "text": {"format": {"type": "text"}},
             "tool_choice": "auto",
             "tools": [],
             "truncation": "disabled",
-            "usage": None if choice is None else self.usage.responses(),
+            "usage": None if choice is None else usage,
             "user": None,
             "metadata": {},
         }
@@ -309,33 +261,26 @@ class ResponsesFormat(ApiFormat):
         return self._response(choice)
 
     def start(self) -> Iterator[bytes]:
-        response, where = self._response(None), {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        response = self._response(None)
         yield self._event("response.created", response=response)
         yield self._event("response.in_progress", response=response)
         yield self._event("response.output_item.added", output_index=0, item=self._message(None, "in_progress"))
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        yield self._event("response.content_part.added", **where, part=part)
+        yield self._event("response.content_part.added", **self._where, part=self._part(""))
 
     def event(self, choice: Choice, event: TokenEvent) -> Iterator[bytes]:
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
         if event.text:
-            yield self._event("response.output_text.delta", **where, delta=event.text, logprobs=[])
+            yield self._event("response.output_text.delta", **self._where, delta=event.text, logprobs=[])
         if event.finished:
             # The last event is `response.completed` even when the text was cut at `max_output_tokens`
             # (the response's status is then "incomplete"): the official client's stream helper requires it.
             text, response = choice.output_text, self._response(choice)
-            yield self._event("response.output_text.done", **where, text=text, logprobs=[])
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            yield self._event("response.content_part.done", **where, part=part)
+            yield self._event("response.output_text.done", **self._where, text=text, logprobs=[])
+            yield self._event("response.content_part.done", **self._where, part=self._part(text))
             yield self._event("response.output_item.done", output_index=0, item=response["output"][0])
             yield self._event("response.completed", response=response)
 
     def end(self, failed: bool) -> Iterator[bytes]:
         return iter(())
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
 
 
 # Each generation path: how its body is parsed, and how its run is shaped.

@@ -1,10 +1,6 @@
 """The engine requests behind one HTTP request: submit them, merge their token streams, abort them.
 
-An OpenAI request with `n` choices over `p` prompts becomes `p × n` engine requests (each its own
-sequence), choice `k = prompt * n + i`. `GenerationRun` submits them all or none (a rejection of
-one aborts those already submitted), yields `(choice, TokenEvent)` pairs as the engine produces
-them (never blocking the event loop), and `abort()`s whatever has not finished — on client
-disconnect, on an error in a sibling choice, or when the response is abandoned.
+A request with `n` choices over `p` prompts becomes `p × n` engine requests, choice `k = prompt * n + i`.
 """
 
 from __future__ import annotations
@@ -19,8 +15,6 @@ from helexa.engine import Engine, EngineClosed, EngineError, RequestFailed, Requ
 from helexa.model.sampling import SamplingParams
 from helexa.server.errors import APIError, from_admission
 from helexa.server.protocol import GenerationRequest
-
-__all__ = ["Choice", "GenerationRun", "event_error"]
 
 
 @dataclass
@@ -46,47 +40,54 @@ class Choice:
 
     @property
     def output_text(self) -> str:
-        """All text so far."""
         return "".join(self.text)
 
 
-def event_error(event: TokenEvent) -> APIError | None:
-    """The `APIError` a final event stands for (`error` or `abort`), or None for `stop` / `length`.
+def _api_error(exc: BaseException | None, param: str | None = None) -> APIError | None:
+    """The `APIError` an admission or engine exception stands for; None for any other exception.
 
-    - an admission rejection (a queued request that waited `--max-wait-secs`): its 503 kv_timeout;
-    - a `RequestFailed` (its own parameters broke its sampling): 400 `invalid_request`;
-    - a `DeviceFault` or other `EngineError`: 500 `device_fault`, the message carrying the cause;
-    - `abort` reaching a client that is still connected: the server aborted it (shutting down): 503.
+    Admission rejections keep their status, code and Retry-After; a closed engine is 503 `shutting_down`;
+    `RequestFailed` (the request's own sampling broke) is 400; a `DeviceFault` or other `EngineError` is
+    500 `device_fault` carrying the cause; with a `param`, a `ValueError` (a prompt the engine refuses) is 400.
+    """
+    if isinstance(exc, AdmissionRejected):
+        return from_admission(exc)
+    if isinstance(exc, EngineClosed):
+        return APIError("shutting_down", "the server is shutting down and admits no new requests")
+    if isinstance(exc, RequestFailed):
+        return APIError("invalid_request", str(exc))
+    if isinstance(exc, EngineError):
+        return APIError("device_fault", str(exc))
+    if isinstance(exc, ValueError) and param is not None:
+        return APIError("invalid_request", str(exc), param=param)
+    return None
+
+
+def event_error(event: TokenEvent | Choice) -> APIError | None:
+    """The `APIError` a final event (or a finished choice) stands for; None for `stop` / `length`.
+
+    `error`: as `_api_error`, anything else 500 `internal_error`; `abort` reaching a client that is still
+    connected means the server aborted it (shutting down): 503 `request_aborted`.
     """
     if event.finish_reason == "abort":
         return APIError("request_aborted", "the request was aborted by the server (shutting down)")
     if event.finish_reason != "error":
         return None
     error = event.error
-    if isinstance(error, AdmissionRejected):
-        return from_admission(error)
-    if isinstance(error, RequestFailed):
-        return APIError("invalid_request", str(error))
-    if isinstance(error, EngineError):
-        return APIError("device_fault", str(error))
-    return APIError("internal_error", f"generation failed: {type(error).__name__}")
+    return _api_error(error) or APIError("internal_error", f"generation failed: {type(error).__name__}")
 
 
 class GenerationRun:
     """All engine requests of one HTTP request. Create, `submit()`, then iterate `events()` once.
 
-    `engine` is a started `Engine`; `prompt_ids` holds one token list per prompt. Timing for the
-    metrics: `started` (monotonic seconds at creation), `first_token_at` (first token of any
-    choice), `admission_waits` (seconds each choice waited for its reservation).
+    Timing for the metrics: `started` (monotonic seconds at creation), `first_token_at` (first token of
+    any choice), `admission_waits` (seconds each choice waited for its reservation).
     """
 
     def __init__(
         self, engine: Engine, request_id: str, prompt_ids: list[list[int]], request: GenerationRequest
     ) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.prompt_ids = prompt_ids
-        self.request = request
+        self.engine, self.request_id, self.prompt_ids, self.request = engine, request_id, prompt_ids, request
         self.handles: list[RequestHandle] = []
         self.choices: list[Choice] = []
         self.started = time.monotonic()
@@ -108,12 +109,8 @@ class GenerationRun:
             raise APIError("invalid_request", str(exc), param=str(exc).split(" ", 1)[0]) from None
 
     def submit(self) -> None:
-        """Submit every choice; on any failure abort the ones submitted and raise `APIError`.
-
-        Admission rejections keep their status, code and Retry-After; a closed engine is 503
-        `shutting_down`; a node poisoned by device faults (`DeviceFault`) is 500 `device_fault` carrying
-        the cause; a prompt the engine refuses (empty, ids outside the vocabulary) is 400.
-        """
+        """Submit every choice, or none: on any failure abort those submitted and raise (`APIError` as
+        `_api_error` maps it)."""
         n = self.request.n
         try:
             for p, ids in enumerate(self.prompt_ids):
@@ -123,27 +120,12 @@ class GenerationRun:
                     handle = self.engine.submit(ids, params, request_id=f"{self.request_id}-{k}")
                     self.handles.append(handle)
                     self.choices.append(Choice(index=k, prompt_tokens=handle.prompt_tokens))
-        except AdmissionRejected as exc:
+        except BaseException as exc:
             self.abort()
-            raise from_admission(exc) from None
-        except EngineClosed:
-            self.abort()
-            raise APIError("shutting_down", "the server is shutting down and admits no new requests") from None
-        except EngineError as exc:  # DeviceFault: the node gave up after repeated device faults
-            self.abort()
-            raise APIError("device_fault", str(exc)) from None
-        except ValueError as exc:
-            self.abort()
-            param = "prompt" if self.request.kind == "completion" else "messages"
-            raise APIError("invalid_request", str(exc), param=param) from None
-        except BaseException:
-            self.abort()
-            raise
-
-    @property
-    def finished(self) -> bool:
-        """True once every choice has its final event."""
-        return len(self._done) == len(self.handles)
+            error = _api_error(exc, "prompt" if self.request.kind == "completion" else "messages")
+            if error is None:
+                raise
+            raise error from None
 
     def abort(self) -> None:
         """Abort every choice that has not finished (idempotent; their blocks return at the next step)."""
@@ -174,7 +156,7 @@ class GenerationRun:
 
         tasks = [asyncio.ensure_future(pump(k, h)) for k, h in enumerate(self.handles)]
         try:
-            while not self.finished:
+            while len(self._done) < len(self.handles):
                 k, event = await queue.get()
                 choice = self.choices[k]
                 if event.token_ids and self.first_token_at is None:
@@ -192,3 +174,8 @@ class GenerationRun:
             for task in tasks:
                 task.cancel()
             self.abort()
+
+    async def finish(self) -> None:
+        """Run every choice to its end (as `events()`, each event folded in)."""
+        async for _ in self.events():
+            pass

@@ -1,24 +1,19 @@
-"""Prometheus metrics (`GET /metrics`), on a registry owned by one app (never the global default).
+"""Prometheus metrics (`GET /metrics`) on a registry of one app's own (never the global default).
 
-Gauges and the engine's counters are read at scrape time from `engine.snapshot()` and
-`engine.counters` by a custom collector, so they can never drift from admission's own numbers;
-the server itself counts requests by HTTP status and observes the three latency histograms.
+Gauges and engine counters are read at scrape time from `engine.snapshot()` and `engine.counters`,
+so they never drift from admission's own numbers; the server counts requests and observes latencies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from helexa.admission import REJECTION_REASONS
 from helexa.engine import MODEL_STATES, Engine
-
-__all__ = ["CONTENT_TYPE", "METRIC_NAMES", "ServerMetrics"]
-
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # Every metric the server exports (counters with their `_total` sample suffix).
 METRIC_NAMES = (
@@ -33,6 +28,12 @@ METRIC_NAMES = (
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _WAIT_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600)
+# The server's own histograms: admission wait, time to first token, request duration.
+_HISTOGRAMS = (
+    ("helexa_admission_wait_seconds", "Seconds from submit to KV reservation.", _WAIT_BUCKETS),
+    ("helexa_time_to_first_token_seconds", "Seconds from request to first token.", _LATENCY_BUCKETS),
+    ("helexa_request_duration_seconds", "Seconds from request to its last byte.", _LATENCY_BUCKETS),
+)
 
 # snapshot key -> (gauge name, help)
 _SNAPSHOT_GAUGES = (
@@ -94,28 +95,13 @@ class ServerMetrics:
     """
 
     def __init__(self, engine: Engine) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        self.registry = registry = CollectorRegistry()
+        registry.register(_EngineCollector(engine))
         self._requests = Counter(
-            "helexa_requests", "Generation requests, by HTTP status.", ["status"], registry=self.registry
+            "helexa_requests", "Generation requests, by HTTP status.", ["status"], registry=registry
         )
-        self._admission_wait = Histogram(
-            "helexa_admission_wait_seconds",
-            "Seconds from submit to KV reservation.",
-            buckets=_WAIT_BUCKETS,
-            registry=self.registry,
-        )
-        self._ttft = Histogram(
-            "helexa_time_to_first_token_seconds",
-            "Seconds from request to first token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self._duration = Histogram(
-            "helexa_request_duration_seconds",
-            "Seconds from request to its last byte.",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+        self._admission_wait, self._ttft, self._duration = (
+            Histogram(name, doc, buckets=buckets, registry=registry) for name, doc, buckets in _HISTOGRAMS
         )
 
     def count_request(self, status: int) -> None:

@@ -1,14 +1,9 @@
-"""ASGI middleware: request ids and the last-resort error handler, Bearer auth, the request-body limit.
-
-Order, outermost first: `RequestContextMiddleware` (every response gets `x-request-id`; an unexpected
-exception is logged with that id and answered with an OpenAI-shaped 500, never a traceback; generation
-requests are counted and timed) → `AuthMiddleware` (only `/v1/*`) → `BodyLimitMiddleware` (413).
-"""
+"""ASGI middleware, outermost first: request ids and the last-resort 500 (`RequestContextMiddleware`),
+Bearer auth on `/v1/*` (`AuthMiddleware`), the request-body limit (`BodyLimitMiddleware`, 413)."""
 
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import re
 import time
@@ -18,28 +13,12 @@ from typing import Any
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from helexa.server.errors import APIError
-
-__all__ = ["AuthMiddleware", "BodyLimitMiddleware", "RequestContextMiddleware", "send_error"]
+from helexa.server.errors import APIError, error_response
 
 logger = logging.getLogger("helexa.server")
 
 _DRAIN_LIMIT_BYTES = 64 << 20  # an oversized body is read and dropped up to this much, so the client sees the 413
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-
-
-async def send_error(send: Send, error: APIError, extra_headers: dict[str, str] | None = None) -> None:
-    """Send `error` as a complete OpenAI-shaped JSON response on a raw ASGI `send`."""
-    body = json.dumps(error.body()).encode()
-    headers = {
-        "content-type": "application/json",
-        "content-length": str(len(body)),
-        **error.headers(),
-        **(extra_headers or {}),
-    }
-    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": raw})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def request_id_of(scope: Scope) -> str:
@@ -56,9 +35,7 @@ class RequestContextMiddleware:
     """
 
     def __init__(self, app: ASGIApp, metrics: Any, generation_paths: frozenset[str]) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.generation_paths = generation_paths
+        self.app, self.metrics, self.generation_paths = app, metrics, generation_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -83,7 +60,7 @@ class RequestContextMiddleware:
             logger.exception("request %s: %s %s failed", request_id, scope.get("method"), scope.get("path"))
             if status is None:
                 error = APIError("internal_error", f"internal server error (request id {request_id})")
-                await send_error(send_with_id, error)
+                await error_response(error)(scope, receive, send_with_id)
         finally:
             if scope.get("path") in self.generation_paths and status is not None:
                 self.metrics.count_request(status)
@@ -91,10 +68,8 @@ class RequestContextMiddleware:
 
 
 class AuthMiddleware:
-    """With an API key, `/v1/*` requires `Authorization: Bearer <key>` (constant-time comparison); 401 otherwise.
-
-    `/health` and `/metrics` stay open. Without a key everything is open.
-    """
+    """With an API key, `/v1/*` needs `Authorization: Bearer <key>` (compared in constant time), else 401;
+    `/health` and `/metrics` stay open, and everything is open without a key."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
@@ -109,7 +84,7 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         message = "missing API key: send 'Authorization: Bearer <key>'" if not token else "incorrect API key"
-        await send_error(send, APIError("invalid_api_key", message), {"www-authenticate": "Bearer"})
+        await error_response(APIError("invalid_api_key", message), {"www-authenticate": "Bearer"})(scope, receive, send)
 
 
 class BodyLimitMiddleware:
@@ -123,8 +98,7 @@ class BodyLimitMiddleware:
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
-        self.app = app
-        self.max_bytes = max_bytes
+        self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
@@ -142,29 +116,22 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             more = message.get("more_body", False)
-            if size > self.max_bytes:
-                too_large = True
-            if too_large:
-                if size > _DRAIN_LIMIT_BYTES:
-                    break
-            else:
+            too_large = too_large or size > self.max_bytes
+            if not too_large:
                 chunks.append(chunk)
+            elif size > _DRAIN_LIMIT_BYTES:
+                break
         if too_large:
             shown = int(declared) if declared is not None and declared.isdigit() else size
             error = APIError(
                 "request_too_large",
                 f"request body of {shown} bytes exceeds the limit of {self.max_bytes} bytes (--max-body-size)",
             )
-            await send_error(send, error, {"connection": "close"})
+            await error_response(error, {"connection": "close"})(scope, receive, send)
             return
-        body = b"".join(chunks)
-        replayed = False
+        pending = [last or {"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return last or {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            return pending.pop() if pending else await receive()
 
         await self.app(scope, replay, send)

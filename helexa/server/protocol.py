@@ -1,16 +1,16 @@
-"""OpenAI request bodies → validated, typed requests (no model, no engine: pure parsing).
+"""OpenAI request bodies → validated `GenerationRequest`s (pure parsing: no model, no engine).
 
-`parse_chat`, `parse_completion` and `parse_response` each take the decoded JSON body and return a
-`GenerationRequest`, or raise `APIError` 400 `invalid_request` naming the offending `param`.
-Fields the server does not know are ignored, as OpenAI does; a known field with the wrong type or
-an out-of-range value is an error (`bool` is never accepted where a number is expected).
-`null` means "not given" for every optional field.
+Every error is 400 `invalid_request` naming the offending `param`. Unknown fields are ignored, as
+OpenAI does; a known field of the wrong type or out of range is an error (`bool` never counts as a
+number); `null` means "not given" for every optional field.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,36 +18,21 @@ from helexa.model.sampling import MAX_LOGPROBS
 from helexa.model.text.chat_template import validate_messages
 from helexa.server.errors import APIError
 
-__all__ = [
-    "MAX_JSON_DEPTH",
-    "MAX_N",
-    "MAX_STOP",
-    "MAX_TOP_K",
-    "GenerationRequest",
-    "decode_json",
-    "parse_chat",
-    "parse_completion",
-    "parse_response",
-]
-
 MAX_N = 128  # most choices one request may ask for
 MAX_STOP = 16  # most stop strings (OpenAI allows 4; vLLM has no limit)
 MAX_JSON_DEPTH = 64  # deepest nesting of arrays/objects in a body (tool schemas need a dozen or so)
 MAX_TOP_K = 2**31 - 1  # any k over the vocabulary filters nothing; larger ones would overflow the sampler's tensors
-_ROLES_AS_SYSTEM = ("developer",)  # OpenAI's newer name for the system role; chat templates know "system"
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One validated generation request, independent of the route it came from.
+    """One validated generation request; `kind` ("chat", "completion" or "response") names its route.
 
-    - `kind`: "chat", "completion" or "response" (the route).
-    - `messages` (chat and responses): plain-data OpenAI messages, checked by `validate_messages`;
-      `tools` (chat) passes through to the chat template.
+    - `messages` (chat, responses) passed `validate_messages`; `tools` (chat) pass through to the chat template.
     - `prompts` (completions): each a string or a list of token ids; one choice group per prompt.
     - `max_tokens`: the client's output limit, or None for the engine's default.
-    - `sampling`: keyword arguments for `SamplingParams` other than `max_tokens`, `seed` and `n`.
-    - `seed`: choice i of a request samples with `seed + i`, so choices differ but repeat.
+    - `sampling`: `SamplingParams` keyword arguments other than `max_tokens`, `seed` and `n`.
+    - `seed`: choice i samples with `seed + i`, so choices differ but repeat.
     - `logprobs`: None, or how many top alternatives per token (0: the chosen token's logprob only).
     - `include_usage`: streaming only — a final chunk carries `usage` (`stream_options.include_usage`).
     """
@@ -71,25 +56,19 @@ class GenerationRequest:
 def decode_json(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object; 400 `invalid_request` when it is not valid JSON or not an object.
 
-    Also refused: bodies nested deeper than `MAX_JSON_DEPTH` arrays/objects (so no later recursive walk
-    of the request can exhaust Python's stack) and strings holding a lone UTF-16 surrogate (`"\\ud800"`
-    is valid JSON but no Unicode text; tokenizers reject it).
+    Also refused: nesting deeper than `MAX_JSON_DEPTH` arrays/objects (no later recursive walk can exhaust
+    the stack) and strings holding a lone UTF-16 surrogate (`"\\ud800"` is valid JSON but not Unicode).
     """
+    too_deep = f"request body is nested too deeply (limit {MAX_JSON_DEPTH})"
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError("invalid_request", f"request body is not valid JSON: {exc}") from None
     except RecursionError:
-        raise APIError("invalid_request", f"request body is nested too deeply (limit {MAX_JSON_DEPTH})") from None
+        raise APIError("invalid_request", too_deep) from None
     if not isinstance(body, dict):
         raise APIError("invalid_request", f"request body must be a JSON object, got {type(body).__name__}")
-    _check_structure(body)
-    return body
-
-
-def _check_structure(body: dict[str, Any]) -> None:
-    """Raise 400 for nesting deeper than `MAX_JSON_DEPTH` or a string that is not valid Unicode (iterative walk)."""
-    stack: list[tuple[Any, int]] = [(body, 1)]
+    stack: list[tuple[Any, int]] = [(body, 1)]  # an iterative walk: depth and Unicode of every item
     while stack:
         item, depth = stack.pop()
         if isinstance(item, str):
@@ -102,15 +81,11 @@ def _check_structure(body: dict[str, Any]) -> None:
                     f"(not valid Unicode): {json.dumps(item)[:80]}",
                 ) from None
             continue
-        if isinstance(item, dict):
-            children = [*item.keys(), *item.values()]
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
+        children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
         if depth > MAX_JSON_DEPTH:
-            raise APIError("invalid_request", f"request body is nested too deeply (limit {MAX_JSON_DEPTH})")
+            raise APIError("invalid_request", too_deep)
         stack.extend((child, depth + 1) for child in children if isinstance(child, (str, dict, list)))
+    return body
 
 
 # --------------------------------------------------------------------------- field readers
@@ -124,96 +99,76 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int(body: dict[str, Any], name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+def _get(body: dict[str, Any], name: str, ok: Callable[[Any], bool], expected: str) -> Any:
+    """`body[name]`, or None when absent or null; 400 naming `name` when `ok(value)` is false."""
     value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():  # JSON writers may send 16.0
-        value = int(value)
-    if hi is not None:
-        expected = f"an integer in [{lo}, {hi}]"
-    else:
-        expected = "an integer" if lo is None else f"an integer >= {lo}"
-    if not _is_int(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
+    if value is not None and not ok(value):
         raise _bad(name, expected, value)
     return value
 
 
-def _number(body: dict[str, Any], name: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+def _int(body: dict[str, Any], name: str, lo: int | None = None, hi: int | None = None) -> int | None:
     value = body.get(name)
-    if value is None:
-        return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value > hi or value < lo or (lo_open and value == lo):
-        if math.isinf(hi):
-            expected = f"a number {'>' if lo_open else '>='} {lo:g}"
-        else:
-            expected = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise _bad(name, expected, value)
-    return float(value)
+    if isinstance(value, float) and value.is_integer():  # JSON writers may send 16.0
+        value = int(value)
+    if value is not None and not (_is_int(value) and (lo is None or lo <= value) and (hi is None or value <= hi)):
+        bound = "" if lo is None else f" >= {lo}" if hi is None else f" in [{lo}, {hi}]"
+        raise _bad(name, f"an integer{bound}", value)
+    return value
+
+
+def _number(body: dict[str, Any], name: str, lo: float, hi: float = math.inf, lo_open: bool = False) -> float | None:
+    value: Any = body.get(name)
+    finite = (_is_int(value) or isinstance(value, float)) and abs(value) <= sys.float_info.max  # so float() cannot fail
+    if value is not None and not (finite and lo <= value <= hi and not (lo_open and value == lo)):
+        bound = (
+            f"{'>' if lo_open else '>='} {lo:g}" if hi == math.inf else f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        )
+        raise _bad(name, f"a number {bound}", value)
+    return None if value is None else float(value)
 
 
 def _bool(body: dict[str, Any], name: str) -> bool | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, bool):
-        raise _bad(name, "a boolean", value)
-    return value
+    return _get(body, name, lambda v: isinstance(v, bool), "a boolean")
 
 
 def _str(body: dict[str, Any], name: str) -> str | None:
+    return _get(body, name, lambda v: isinstance(v, str), "a string")
+
+
+def _stop(body: dict[str, Any], name: str) -> tuple[str, ...] | None:
     value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise _bad(name, "a string", value)
-    return value
+    stops = [value] if isinstance(value, str) else [] if value is None else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
+        raise _bad(name, f"a non-empty string or a list of at most {MAX_STOP} non-empty strings", value)
+    return tuple(stops) or None
 
 
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    value = body.get("stop")
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
-        raise _bad("stop", f"a non-empty string or a list of at most {MAX_STOP} non-empty strings", value)
-    return tuple(stops)
+def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...] | None:
+    def ok(v: Any) -> bool:
+        return isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v)
+
+    return tuple(_get(body, name, ok, "a list of non-negative token ids") or ()) or None
 
 
-def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
-    value = body.get(name)
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
-        raise _bad(name, "a list of non-negative token ids", value)
-    return tuple(value)
+# Sampling fields chat and completions share (OpenAI's, plus vLLM's top_k, min_p and penalties); responses
+# read `temperature` and `top_p` only. Each reader returns None for "not given".
+_SAMPLING: dict[str, Callable[[dict[str, Any], str], Any]] = {
+    "temperature": lambda body, name: _number(body, name, 0.0, 2.0),
+    "top_p": lambda body, name: _number(body, name, 0.0, 1.0, lo_open=True),
+    "top_k": lambda body, name: _int(body, name, -1, MAX_TOP_K),
+    "min_p": lambda body, name: _number(body, name, 0.0, 1.0),
+    "presence_penalty": lambda body, name: _number(body, name, -2.0, 2.0),
+    "frequency_penalty": lambda body, name: _number(body, name, -2.0, 2.0),
+    "repetition_penalty": lambda body, name: _number(body, name, 0.0, lo_open=True),
+    "ignore_eos": _bool,
+    "stop": _stop,
+    "stop_token_ids": _token_ids,
+}
 
 
-def _common(body: dict[str, Any]) -> dict[str, Any]:
-    """Sampling fields shared by chat and completions (OpenAI's, plus vLLM's top_k/min_p/penalties)."""
-    sampling: dict[str, Any] = {}
-    readers = {
-        "temperature": lambda: _number(body, "temperature", 0.0, 2.0),
-        "top_p": lambda: _number(body, "top_p", 0.0, 1.0, lo_open=True),
-        "top_k": lambda: _int(body, "top_k", -1, MAX_TOP_K),
-        "min_p": lambda: _number(body, "min_p", 0.0, 1.0),
-        "presence_penalty": lambda: _number(body, "presence_penalty", -2.0, 2.0),
-        "frequency_penalty": lambda: _number(body, "frequency_penalty", -2.0, 2.0),
-        "repetition_penalty": lambda: _number(body, "repetition_penalty", 0.0, math.inf, lo_open=True),
-        "ignore_eos": lambda: _bool(body, "ignore_eos"),
-    }
-    for name, read in readers.items():
-        value = read()
-        if value is not None:
-            sampling[name] = value
-    stop = _stop(body)
-    if stop:
-        sampling["stop"] = stop
-    stop_ids = _token_ids(body, "stop_token_ids")
-    if stop_ids:
-        sampling["stop_token_ids"] = stop_ids
-    return sampling
+def _sampling(body: dict[str, Any], names: tuple[str, ...] = tuple(_SAMPLING)) -> dict[str, Any]:
+    return {name: value for name in names if (value := _SAMPLING[name](body, name)) is not None}
 
 
 def _seed(body: dict[str, Any]) -> int | None:
@@ -223,11 +178,7 @@ def _seed(body: dict[str, Any]) -> int | None:
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     """(`stream`, `stream_options.include_usage`)."""
     stream = bool(_bool(body, "stream"))
-    options = body.get("stream_options")
-    if options is None:
-        return stream, False
-    if not isinstance(options, dict):
-        raise _bad("stream_options", "an object", options)
+    options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise _bad("stream_options.include_usage", "a boolean", include_usage)
@@ -240,7 +191,7 @@ def _messages(value: Any, param: str) -> list[dict[str, Any]]:
     except ValueError as exc:
         raise APIError("invalid_request", str(exc), param=param) from None
     for message in messages:
-        if message["role"] in _ROLES_AS_SYSTEM:
+        if message["role"] == "developer":  # OpenAI's newer name for the system role; templates know "system"
             message["role"] = "system"
     return messages
 
@@ -253,12 +204,10 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
     if "messages" not in body:
         raise APIError("invalid_request", "'messages' is required", param="messages")
     messages = _messages(body["messages"], "messages")
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise _bad("tools", "a list of tool objects", tools)
-    max_tokens = _int(body, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1)
+    tools = _get(
+        body, "tools", lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v), "a list of tool objects"
+    )
+    max_tokens = _int(body, "max_completion_tokens", 1) or _int(body, "max_tokens", 1)  # the newer name wins
     want_logprobs = bool(_bool(body, "logprobs"))
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not want_logprobs:
@@ -269,7 +218,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
         messages=messages,
         tools=tools or None,
         max_tokens=max_tokens,
-        sampling=_common(body),
+        sampling=_sampling(body),
         seed=_seed(body),
         n=_int(body, "n", 1, MAX_N) or 1,
         stream=stream,
@@ -281,7 +230,6 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
 
 def _prompts(value: Any) -> list[str | list[int]]:
     """OpenAI's four prompt forms: a string, a list of strings, a token list, a list of token lists."""
-    expected = "a string, a list of strings, a list of token ids or a list of token-id lists"
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and value:
@@ -291,7 +239,9 @@ def _prompts(value: Any) -> list[str | list[int]]:
             return [list(value)]
         if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
             return [list(p) for p in value]
-    raise _bad("prompt", f"{expected} (non-empty)", value)
+    raise _bad(
+        "prompt", "a string, a list of strings, a list of token ids or a list of token-id lists (non-empty)", value
+    )
 
 
 def parse_completion(body: dict[str, Any]) -> GenerationRequest:
@@ -314,7 +264,7 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
         kind="completion",
         prompts=prompts,
         max_tokens=_int(body, "max_tokens", 1),
-        sampling=_common(body),
+        sampling=_sampling(body),
         seed=_seed(body),
         n=n,
         stream=stream,
@@ -323,9 +273,6 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
         echo=echo,
         model=_str(body, "model"),
     )
-
-
-_INPUT_PART_TYPES = ("input_text", "output_text", "text")
 
 
 def _response_input(value: Any) -> list[dict[str, Any]]:
@@ -345,20 +292,18 @@ def _response_input(value: Any) -> list[dict[str, Any]]:
             )
         content = item.get("content")
         if isinstance(content, list):
-            texts = []
             for j, part in enumerate(content):
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") not in _INPUT_PART_TYPES
-                    or not isinstance(part.get("text"), str)
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") in ("input_text", "output_text", "text")
+                    and isinstance(part.get("text"), str)
                 ):
                     raise APIError(
                         "invalid_request",
                         f"{where}.content[{j}] must be a text part ({{'type': 'input_text', 'text': ...}})",
                         param=f"{where}.content",
                     )
-                texts.append(part["text"])
-            content = "".join(texts)
+            content = "".join(part["text"] for part in content)
         messages.append({"role": item.get("role"), "content": content})
     return _messages(messages, "input")
 
@@ -378,19 +323,12 @@ def parse_response(body: dict[str, Any]) -> GenerationRequest:
     instructions = _str(body, "instructions")
     if instructions:
         messages = [{"role": "system", "content": instructions}, *messages]
-    sampling: dict[str, Any] = {}
-    for name, value in (
-        ("temperature", _number(body, "temperature", 0.0, 2.0)),
-        ("top_p", _number(body, "top_p", 0.0, 1.0, lo_open=True)),
-    ):
-        if value is not None:
-            sampling[name] = value
     return GenerationRequest(
         kind="response",
         messages=messages,
         instructions=instructions,
+        sampling=_sampling(body, ("temperature", "top_p")),
         max_tokens=_int(body, "max_output_tokens", 1),
-        sampling=sampling,
         stream=bool(_bool(body, "stream")),
         model=_str(body, "model"),
     )

@@ -1,10 +1,4 @@
-"""Running the app under uvicorn: the start-up line, and a graceful drain on SIGTERM/SIGINT.
-
-On the first SIGTERM or SIGINT the server stops admitting (new generation requests get 503
-`shutting_down`, `/health` 503), lets in-flight requests finish for up to `shutdown_grace_secs`,
-aborts the rest (`engine.shutdown`), then closes the listener and exits normally — status 0. A
-second signal during the drain exits at once.
-"""
+"""Running the app under uvicorn: the start-up line, and a graceful drain on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -20,35 +14,32 @@ from starlette.applications import Starlette
 from helexa.engine import Engine
 from helexa.server.settings import ServerSettings
 
-__all__ = ["HelexaServer", "startup_line"]
-
 logger = logging.getLogger("helexa.server")
 
 _AFTER_DRAIN_SECS = 5.0  # after the engine stopped, how long uvicorn waits for responses still being written
 
 
-def _fmt_bytes(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
-
-
 def startup_line(engine: Engine, host: str, port: int) -> str:
     """The one line printed when the server listens: address, model, device, dtype, KV budget in blocks and tokens."""
-    budget = engine.budget
+    budget, gib = engine.budget, engine.budget.kv_cache_bytes / (1 << 30)
+    size = f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
     shown_host = f"[{host}]" if ":" in host else host
     return (
         f"helexa: serving {engine.model_name} on http://{shown_host}:{port}"
         f" | device={engine.device} dtype={str(engine.dtype).removeprefix('torch.')}"
         f" | kv={budget.num_blocks} blocks x {budget.block_size} tokens = {budget.num_tokens} tokens"
-        f" ({_fmt_bytes(budget.kv_cache_bytes)})"
+        f" ({size})"
         f" | max_model_len={engine.max_model_len}"
     )
 
 
 class HelexaServer(uvicorn.Server):
-    """`uvicorn.Server` that drains the engine on the first signal instead of stopping at once.
+    """`uvicorn.Server` that drains on the first SIGTERM/SIGINT instead of stopping at once.
 
-    `engine`: the started engine the app serves. `bound_port` is the port actually bound (useful
-    with port 0): None until start-up has finished (uvicorn's `started` turns True a moment earlier).
+    The drain stops admitting (new generation requests and `/health` get 503 `shutting_down`), lets
+    in-flight requests finish for up to `shutdown_grace_secs`, aborts the rest (`engine.shutdown`),
+    then closes the listener; `run()` returns normally. A second signal during the drain exits at once.
+    `bound_port` is the port actually bound (useful with port 0): None until start-up has finished.
     """
 
     def __init__(self, app: Starlette, engine: Engine, settings: ServerSettings) -> None:
@@ -62,9 +53,7 @@ class HelexaServer(uvicorn.Server):
             timeout_graceful_shutdown=int(_AFTER_DRAIN_SECS),
         )
         super().__init__(config)
-        self.app = app
-        self.engine = engine
-        self.settings = settings
+        self.app, self.engine, self.settings = app, engine, settings
         self.bound_port: int | None = None
         self._drain_requested = False
         self._drain_task: asyncio.Task | None = None

@@ -8,8 +8,6 @@ from dataclasses import dataclass
 
 from helexa.config import SIZE, TEXT, Rule, option, validate
 
-__all__ = ["ServerSettings", "is_loopback"]
-
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 PORT = Rule("a port in [0, 65535]", lambda v: isinstance(v, int) and 0 <= v <= 65535, int, metavar="N")
 _http = functools.partial(option, group="HTTP server")

@@ -1,28 +1,16 @@
-"""Server-sent events: the framing, and an ASGI response that notices a client leaving mid-stream.
-
-`EventStreamResponse` sends the chunks of an async iterator while it listens on `receive` for
-`http.disconnect`, whatever ASGI spec version the server speaks. When the client leaves first (or a
-send fails), it stops the iterator (`aclose`, so its `finally` blocks run) and calls `on_disconnect`
-— the route aborts the engine requests there, so their KV blocks return at the next step.
-"""
+"""Server-sent events: the framing, and an ASGI response that notices a client leaving mid-stream."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
-__all__ = ["DONE", "EventStreamResponse", "sse", "until_disconnected"]
-
-logger = logging.getLogger("helexa.server")
-
 DONE = b"data: [DONE]\n\n"
-
 
 # Characters that `str.splitlines` (and so line readers built on it, such as httpx's `iter_lines`) takes
 # for line breaks but JSON leaves unescaped: escaped, a streamed token containing one cannot split an event.
@@ -43,19 +31,32 @@ def sse(data: dict[str, Any], event: str | None = None) -> bytes:
 async def until_disconnected(receive: Receive) -> None:
     """Return when the ASGI `receive` channel reports `http.disconnect` (call after the body was read)."""
     while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
+        if (await receive())["type"] == "http.disconnect":
             return
+
+
+async def race_disconnect(receive: Receive, work: asyncio.Future) -> bool:
+    """Await `work` unless the client disconnects first; True if `work` finished first.
+
+    On return (or cancellation) `work` is done: the loser is cancelled and awaited.
+    """
+    watch = asyncio.ensure_future(until_disconnected(receive))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, watch):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    return work in done
 
 
 class EventStreamResponse:
     """A `text/event-stream` response over `chunks`, aborted cleanly when the client disconnects.
 
     Guarantees: `chunks` is closed (its `finally` runs) however the response ends; `on_disconnect` is
-    called exactly once if, and only if, the client left before the last chunk was sent.
+    called exactly once if, and only if, the client left (or a send failed) before the last chunk was sent.
     """
-
-    media_type = "text/event-stream"
 
     def __init__(
         self,
@@ -73,26 +74,17 @@ class EventStreamResponse:
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
-        pump = asyncio.ensure_future(self._pump(send, raw))
-        listen = asyncio.ensure_future(until_disconnected(receive))
+        pump = asyncio.ensure_future(self._pump(send))
         try:
-            done, _ = await asyncio.wait({pump, listen}, return_when=asyncio.FIRST_COMPLETED)
-            client_left = pump not in done
-            if not client_left:
-                client_left = not pump.result()
+            sent = await race_disconnect(receive, pump) and pump.result()
         finally:
-            for task in (pump, listen):
-                task.cancel()
-            for task in (pump, listen):
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
             await self.chunks.aclose()
-        if client_left:
+        if not sent:
             self.on_disconnect()
 
-    async def _pump(self, send: Send, raw_headers: list[tuple[bytes, bytes]]) -> bool:
+    async def _pump(self, send: Send) -> bool:
         """Send every chunk; False when a send failed (the client is gone)."""
+        raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
         try:
             await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
             async for chunk in self.chunks:
