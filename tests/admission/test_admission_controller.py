@@ -8,7 +8,6 @@ import threading
 import time
 
 import pytest
-from admission_sim import FakeClock, FakeEngine, controller
 
 from helexa.admission import (
     AdmissionConfig,
@@ -21,6 +20,7 @@ from helexa.admission import (
 )
 from helexa.engine.faults import ModelHealth
 from helexa.server.errors import from_admission
+from tests.support.admission import FakeClock, FakeEngine, controller
 
 EXACT = EngineRates(decode_step_seconds=0.5, prefill_token_seconds=0.0)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from admission_sim import SeqWork, estimate_starts
 
 from helexa.admission import EngineRates, FifoPlan, retry_after_seconds
+from tests.support.admission import SeqWork, estimate_starts
 
 
 def test_rates_priors_and_validation() -> None:

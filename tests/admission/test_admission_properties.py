@@ -10,12 +10,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from admission_sim import FakeClock, FakeEngine, SeqWork, controller, estimate_starts
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from helexa.admission import AdmissionRejected, EngineRates, TicketState, retry_after_seconds
+from tests.support.admission import FakeClock, FakeEngine, SeqWork, controller, estimate_starts
 
 BS, NB, MML, SEQS, QD, WAIT, DEFAULT_MAX = 4, 24, 64, 3, 3, 30.0, 16
 RATES = EngineRates(decode_step_seconds=1.0, prefill_token_seconds=0.25)

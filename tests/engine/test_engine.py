@@ -2,72 +2,38 @@
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 
 import pytest
 
 from helexa.admission import AdmissionRejected
-from helexa.engine.engine import Engine, EngineClosed
+from helexa.engine.engine import EngineClosed
 from helexa.model.sampling import SamplingParams
-from tests.engine.conftest import make_engine
-
-
-def _drive(engine: Engine, handles, max_steps: int = 2000) -> dict[str, list]:
-    """Step the engine until every handle's stream has ended; check invariants after each step."""
-    events: dict[str, list] = {h.request_id: [] for h in handles}
-    open_ids = set(events)
-    for _ in range(max_steps):
-        engine.step()
-        engine.check_integrity()
-        for h in handles:
-            while (e := h.stream.get(timeout=0)) is not None:
-                events[h.request_id].append(e)
-                if e.finished:
-                    open_ids.discard(h.request_id)
-        if not open_ids:
-            return events
-    raise AssertionError(f"requests {sorted(open_ids)} did not finish in {max_steps} steps")
-
-
-def _tokens(events) -> list[int]:
-    return [t for e in events for t in e.token_ids]
-
-
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 400) for _ in range(rng.randint(1, 40))] for _ in range(n)]
-
+from tests.support.engines import assert_released, drive, make_engine, random_prompts, tokens
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-def _assert_released(engine: Engine) -> None:
-    snap = engine.snapshot()
-    assert snap["blocks_reserved"] == 0 and snap["in_flight"] == 0 and snap["queue_depth"] == 0
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
 
 
 @pytest.fixture(scope="module")
 def solo_outputs(tiny_model_dir):
     engine = make_engine(tiny_model_dir, max_num_batched_tokens=512)
     out = []
-    for prompt in _prompts(6):
+    for prompt in random_prompts(6):
         (h,) = [engine.submit(prompt, GREEDY)]
-        out.append(_tokens(_drive(engine, [h])[h.request_id]))
-    _assert_released(engine)
+        out.append(tokens(drive(engine, [h])[h.request_id]))
+    assert_released(engine)
     return out
 
 
 @pytest.mark.parametrize("max_batched", [8, 23, 512])
 def test_greedy_is_batch_invariant_with_and_without_chunked_prefill(tiny_model_dir, solo_outputs, max_batched):
     engine = make_engine(tiny_model_dir, max_num_batched_tokens=max_batched)
-    handles = [engine.submit(p, GREEDY) for p in _prompts(6)]
-    events = _drive(engine, handles)
-    assert [_tokens(events[h.request_id]) for h in handles] == solo_outputs
+    handles = [engine.submit(p, GREEDY) for p in random_prompts(6)]
+    events = drive(engine, handles)
+    assert [tokens(events[h.request_id]) for h in handles] == solo_outputs
     assert all(events[h.request_id][-1].finish_reason == "length" for h in handles)
-    _assert_released(engine)
+    assert_released(engine)
 
 
 def test_text_deltas_match_full_decode_and_usage(tiny_model_dir):
@@ -75,8 +41,8 @@ def test_text_deltas_match_full_decode_and_usage(tiny_model_dir):
     h = engine.submit(
         engine.tokenizer.encode("hello world"), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     )
-    events = _drive(engine, [h])[h.request_id]
-    ids = _tokens(events)
+    events = drive(engine, [h])[h.request_id]
+    ids = tokens(events)
     assert "".join(e.text for e in events) == engine.tokenizer.decode(ids)
     assert events[-1].num_output_tokens == 20 and events[-1].num_prompt_tokens == h.prompt_tokens
 
@@ -84,29 +50,29 @@ def test_text_deltas_match_full_decode_and_usage(tiny_model_dir):
 def test_stop_string_is_trimmed(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     prompt = engine.tokenizer.encode("the quick brown fox")
-    free = _drive(
-        engine, [h := engine.submit(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))]
-    )[h.request_id]
+    free = drive(engine, [h := engine.submit(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))])[
+        h.request_id
+    ]
     text = "".join(e.text for e in free)
     if len(text) < 6:
         pytest.skip("the tiny model produced too little text to pick a stop string")
     stop = text[3:6]
     h2 = engine.submit(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))
-    stopped = _drive(engine, [h2])[h2.request_id]
+    stopped = drive(engine, [h2])[h2.request_id]
     assert "".join(e.text for e in stopped) == text[: text.index(stop)]
     assert stopped[-1].finish_reason == "stop"
-    _assert_released(engine)
+    assert_released(engine)
 
 
 def test_seeded_sampling_reproducible_across_batches(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
-    prompt = _prompts(1, seed=5)[0]
-    alone = _tokens(_drive(engine, [h := engine.submit(prompt, params)])[h.request_id])
-    others = [engine.submit(p, SamplingParams(max_tokens=7, temperature=0.8)) for p in _prompts(3, seed=9)]
+    prompt = random_prompts(1, seed=5)[0]
+    alone = tokens(drive(engine, [h := engine.submit(prompt, params)])[h.request_id])
+    others = [engine.submit(p, SamplingParams(max_tokens=7, temperature=0.8)) for p in random_prompts(3, seed=9)]
     mine = engine.submit(prompt, params)
-    batched = _drive(engine, others + [mine])
-    assert _tokens(batched[mine.request_id]) == alone
+    batched = drive(engine, others + [mine])
+    assert tokens(batched[mine.request_id]) == alone
 
 
 def test_queued_request_waits_for_blocks_then_runs(tiny_model_dir):
@@ -116,10 +82,10 @@ def test_queued_request_waits_for_blocks_then_runs(tiny_model_dir):
     first = engine.submit(list(range(3, 43)), params)
     second = engine.submit(list(range(5, 45)), params)
     assert engine.snapshot()["queue_depth"] == 1
-    events = _drive(engine, [first, second])
+    events = drive(engine, [first, second])
     assert events[second.request_id][-1].finish_reason == "length"
-    assert len(_tokens(events[second.request_id])) == 40
-    _assert_released(engine)
+    assert len(tokens(events[second.request_id])) == 40
+    assert_released(engine)
 
 
 def test_unservable_rejected_at_once(tiny_model_dir):
@@ -127,7 +93,7 @@ def test_unservable_rejected_at_once(tiny_model_dir):
     with pytest.raises(AdmissionRejected) as info:
         engine.submit(list(range(3, 100)), SamplingParams(max_tokens=100))
     assert info.value.reason == "kv_unservable" and info.value.retry_after is None
-    _assert_released(engine)
+    assert_released(engine)
 
 
 def test_bad_prompts_are_value_errors(tiny_model_dir):
@@ -136,7 +102,7 @@ def test_bad_prompts_are_value_errors(tiny_model_dir):
         engine.submit([], GREEDY)
     with pytest.raises(ValueError, match="vocabulary"):
         engine.submit([3, 100000], GREEDY)
-    _assert_released(engine)
+    assert_released(engine)
 
 
 def test_abort_queued_and_running_release_everything(tiny_model_dir):
@@ -149,10 +115,10 @@ def test_abort_queued_and_running_release_everything(tiny_model_dir):
     engine.abort(queued.request_id)
     engine.abort(running.request_id)
     engine.abort(running.request_id)  # idempotent
-    events = _drive(engine, [running, queued])
+    events = drive(engine, [running, queued])
     assert events[queued.request_id][-1].finish_reason == "abort"
     assert events[running.request_id][-1].finish_reason == "abort"
-    _assert_released(engine)
+    assert_released(engine)
 
 
 def test_threaded_loop_serves_concurrent_submitters_and_shuts_down(tiny_model_dir):
@@ -161,8 +127,8 @@ def test_threaded_loop_serves_concurrent_submitters_and_shuts_down(tiny_model_di
     results: dict[int, list[int]] = {}
 
     def client(i: int) -> None:
-        h = engine.submit(_prompts(1, seed=i)[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-        results[i] = _tokens(list(h.stream))
+        h = engine.submit(random_prompts(1, seed=i)[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        results[i] = tokens(list(h.stream))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
     for t in threads:
@@ -173,7 +139,7 @@ def test_threaded_loop_serves_concurrent_submitters_and_shuts_down(tiny_model_di
     engine.shutdown(grace_seconds=1.0)
     with pytest.raises(EngineClosed):
         engine.submit([3, 4], GREEDY)
-    _assert_released(engine)
+    assert_released(engine)
     engine.check_integrity()
 
 
@@ -185,4 +151,4 @@ def test_shutdown_aborts_what_does_not_finish_in_grace(tiny_model_dir):
     engine.shutdown(grace_seconds=0.0)
     events = list(h.stream)
     assert events[-1].finish_reason == "abort"
-    _assert_released(engine)
+    assert_released(engine)

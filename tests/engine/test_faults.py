@@ -7,8 +7,7 @@ import pytest
 from helexa.engine.engine import DeviceFault
 from helexa.engine.faults import FaultInjector
 from helexa.model.sampling import SamplingParams
-from tests.engine.conftest import make_engine
-from tests.engine.test_engine import _assert_released, _drive, _prompts, _tokens
+from tests.support.engines import assert_released, drive, make_engine, random_prompts, tokens
 
 PARAMS = [
     SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True),
@@ -19,10 +18,10 @@ PARAMS = [
 
 def _run(model_dir, **overrides) -> tuple[list[list[int]], list[str], object]:
     engine = make_engine(model_dir, max_num_batched_tokens=16, fault_backoff_secs=0.0, **overrides)
-    handles = [engine.submit(p, sp) for p, sp in zip(_prompts(3, seed=4), PARAMS)]
-    events = _drive(engine, handles)
+    handles = [engine.submit(p, sp) for p, sp in zip(random_prompts(3, seed=4), PARAMS)]
+    events = drive(engine, handles)
     texts = ["".join(e.text for e in events[h.request_id]) for h in handles]
-    return [_tokens(events[h.request_id]) for h in handles], texts, engine
+    return [tokens(events[h.request_id]) for h in handles], texts, engine
 
 
 def test_injected_faults_are_invisible_except_latency(tiny_model_dir, monkeypatch):
@@ -33,7 +32,7 @@ def test_injected_faults_are_invisible_except_latency(tiny_model_dir, monkeypatc
     assert engine.counters.device_faults == 2 and engine.counters.model_reloads == 2
     assert engine.pool.num_blocks == engine.first_num_blocks
     assert engine.health.state == "loaded"
-    _assert_released(engine)
+    assert_released(engine)
 
 
 def test_repeated_faults_leave_the_node_poisoned_with_the_cause(tiny_model_dir, monkeypatch):
@@ -42,7 +41,7 @@ def test_repeated_faults_leave_the_node_poisoned_with_the_cause(tiny_model_dir, 
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     running = engine.submit(list(range(3, 43)), params)
     queued = engine.submit(list(range(5, 45)), params)  # needs the blocks the first one holds: waits
-    events = _drive(engine, [running, queued])
+    events = drive(engine, [running, queued])
     for h in (running, queued):
         final = events[h.request_id][-1]
         assert final.finish_reason == "error" and isinstance(final.error, DeviceFault)
@@ -65,7 +64,7 @@ def test_budget_change_across_reload_keeps_the_node_poisoned(tiny_model_dir, mon
 
     monkeypatch.setattr(engine, "_load_runner", load_with_other_budget)
     h = engine.submit([3, 4, 5, 6], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
-    events = _drive(engine, [h])[h.request_id]
+    events = drive(engine, [h])[h.request_id]
     assert events[-1].finish_reason == "error" and "64 -> 63 blocks" in str(events[-1].error)
     assert engine.health.state == "poisoned"
 
@@ -91,9 +90,9 @@ def test_a_request_whose_own_sampling_fails_fails_alone(tiny_model_dir, monkeypa
     monkeypatch.setattr(engine.runner.sampler, "sample", picky_sample)
     good = engine.submit([3, 4, 5], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     bad = engine.submit([3, 4, 5], SamplingParams(max_tokens=6, temperature=1.0, seed=666, ignore_eos=True))
-    events = _drive(engine, [good, bad])
-    assert events[good.request_id][-1].finish_reason == "length" and len(_tokens(events[good.request_id])) == 6
+    events = drive(engine, [good, bad])
+    assert events[good.request_id][-1].finish_reason == "length" and len(tokens(events[good.request_id])) == 6
     final = events[bad.request_id][-1]
     assert final.finish_reason == "error" and "cannot be sampled" in str(final.error)
     assert engine.counters.device_faults == 0 and engine.health.state == "loaded"
-    _assert_released(engine)
+    assert_released(engine)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.helpers import make_tiny_model_dir
+from tests.support.servers import make_tiny_model_dir
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,7 @@ import httpx
 import openai
 
 from helexa.server.cli import build_parser, configs_from_args
-from tests.reliability.helpers import metric, serving
-from tests.server.helpers import RunningServer, wait_for
+from tests.support.servers import RunningServer, metric, serving, wait_for
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the sea."}]
 

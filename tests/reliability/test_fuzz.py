@@ -24,8 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helexa.server.sse import sse
-from tests.reliability.helpers import DOCUMENTED_ERRORS, serving
-from tests.server.helpers import RunningServer, wait_for
+from tests.support.servers import DOCUMENTED_ERRORS, RunningServer, serving, wait_for
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 TIMEOUT = httpx.Timeout(10.0, read=30.0)  # no request may hang past this

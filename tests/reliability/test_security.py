@@ -24,7 +24,7 @@ from helexa.server import middleware
 from helexa.server.app import create_app
 from helexa.server.serve import HelexaServer
 from helexa.server.settings import ServerSettings
-from tests.server.helpers import tiny_engine_config
+from tests.support.servers import tiny_engine_config
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-helexa-secret-7f3a9c1e5b"

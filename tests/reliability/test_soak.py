@@ -28,8 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.reliability.helpers import DOCUMENTED_ERRORS, metric, rss_bytes, serving
-from tests.server.helpers import wait_for
+from tests.support.servers import DOCUMENTED_ERRORS, metric, rss_bytes, serving, wait_for
 
 LONG = os.environ.get("HELEXA_SOAK") == "long"
 NUM_REQUESTS = 1000 if LONG else 200

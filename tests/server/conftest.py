@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.server.helpers import RunningServer, make_tiny_model_dir, tiny_engine_config
+from tests.support.servers import RunningServer, make_tiny_model_dir, tiny_engine_config
 
 
 @pytest.fixture(scope="session")

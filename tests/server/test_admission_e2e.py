@@ -31,7 +31,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.helpers import RunningServer, raw_post, read_until, tiny_engine_config, wait_for
+from tests.support.servers import RunningServer, raw_post, read_until, tiny_engine_config, wait_for
 
 PROMPT_LEN = 10
 BLOCK = 16

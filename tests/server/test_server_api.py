@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helexa.server.metrics import METRIC_NAMES
-from tests.server.helpers import RunningServer, raw_post, read_until, wait_for
+from tests.support.servers import RunningServer, raw_post, read_until, wait_for
 
 MESSAGES = [{"role": "system", "content": "you are a café model"}, {"role": "user", "content": "hello world 你好"}]
 LONG = {"ignore_eos": True}  # the random model may emit EOS early; these runs need their full length

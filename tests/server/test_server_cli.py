@@ -17,7 +17,7 @@ import pytest
 
 from helexa.server.cli import build_parser, configs_from_args
 from helexa.server.settings import ServerSettings, is_loopback
-from tests.server.helpers import raw_post, read_until, wait_for
+from tests.support.servers import raw_post, read_until, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-test-0123456789"

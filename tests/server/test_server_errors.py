@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from helexa.model.text.chat_template import ChatTemplate
-from tests.server.helpers import RunningServer, raw_post, read_until, tiny_engine_config, wait_for
+from tests.support.servers import RunningServer, raw_post, read_until, tiny_engine_config, wait_for
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.helpers import RunningServer
+from tests.support.servers import RunningServer
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ADDRESS = "http://127.0.0.1:8000"

@@ -1,20 +1,19 @@
-"""Shared by the server tests: a tiny random model with a trained tokenizer, and a real server on 127.0.0.1.
-
-`make_tiny_model_dir(path)` writes a complete Hugging Face style directory — the tiny byte-level BPE
-tokenizer with a Llama-3 chat template from `tests/model/test_tokenizer.py`
-(`build_tiny_tokenizer_dir`) and a random tiny Llama from `tests/model/tiny.py` whose vocabulary
-matches it. `RunningServer` loads it into a real `Engine` and serves it with uvicorn on a free port of
-127.0.0.1 in a background thread.
+"""Server test support: a tiny chat model directory, a real engine behind a real uvicorn server on
+127.0.0.1 (any free port, a daemon thread), servers that fault on cue, raw sockets, metrics and RSS.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from helexa.config import EngineConfig
 from helexa.engine.engine import Engine
@@ -24,8 +23,7 @@ from helexa.server.serve import HelexaServer
 from helexa.server.settings import ServerSettings
 from tests.model.test_tokenizer import build_tiny_tokenizer_dir
 from tests.model.tiny import make_tiny_model
-
-__all__ = ["RunningServer", "make_tiny_model_dir", "raw_post", "read_until", "tiny_engine_config", "wait_for"]
+from tests.support.engines import tiny_engine_config
 
 
 def make_tiny_model_dir(path: Path, max_position_embeddings: int = 2048) -> Path:
@@ -45,21 +43,6 @@ def make_tiny_model_dir(path: Path, max_position_embeddings: int = 2048) -> Path
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         (model_dir / name).write_bytes((tok_dir / name).read_bytes())
     return model_dir
-
-
-def tiny_engine_config(model_dir: Path, **overrides) -> EngineConfig:
-    """CPU, float32, the torch attention backend, a small pool: fast on two cores."""
-    base = EngineConfig.of(
-        model=str(model_dir),
-        device="cpu",
-        dtype="float32",
-        attention_backend="torch",
-        block_size=16,
-        num_blocks=512,
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-    )
-    return base.replace(**overrides)
 
 
 class RunningServer:
@@ -125,3 +108,51 @@ def read_until(sock: socket.socket, marker: bytes, limit: int = 1 << 20) -> byte
             raise AssertionError(f"{marker!r} never arrived; got {data[:300]!r}")
         data += chunk
     return data
+
+
+# The documented errors (docs/reference.md): (status, code) -> whether Retry-After is sent.
+DOCUMENTED_ERRORS = {
+    (400, "invalid_request"): False,
+    (400, "context_length_exceeded"): False,
+    (429, "queue_full"): True,
+    (503, "kv_timeout"): True,
+    (503, "model_reloading"): True,
+    (401, "invalid_api_key"): False,
+    (413, "request_too_large"): False,
+    (500, "device_fault"): False,
+}
+
+
+@contextlib.contextmanager
+def serving(
+    model_dir: Path, inject: str = "", settings: ServerSettings | None = None, **overrides
+) -> Iterator[RunningServer]:
+    """A fresh in-process server on 127.0.0.1 whose engine faults at model steps `inject` (HELEXA_FAULT_INJECT).
+
+    The variable is set only while the Engine is constructed (it reads it there), so servers built
+    later are not affected. `overrides` go to `tiny_engine_config`; `settings` to the server.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HELEXA_FAULT_INJECT", inject)
+        running = RunningServer(tiny_engine_config(model_dir, **overrides), settings)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def metric(text: str, name: str) -> float:
+    """The value of the unlabelled sample `name` in a Prometheus text exposition."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def rss_bytes() -> int:
+    """This process's resident set size, from /proc/self/status (VmRSS)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmRSS not found in /proc/self/status")

@@ -1,4 +1,5 @@
-"""Test helpers: a settable clock and a fake engine loop that drives an AdmissionController exactly.
+"""Admission test support: a settable clock, a fake engine loop that drives an AdmissionController exactly,
+and the from-scratch FIFO oracle.
 
 The fake engine follows the order the real engine loop will: poll (pick up grants, expiries and
 cancels), then one decode step of `decode_step_seconds` in which every running sequence finishes
