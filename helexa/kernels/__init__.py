@@ -4,9 +4,6 @@
 compiled Triton kernel on CUDA; on CPU the torch reference, or the Triton kernel in Triton's
 interpreter when `TRITON_INTERPRET=1` (how the tests run the kernels on CPU). Callers that choose
 once (`--attention-backend`) use `get_attention_backend(name)`.
-
-Modules: `reference` (pure torch: the oracle and the CPU path), `kv_write` (`write_kv_triton`),
-`attention` (`paged_attention_triton`), `block_alloc` (the block allocator's device operations).
 """
 
 from __future__ import annotations

@@ -145,6 +145,16 @@ def incref_blocks(state: AllocatorState, ids: torch.Tensor) -> None:
         _incref_kernel[(triton.cdiv(ids.shape[0], _BLOCK),)](state.refcount, ids, ids.shape[0], BLOCK=_BLOCK)
 
 
+@_jit
+def _block_at(row_ptr, stack_ptr, first, old_blocks, col, valid):
+    """Block id at table column `col` where `valid`, else 0: from the table row below `old_blocks`,
+    else from the stack (never reading back what `_extend_kernel` just wrote to the row)."""
+    is_old = valid & (col < old_blocks)
+    old_id = tl.load(row_ptr + col, mask=is_old, other=0)
+    new_id = tl.load(stack_ptr + (first - (col - old_blocks)), mask=valid & (col >= old_blocks), other=0)
+    return tl.where(is_old, old_id, new_id)
+
+
 @_jit(do_not_specialize=["top", "total_new"])
 def _extend_kernel(
     stack_ptr, refcount_ptr, top_ptr,
@@ -176,16 +186,12 @@ def _extend_kernel(
         tl.store(refcount_ptr + block_id, tl.full([BLOCK_N], 1, tl.int32), mask=mask)
         j0 += BLOCK_N
 
-    # 2. The batch's table row: old blocks from the table, new ones from the stack (never reading
-    #    back what this program just wrote), zero padding after.
+    # 2. The batch's table row, zero after the sequence's blocks.
     c0 = 0
     while c0 < width:
         c = c0 + tl.arange(0, BLOCK_W)  # (BLOCK_W,)
-        is_old = c < old_blocks
-        is_new = (c >= old_blocks) & (c < new_blocks)
-        old_id = tl.load(row_ptr + c, mask=is_old, other=0)
-        new_id = tl.load(stack_ptr + (first - (c - old_blocks)), mask=is_new, other=0)
-        tl.store(out_tables_ptr + b * width + c, tl.where(is_old, old_id, new_id), mask=c < width)
+        block_id = _block_at(row_ptr, stack_ptr, first, old_blocks, c, c < new_blocks)
+        tl.store(out_tables_ptr + b * width + c, block_id, mask=c < width)
         c0 += BLOCK_W
 
     # 3. Slot of each new token: block id * block_size + offset, in 64 bits.
@@ -194,12 +200,7 @@ def _extend_kernel(
         t = t0 + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
         mask = t < q_len
         pos = old_len + t
-        col = pos // block_size
-        is_old = mask & (col < old_blocks)
-        is_new = mask & (col >= old_blocks)
-        old_id = tl.load(row_ptr + col, mask=is_old, other=0)
-        new_id = tl.load(stack_ptr + (first - (col - old_blocks)), mask=is_new, other=0)
-        block_id = tl.where(is_old, old_id, new_id).to(tl.int64)
+        block_id = _block_at(row_ptr, stack_ptr, first, old_blocks, pos // block_size, mask).to(tl.int64)
         tl.store(out_slots_ptr + q_start + t, block_id * block_size + pos % block_size, mask=mask)
         t0 += BLOCK_T
 

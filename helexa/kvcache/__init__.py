@@ -1,10 +1,6 @@
-"""helexa.kvcache: the paged KV block pool, its device-side allocator, block tables, the KV budget.
-
-Importable without a model or a server. Modules: `pool` (BlockPool: every layer's K/V cache,
-allocated once), `allocator` (BlockAllocator, OutOfBlocks: free stack and refcounts on the device,
-exact host mirror), `batch` (BlockTable, BatchBuilder: grow tables each step, build
-AttentionMetadata), `metadata` (AttentionMetadata), `budget` (kv_budget, KVBudget: the block count).
-"""
+"""helexa.kvcache: the paged KV block pool (`BlockPool`), its device-side allocator (`BlockAllocator`),
+block tables and each step's `AttentionMetadata` (`BatchBuilder`), the KV budget (`kv_budget`).
+Importable without a model or a server."""
 
 from helexa.config import parse_size
 from helexa.kvcache.allocator import BlockAllocator, OutOfBlocks

@@ -10,8 +10,9 @@ tokens get slot -1). Not thread-safe.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Literal
 
 import torch
@@ -105,14 +106,8 @@ class BlockAllocator:
         """Take `n` free blocks, each with reference count 1: their ids as an (n,) int32 tensor on the
         device. Raises `OutOfBlocks` when n exceeds the free count, `ValueError` for a bad n
         (nothing taken either way). No synchronisation."""
-        popped = self._pop_host(n)
-        try:
-            out = block_alloc.pop_blocks(self, len(self._free) + n, n)
-        except ValueError:
-            self._unpop_host(popped)
-            raise
-        self._debug_check("allocate")
-        return out
+        with self._popping("allocate", n) as (_, top):
+            return block_alloc.pop_blocks(self, top, n)
 
     def free(self, block_ids: BlockIds) -> None:
         """Drop one reference from each block (distinct ids); a block reaching zero becomes free, pushed
@@ -147,10 +142,8 @@ class BlockAllocator:
         if any(r < 0 for r in self._refs):
             raise RuntimeError("allocator: negative reference count")
         allocated = [b for b, r in enumerate(self._refs) if r > 0]
-        if free_set.intersection(allocated):
-            raise RuntimeError(
-                f"allocator: blocks both free and allocated: {sorted(free_set.intersection(allocated))[:8]}"
-            )
+        if both := sorted(free_set.intersection(allocated)):
+            raise RuntimeError(f"allocator: blocks both free and allocated: {both[:8]}")
         if len(free_set) + len(allocated) != self.num_blocks:
             raise RuntimeError(
                 f"allocator: free {len(free_set)} + allocated {len(allocated)} != total {self.num_blocks}"
@@ -177,20 +170,18 @@ class BlockAllocator:
         `helexa.kernels.block_alloc.extend_tables`). Returns the popped ids in pop order (a host list),
         `block_tables` (B, width) int32 and `slot_mapping` (num_tokens,) int64 on the device. Raises
         `OutOfBlocks`, changing nothing, when total_new exceeds the free count."""
-        popped = self._pop_host(total_new)
-        try:
+        with self._popping("extend", total_new) as (popped, top):
             out_tables, slots = block_alloc.extend_tables(
-                self, len(self._free) + total_new, total_new, tables, rows, seq_lens, query_start_loc, alloc_start,
-                width, num_tokens, block_size,
+                self, top, total_new, tables, rows, seq_lens, query_start_loc, alloc_start, width, num_tokens,
+                block_size,
             )  # fmt: skip
-        except ValueError:  # argument checks run before the device state is touched: undo the mirror
-            self._unpop_host(popped)
-            raise
-        self._debug_check("extend")
         return popped, out_tables, slots
 
-    def _pop_host(self, n: int) -> list[int]:
-        """Validate and pop `n` ids on the mirror (first popped first)."""
+    @contextlib.contextmanager
+    def _popping(self, op: str, n: int) -> Iterator[tuple[list[int], int]]:
+        """Validate and pop `n` ids on the mirror; yield them (first popped first) and the free count
+        before, for the device pop in the body. A ValueError from the body (argument checks, raised
+        before the device state changes) undoes the mirror."""
         free = len(self._free)
         if check_int(n, "n", 0) > free:
             raise OutOfBlocks(n, free, self.num_blocks)
@@ -199,12 +190,14 @@ class BlockAllocator:
         for b in popped:
             self._refs[b] = 1
             self._ever_allocated[b] = 1
-        return popped
-
-    def _unpop_host(self, popped: list[int]) -> None:
-        for b in popped:
-            self._refs[b] = 0
-        self._free.extend(reversed(popped))
+        try:
+            yield popped, free
+        except ValueError:
+            for b in popped:
+                self._refs[b] = 0
+            self._free.extend(reversed(popped))
+            raise
+        self._debug_check(op)
 
     def _debug_check(self, op: str, always: bool = False) -> None:
         if always or debug_enabled():

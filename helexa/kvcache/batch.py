@@ -35,14 +35,13 @@ class BlockTable:
     row `row` of the builder's device tables.
     """
 
-    __slots__ = ("_builder", "row", "_block_ids", "num_tokens", "_released")
+    __slots__ = ("_builder", "row", "_block_ids", "num_tokens")
 
     def __init__(self, builder: BatchBuilder, row: int, block_ids: list[int], num_tokens: int) -> None:
         self._builder = builder
         self.row = row
         self._block_ids = block_ids
         self.num_tokens = num_tokens
-        self._released = False
 
     @property
     def block_ids(self) -> tuple[int, ...]:
@@ -57,7 +56,7 @@ class BlockTable:
     @property
     def released(self) -> bool:
         """True once `BatchBuilder.release` returned the table's blocks."""
-        return self._released
+        return self._builder._live.get(self.row) is not self
 
     def blocks_needed(self, num_new_tokens: int) -> int:
         """Blocks that `num_new_tokens` more tokens would add to this table."""
@@ -65,7 +64,7 @@ class BlockTable:
         return _cdiv(self.num_tokens + num_new_tokens, self._builder.pool.block_size) - len(self._block_ids)
 
     def __repr__(self) -> str:
-        state = ", released" if self._released else ""
+        state = ", released" if self.released else ""
         return f"BlockTable(row={self.row}, num_tokens={self.num_tokens}, block_ids={self._block_ids}{state})"
 
 
@@ -115,7 +114,6 @@ class BatchBuilder:
         one else holds return to the pool. Releasing a table twice raises `ValueError`."""
         self._check_live(table)
         self.pool.decref(table._block_ids)
-        table._released = True
         del self._live[table.row]
         self._free_rows.append(table.row)
 
@@ -173,9 +171,7 @@ class BatchBuilder:
             total_new, self.tables, rows_d, seq_lens_d, qsl_d, alloc_start_d, width, num_tokens, block_size
         )
         for (table, _), start, seq_len, blocks in zip(entries, alloc_start, seq_lens, new_blocks):
-            need = blocks - len(table._block_ids)
-            if need:
-                table._block_ids.extend(popped[start : start + need])
+            table._block_ids.extend(popped[start : start + blocks - len(table._block_ids)])
             table.num_tokens = seq_len
         max_query_len = max(n for _, n in entries)
         return AttentionMetadata(slot_mapping, block_tables, seq_lens_d, qsl_d, max_query_len, max(seq_lens))
@@ -204,5 +200,5 @@ class BatchBuilder:
     def _check_live(self, table: BlockTable) -> None:
         if not isinstance(table, BlockTable) or table._builder is not self:
             raise ValueError(f"{table!r} does not belong to this BatchBuilder")
-        if table._released or self._live.get(table.row) is not table:
+        if table.released:
             raise ValueError(f"{table!r} was released")

@@ -23,7 +23,7 @@ import torch
 from helexa.config import parse_size
 
 __all__ = ["CPU_DEFAULT_CAP", "CPU_DEFAULT_FRACTION", "DEFAULT_GPU_MEMORY_UTILIZATION", "KVBudget", "check_int",
-           "estimate_activation_bytes", "kv_budget", "kv_bytes_per_block", "parse_size"]  # fmt: skip
+           "estimate_activation_bytes", "kv_budget", "kv_bytes_per_block"]  # fmt: skip
 
 CPU_DEFAULT_FRACTION = 0.10  # of physical RAM, when neither --num-blocks nor --kv-cache-memory is given
 CPU_DEFAULT_CAP = 4 << 30  # 4 GiB: a CPU pool larger than this is rarely what a laptop user meant
@@ -38,7 +38,7 @@ def _fmt(num_bytes: int) -> str:
 def _itemsize(dtype: torch.dtype) -> int:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def check_int(value: object, name: str, minimum: int = 1) -> int:
@@ -177,11 +177,7 @@ def kv_budget(
             raise ValueError(f"--gpu-memory-utilization applies to CUDA devices, not {dev.type}; use --kv-cache-memory")
         if isinstance(gpu_memory_utilization, bool) or not 0 < float(gpu_memory_utilization) <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-    utilization = 1.0
-    if on_cuda:
-        utilization = float(
-            DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
-        )
+    utilization = float(gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION) if on_cuda else 1.0
     if total_memory_bytes is None:
         total = _cuda_total_memory(dev) if on_cuda else _physical_memory()
     else:

@@ -85,9 +85,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in _ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise _unsupported_architecture(self.architecture)
         for name in _POSITIVE_INTS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -170,10 +168,7 @@ class ModelConfig:
             archs = [_MODEL_TYPES[d["model_type"]]]
         known = [a for a in archs if a in _ARCHITECTURES]
         if not known:
-            raise ValueError(
-                f"unsupported architecture {archs or d.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise _unsupported_architecture(archs or d.get("model_type"))
         traits = _ARCHITECTURES[known[0]]
         hidden_size = _require_int(d, "hidden_size")
         num_heads = _require_int(d, "num_attention_heads")
@@ -220,6 +215,10 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sliding_window=None if sliding_window is None else int(sliding_window),
         )
+
+
+def _unsupported_architecture(name: object) -> ValueError:
+    return ValueError(f"unsupported architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def _require_int(d: dict[str, Any], key: str) -> int:

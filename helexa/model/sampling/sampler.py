@@ -29,9 +29,7 @@ _CANDIDATES = 1024  # tokens per row the filters examine before falling back to 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A `torch.Generator` on `device` seeded with `seed`: one per seeded request, kept for its lifetime."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @dataclass(frozen=True)

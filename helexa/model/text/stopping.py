@@ -1,10 +1,5 @@
-"""Stopping: stop strings across token boundaries, and the finish reason of a step.
-
-`StopChecker` sits between the detokenizer and the client. Text deltas go in; what comes out is
-safe to send: a stop string (which may arrive split over several tokens) and everything after it
-never reach the client, and while streaming, a tail that could still become a stop string is held
-back until it either completes one (and is dropped) or stops matching (and is sent).
-"""
+"""Stop strings across token boundaries: `StopChecker`, between the detokenizer and the client,
+holds back a tail that may still become a stop string, and never emits a stop string or what follows."""
 
 from __future__ import annotations
 

@@ -185,11 +185,7 @@ def _load_chat_templates(
         sources["default"] = raw
     elif isinstance(raw, list):
         for entry in raw:
-            if not (
-                isinstance(entry, Mapping)
-                and isinstance(entry.get("name"), str)
-                and isinstance(entry.get("template"), str)
-            ):
+            if not isinstance(entry, Mapping) or not all(isinstance(entry.get(k), str) for k in ("name", "template")):
                 raise ValueError("tokenizer_config.json chat_template list entries need 'name' and 'template' strings")
             sources[entry["name"]] = entry["template"]
     elif raw is not None:

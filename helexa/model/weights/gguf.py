@@ -45,7 +45,7 @@ _ARCHITECTURES = {
 }
 SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(_ARCHITECTURES)
 
-# GGUF tensor name -> Hugging Face name; `{i}` is the layer index.
+# GGUF tensor name -> Hugging Face name; `_LAYER_NAMES` maps what follows `blk.N.` in layer N.
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
