@@ -223,6 +223,18 @@ def test_no_chat_template_and_bad_template(tmp_path: Path) -> None:
         Tokenizer.from_pretrained(d)
 
 
+def test_added_token_given_as_a_plain_string(tmp_path: Path) -> None:
+    # An added_tokens_decoder entry may be the token's text alone; one missing from tokenizer.json is added, special.
+    d = build_tiny_tokenizer_dir(tmp_path)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {"9000": "<|tool_call|>"}
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_pretrained(d)
+    (token_id,) = tok.encode("<|tool_call|>", add_special_tokens=False)
+    assert tok.decode([token_id], skip_special_tokens=False) == "<|tool_call|>"
+    assert tok.decode([token_id]) == ""  # special: skipped by default
+
+
 def test_missing_tokenizer_json(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_pretrained(tmp_path)

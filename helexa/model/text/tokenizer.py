@@ -69,7 +69,7 @@ class Tokenizer:
         for token_id, entry in sorted(decoder.items(), key=lambda kv: int(kv[0])):
             content = _token_content(entry, f"added_tokens_decoder[{token_id}]")
             if content is not None and backend.token_to_id(content) is None:
-                missing[content] = bool(entry.get("special", True))
+                missing[content] = bool(entry.get("special", True)) if isinstance(entry, Mapping) else True
         for content in special.values():
             if content is not None and backend.token_to_id(content) is None:
                 missing.setdefault(content, True)
