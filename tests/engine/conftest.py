@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.model.test_tokenizer import build_tiny_tokenizer_dir
-from tests.model.tiny import make_tiny_model
+from tests.support.models import build_tiny_tokenizer_dir, make_tiny_model
 
 
 @pytest.fixture(scope="session")

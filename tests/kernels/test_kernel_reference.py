@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _paged_cases import make_problem
 
 import helexa.kernels as kernels
 from helexa.kernels import AttentionBackend, get_attention_backend, reference
+from tests.support.kernels import make_problem
 
 
 def _sdpa_on_contiguous(q, k, v, prefix_len, scale=None):

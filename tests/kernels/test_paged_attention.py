@@ -6,11 +6,11 @@ import os
 
 import pytest
 import torch
-from _paged_cases import TOLERANCE, make_problem, relative_error
 
 import helexa.kernels as kernels
 from helexa.kernels import reference
 from helexa.kernels.attention import choose_num_splits, paged_attention_triton
+from tests.support.kernels import TOLERANCE, make_problem, relative_error
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run in the Triton interpreter"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helexa.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
-from tests.model.tiny import tiny_hf_config
+from tests.support.models import tiny_hf_config
 
 
 def _saved_config(tmp_path: Path, arch: str, **overrides) -> dict:

@@ -8,7 +8,7 @@ import pytest
 
 from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.text.tokenizer import Tokenizer
-from tests.model.test_tokenizer import build_tiny_tokenizer_dir, corpus
+from tests.support.models import build_tiny_tokenizer_dir, corpus
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helexa.model.loader import load_model, resolve_dtype, safetensors_files
-from tests.model.tiny import PagedCache, make_tiny_model
+from tests.support.models import PagedCache, make_tiny_model
 
 
 @pytest.fixture(scope="module")

