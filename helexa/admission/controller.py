@@ -22,11 +22,10 @@ reservation counts only the blocks a sequence does not share (`shared_blocks`).
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +123,7 @@ class AdmissionController:
         self._new_cancels: list[Ticket] = []  # granted, seen by the engine, then cancelled
         self._effects: list[Callable[[], None]] = []  # log records, written after the lock is released
         self._wake_due = False  # something the engine loop should see changed: call `wakeup` after the lock
+        self._critical = _Critical(self)
 
         # The FIFO simulation behind every wait estimate (see estimator.py).
         self._plan: FifoPlan | None = None
@@ -158,7 +158,7 @@ class AdmissionController:
                 f"shared_blocks={shared_blocks} exceeds the {prompt_tokens // self.capacity.block_size} full blocks "
                 f"of a {prompt_tokens}-token prompt (block_size={self.capacity.block_size})"
             )
-        with self._critical():
+        with self._critical:
             outcome = self._submit_locked(self._clock(), prompt_tokens, max_tokens, shared_blocks, payload)
             self._wake_due = isinstance(outcome, Ticket)
         if isinstance(outcome, AdmissionRejected):
@@ -174,7 +174,7 @@ class AdmissionController:
         freed the sequence's blocks and calls `release` — never earlier, so a grant can never be
         given blocks that are still physically in use.
         """
-        with self._critical():
+        with self._critical:
             self._check_owned(ticket)
             now = self._clock()
             changed = True
@@ -204,7 +204,7 @@ class AdmissionController:
         Expired tickets carry `error`: a kv_timeout `AdmissionRejected` whose Retry-After is their
         estimated remaining wait. Lists are in the order events happened (grants in FIFO order).
         """
-        with self._critical():
+        with self._critical:
             now = self._clock() if now is None else now
             expired: list[Ticket] = []
             if self._queue and next(iter(self._queue.values())).deadline <= now:
@@ -239,16 +239,15 @@ class AdmissionController:
         `prompt_prefilled <= prompt_tokens`, `blocks_allocated <= blocks_reserved` (a sequence never
         allocates beyond its reservation).
         """
-        with self._critical():
+        with self._critical:
             self._check_owned(ticket)
             if ticket.state is not TicketState.GRANTED:
                 raise ValueError(f"progress() for ticket {ticket.id} in state {ticket.state.value}; it must be granted")
-            limits = {
-                "tokens_generated": (tokens_generated, ticket.max_tokens, "its max_tokens"),
-                "prompt_prefilled": (prompt_prefilled, ticket.prompt_tokens, "the tokens of its prompt"),
-                "blocks_allocated": (blocks_allocated, ticket.blocks_reserved, "the blocks of its reservation"),
-            }
-            for name, (value, limit, what) in limits.items():
+            for name, value, limit, what in (
+                ("tokens_generated", tokens_generated, ticket.max_tokens, "its max_tokens"),
+                ("prompt_prefilled", prompt_prefilled, ticket.prompt_tokens, "the tokens of its prompt"),
+                ("blocks_allocated", blocks_allocated, ticket.blocks_reserved, "the blocks of its reservation"),
+            ):
                 if value is not None:
                     _check_int(name, value, 0)
                     if value > limit:
@@ -268,7 +267,7 @@ class AdmissionController:
         Idempotent: False when the ticket had already ended. Raises `ValueError` for a queued
         ticket (use `cancel`).
         """
-        with self._critical():
+        with self._critical:
             self._check_owned(ticket)
             if ticket.state is TicketState.QUEUED:
                 raise ValueError(f"release() of queued ticket {ticket.id}; cancel() withdraws a queued request")
@@ -575,8 +574,10 @@ class AdmissionController:
         ]
         plan = FifoPlan(now, self.capacity.num_blocks - self._reserved, cfg.max_num_seqs - len(self._running), releases)
         queued = self._queue.values()
+        decode, prefill = rates.decode_step_seconds, rates.prefill_token_seconds  # inline: 1,000s of tickets
         starts = plan.extend(
-            (t.blocks_reserved, rates.run_seconds(t.prefill_tokens_left, t.max_tokens)) for t in queued
+            (t.blocks_reserved, (t.prompt_tokens - t.prompt_prefilled) * prefill + t.max_tokens * decode)
+            for t in queued
         )
         for t, start in zip(queued, starts):
             t.est_start = start
@@ -590,20 +591,6 @@ class AdmissionController:
         owned = self._queue.get(ticket.id) is ticket or self._running.get(ticket.id) is ticket
         if not owned and not ticket.state.ended:
             raise ValueError(f"ticket {ticket.id} does not belong to this controller")
-
-    @contextlib.contextmanager
-    def _critical(self) -> Iterator[None]:
-        """Hold the lock for a change; then, outside it, write its log records and wake the engine if due."""
-        with self._lock:
-            yield
-            if self._debug:
-                self._check_integrity_locked()
-            effects, self._effects = self._effects, []
-            wake, self._wake_due = self._wake_due, False
-        for effect in effects:
-            effect()
-        if wake and self._wakeup is not None:
-            self._wakeup()
 
     def _check_integrity_locked(self) -> None:
         cfg, problems = self.config, []
@@ -634,6 +621,35 @@ class AdmissionController:
                 problems.append(f"ticket {t.id} awaiting poll is not running")
         if problems:
             raise AdmissionIntegrityError("admission integrity: " + "; ".join(problems))
+
+
+class _Critical:
+    """`with controller._critical:` holds the lock for a change; on a clean exit it checks integrity (debug),
+    then, outside the lock, writes the change's log records and wakes the engine if due."""
+
+    __slots__ = ("_c",)
+
+    def __init__(self, controller: AdmissionController) -> None:
+        self._c = controller
+
+    def __enter__(self) -> None:
+        self._c._lock.acquire()
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        c = self._c
+        try:
+            if exc_type is not None:
+                return
+            if c._debug:
+                c._check_integrity_locked()
+            effects, c._effects = c._effects, []
+            wake, c._wake_due = c._wake_due, False
+        finally:
+            c._lock.release()
+        for effect in effects:
+            effect()
+        if wake and c._wakeup is not None:
+            c._wakeup()
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
