@@ -24,8 +24,11 @@ __all__ = [
     "EngineConfig",
     "Rule",
     "add_flags",
+    "check_int",
     "debug_enabled",
     "from_flags",
+    "is_int",
+    "is_number",
     "option",
     "parse_size",
     "validate",
@@ -65,11 +68,21 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An int that is not a bool."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def check_int(value: Any, name: str, minimum: int = 1) -> int:
+    """`value` if it is an int (not a bool) >= `minimum`, else a ValueError naming `name`."""
+    if not is_int(value) or value < minimum:
+        kind = "non-negative" if minimum == 0 else "positive" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"{name} must be a {kind} int (>= {minimum}), got {value!r}")
+    return value
+
+
+def is_number(v: Any) -> bool:
+    """A finite int or float that is not a bool."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -85,25 +98,23 @@ class Rule:
 
     @staticmethod
     def at_least(low: int) -> Rule:
-        return Rule(f"an integer >= {low}", lambda v: _is_int(v) and v >= low, int, metavar="N")
+        return Rule(f"an integer >= {low}", lambda v: is_int(v) and v >= low, int, metavar="N")
 
     @staticmethod
     def seconds(*, positive: bool = False) -> Rule:
         if positive:
-            return Rule("a finite number of seconds > 0", lambda v: _is_number(v) and v > 0, float, metavar="S")
-        return Rule("a finite number of seconds >= 0", lambda v: _is_number(v) and v >= 0, float, metavar="S")
+            return Rule("a finite number of seconds > 0", lambda v: is_number(v) and v > 0, float, metavar="S")
+        return Rule("a finite number of seconds >= 0", lambda v: is_number(v) and v >= 0, float, metavar="S")
 
     @staticmethod
     def one_of(*choices: str) -> Rule:
         return Rule(f"one of {', '.join(choices)}", lambda v: v in choices, str, choices)
 
 
-ANY_INT = Rule("an integer", _is_int, int, metavar="N")
-FRACTION = Rule("a fraction in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1, float, metavar="F")
-SIZE = Rule(
-    "a size of at least 1 byte (e.g. 512MiB, 2GiB)", lambda v: _is_int(v) and v >= 1, parse_size, metavar="SIZE"
-)
-POWER_OF_TWO = Rule("a power of two in [1, 128]", lambda v: _is_int(v) and 1 <= v <= 128 and not v & (v - 1), int)
+ANY_INT = Rule("an integer", is_int, int, metavar="N")
+FRACTION = Rule("a fraction in (0, 1]", lambda v: is_number(v) and 0 < v <= 1, float, metavar="F")
+SIZE = Rule("a size of at least 1 byte (e.g. 512MiB, 2GiB)", lambda v: is_int(v) and v >= 1, parse_size, metavar="SIZE")
+POWER_OF_TWO = Rule("a power of two in [1, 128]", lambda v: is_int(v) and 1 <= v <= 128 and not v & (v - 1), int)
 TEXT = Rule("a non-empty string", lambda v: isinstance(v, str) and bool(v.strip()))
 
 # Flag groups of `python -m helexa.server --help`, in order, with their descriptions.

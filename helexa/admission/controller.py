@@ -34,7 +34,7 @@ from helexa.admission.estimator import FifoPlan, retry_after_seconds
 from helexa.admission.rates import EngineRates
 from helexa.admission.rejections import REJECTION_REASONS, AdmissionIntegrityError, AdmissionRejected
 from helexa.admission.ticket import PollResult, Ticket, TicketState
-from helexa.config import AdmissionConfig, debug_enabled
+from helexa.config import AdmissionConfig, check_int, debug_enabled
 
 logger = logging.getLogger("helexa.admission")
 
@@ -49,9 +49,7 @@ class Capacity:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Capacity.{name} must be a positive int, got {value!r}")
+            check_int(getattr(self, name), f"Capacity.{name}")
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens: `ceil(num_tokens / block_size)`."""
@@ -149,10 +147,10 @@ class AdmissionController:
         holds (they are not reserved again). Raises `ValueError` for malformed numbers. A granted
         ticket also appears in the engine's next `poll().granted`.
         """
-        _check_int("prompt_tokens", prompt_tokens, 1)
+        check_int(prompt_tokens, "prompt_tokens")
         if max_tokens is not None:
-            _check_int("max_tokens", max_tokens, 1)
-        _check_int("shared_blocks", shared_blocks, 0)
+            check_int(max_tokens, "max_tokens")
+        check_int(shared_blocks, "shared_blocks", 0)
         if shared_blocks > prompt_tokens // self.capacity.block_size:
             raise ValueError(
                 f"shared_blocks={shared_blocks} exceeds the {prompt_tokens // self.capacity.block_size} full blocks "
@@ -249,7 +247,7 @@ class AdmissionController:
                 ("blocks_allocated", blocks_allocated, ticket.blocks_reserved, "the blocks of its reservation"),
             ):
                 if value is not None:
-                    _check_int(name, value, 0)
+                    check_int(value, name, 0)
                     if value > limit:
                         raise ValueError(f"ticket {ticket.id}: {name}={value} exceeds {what} ({limit})")
             if blocks_allocated is not None:
@@ -650,8 +648,3 @@ class _Critical:
             effect()
         if wake and c._wakeup is not None:
             c._wakeup()
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

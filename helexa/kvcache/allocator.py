@@ -17,9 +17,8 @@ from typing import Literal
 
 import torch
 
-from helexa.config import debug_enabled
+from helexa.config import check_int, debug_enabled
 from helexa.kernels import block_alloc
-from helexa.kvcache.budget import check_int
 
 __all__ = ["AllocatorBackend", "BlockAllocator", "BlockIds", "OutOfBlocks"]
 

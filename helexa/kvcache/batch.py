@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from helexa.config import check_int
 from helexa.kvcache.allocator import BlockIds, OutOfBlocks
-from helexa.kvcache.budget import check_int
 from helexa.kvcache.metadata import AttentionMetadata
 from helexa.kvcache.pool import BlockPool
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from helexa.config import parse_size
+from helexa.config import check_int, parse_size
 
-__all__ = ["CPU_DEFAULT_CAP", "CPU_DEFAULT_FRACTION", "DEFAULT_GPU_MEMORY_UTILIZATION", "KVBudget", "check_int",
+__all__ = ["CPU_DEFAULT_CAP", "CPU_DEFAULT_FRACTION", "DEFAULT_GPU_MEMORY_UTILIZATION", "KVBudget",
            "estimate_activation_bytes", "kv_budget", "kv_bytes_per_block"]  # fmt: skip
 
 CPU_DEFAULT_FRACTION = 0.10  # of physical RAM, when neither --num-blocks nor --kv-cache-memory is given
@@ -39,14 +39,6 @@ def _itemsize(dtype: torch.dtype) -> int:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     return dtype.itemsize
-
-
-def check_int(value: object, name: str, minimum: int = 1) -> int:
-    """`value` if it is an int (not a bool) >= `minimum` (0 or 1), else ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "non-negative" if minimum == 0 else "positive"
-        raise ValueError(f"{name} must be a {kind} int (>= {minimum}), got {value!r}")
-    return value
 
 
 def kv_bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from helexa.config import check_int, is_int
+
 __all__ = ["DTYPES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling"]
 
 
@@ -87,9 +89,7 @@ class ModelConfig:
         if self.architecture not in _ARCHITECTURES:
             raise _unsupported_architecture(self.architecture)
         for name in _POSITIVE_INTS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"config {name} must be a positive integer, got {value!r}")
+            check_int(getattr(self, name), f"config {name}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -231,7 +231,7 @@ def _require_int(d: dict[str, Any], key: str) -> int:
 
 
 def _token_id(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ValueError(f"config {key!r} must be an integer or null, got {value!r}")
     return value
 

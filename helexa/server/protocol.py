@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from helexa.config import is_int
 from helexa.model.sampling import MAX_LOGPROBS
 from helexa.model.text.chat_template import validate_messages
 from helexa.server.errors import APIError
@@ -95,10 +96,6 @@ def _bad(param: str, expected: str, value: Any) -> APIError:
     return APIError("invalid_request", f"'{param}' must be {expected}, got {json.dumps(value)[:80]}", param=param)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _get(body: dict[str, Any], name: str, ok: Callable[[Any], bool], expected: str) -> Any:
     """`body[name]`, or None when absent or null; 400 naming `name` when `ok(value)` is false."""
     value = body.get(name)
@@ -111,7 +108,7 @@ def _int(body: dict[str, Any], name: str, lo: int | None = None, hi: int | None 
     value = body.get(name)
     if isinstance(value, float) and value.is_integer():  # JSON writers may send 16.0
         value = int(value)
-    if value is not None and not (_is_int(value) and (lo is None or lo <= value) and (hi is None or value <= hi)):
+    if value is not None and not (is_int(value) and (lo is None or lo <= value) and (hi is None or value <= hi)):
         bound = "" if lo is None else f" >= {lo}" if hi is None else f" in [{lo}, {hi}]"
         raise _bad(name, f"an integer{bound}", value)
     return value
@@ -119,7 +116,7 @@ def _int(body: dict[str, Any], name: str, lo: int | None = None, hi: int | None 
 
 def _number(body: dict[str, Any], name: str, lo: float, hi: float = math.inf, lo_open: bool = False) -> float | None:
     value: Any = body.get(name)
-    finite = (_is_int(value) or isinstance(value, float)) and abs(value) <= sys.float_info.max  # so float() cannot fail
+    finite = (is_int(value) or isinstance(value, float)) and abs(value) <= sys.float_info.max  # so float() cannot fail
     if value is not None and not (finite and lo <= value <= hi and not (lo_open and value == lo)):
         bound = (
             f"{'>' if lo_open else '>='} {lo:g}" if hi == math.inf else f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
@@ -146,7 +143,7 @@ def _stop(body: dict[str, Any], name: str) -> tuple[str, ...] | None:
 
 def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...] | None:
     def ok(v: Any) -> bool:
-        return isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v)
+        return isinstance(v, list) and all(is_int(t) and t >= 0 for t in v)
 
     return tuple(_get(body, name, ok, "a list of non-negative token ids") or ()) or None
 
@@ -235,9 +232,9 @@ def _prompts(value: Any) -> list[str | list[int]]:
     if isinstance(value, list) and value:
         if all(isinstance(p, str) for p in value):
             return list(value)
-        if all(_is_int(t) for t in value):
+        if all(is_int(t) for t in value):
             return [list(value)]
-        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in value):
+        if all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in value):
             return [list(p) for p in value]
     raise _bad(
         "prompt", "a string, a list of strings, a list of token ids or a list of token-id lists (non-empty)", value

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from helexa.config import is_int, is_number
 
 __all__ = ["MAX_LOGPROBS", "SamplingParams"]
 
@@ -12,14 +13,6 @@ MAX_LOGPROBS = 20  # most top-n logprobs a request may ask for (OpenAI's limit)
 _TOP_K_MAX = 2**31 - 1  # larger values mean "all tokens" anyway, and must fit a device integer
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them would overflow)
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -52,37 +45,37 @@ class SamplingParams:
         def bad(field: str, expected: str) -> ValueError:
             return ValueError(f"{field} must be {expected}, got {getattr(self, field)!r}")
 
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "None or an integer >= 1")
-        if not _is_number(self.temperature) or self.temperature < 0:
+        if not is_number(self.temperature) or self.temperature < 0:
             raise bad("temperature", "a finite number >= 0")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]")
-        if not _is_int(self.top_k) or not -1 <= self.top_k <= _TOP_K_MAX:
+        if not is_int(self.top_k) or not -1 <= self.top_k <= _TOP_K_MAX:
             raise bad("top_k", f"-1 or 0 (disabled) or an integer in [1, {_TOP_K_MAX}]")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "in [0, 1]")
-        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
+        if self.seed is not None and (not is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
             raise bad("seed", "None or a 64-bit integer")
         for field in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, field)
-            if not _is_number(value) or not -2 <= value <= 2:
+            if not is_number(value) or not -2 <= value <= 2:
                 raise bad(field, "in [-2, 2]")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if not is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "a finite number > 0")
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         object.__setattr__(self, "stop", tuple(stop))
         stop_ids = () if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(stop_ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+        if not isinstance(stop_ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in stop_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
         object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "a boolean")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise bad("n", "an integer >= 1")
 
     @property
