@@ -124,21 +124,14 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.load_seconds = time.perf_counter() - load_start
         logger.info(
-            "engine: loaded %s on %s %s in %.2fs; max_model_len=%d max_num_seqs=%d "
-            "max_num_batched_tokens=%d attention=%s",
-            self.model_name,
-            self.device,
-            _dtype_name(self.dtype),
-            self.load_seconds,
-            self.max_model_len,
-            config.admission.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.attention_backend,
+            f"engine: loaded {self.model_name} on {self.device} {_dtype_name(self.dtype)} in {self.load_seconds:.2f}s; "
+            f"max_model_len={self.max_model_len} max_num_seqs={config.admission.max_num_seqs} "
+            f"max_num_batched_tokens={config.max_num_batched_tokens} attention={config.attention_backend}"
         )
 
     def _load_runner(self) -> ModelRunner:
         """The model and its KV pool, loaded from the config (at start and on every reload)."""
-        return ModelRunner.load(
+        return ModelRunner(
             self.config,
             self.model_dir,
             self.model_config,
@@ -404,14 +397,10 @@ class Engine:
         self.counters.device_faults += 1
         self._consecutive_faults += 1
         cause = f"{type(exc).__name__}: {exc}"
+        batch = f"{len(chunks)} sequences, {sum(c.num_new for c in chunks)} tokens"
+        retries = f"{self._consecutive_faults}/{self.config.max_fault_retries}"
         logger.error(
-            "engine: device fault at step %d (batch: %d sequences, %d tokens; consecutive=%d/%d): %s",
-            self._step_no,
-            len(chunks),
-            sum(c.num_new for c in chunks),
-            self._consecutive_faults,
-            self.config.max_fault_retries,
-            cause,
+            f"engine: device fault at step {self._step_no} (batch: {batch}; consecutive={retries}): {cause}",
             exc_info=exc,
         )
         self.health.set("poisoned")
@@ -441,13 +430,8 @@ class Engine:
                 self.counters.device_faults += 1
                 self._consecutive_faults += 1
                 cause = f"{type(exc).__name__}: {exc}"
-                logger.error(
-                    "engine: reload failed (consecutive=%d/%d): %s",
-                    self._consecutive_faults,
-                    self.config.max_fault_retries,
-                    cause,
-                    exc_info=exc,
-                )
+                retries = f"{self._consecutive_faults}/{self.config.max_fault_retries}"
+                logger.error(f"engine: reload failed (consecutive={retries}): {cause}", exc_info=exc)
                 if self._consecutive_faults > self.config.max_fault_retries:
                     self._give_up(f"model reload failed {self._consecutive_faults} times in a row: {cause}")
                     return
@@ -455,9 +439,7 @@ class Engine:
         num_blocks = self.runner.budget.num_blocks
         if num_blocks != self.first_num_blocks:
             logger.error(
-                "engine: reload gave %d KV blocks, first load gave %d; staying poisoned",
-                num_blocks,
-                self.first_num_blocks,
+                f"engine: reload gave {num_blocks} KV blocks, first load {self.first_num_blocks}; staying poisoned"
             )
             self._give_up(
                 f"KV budget changed across reload ({self.first_num_blocks} -> {num_blocks} blocks) "
@@ -471,10 +453,8 @@ class Engine:
         self.counters.model_reloads += 1
         self.health.set("loaded")
         logger.warning(
-            "engine: reloaded after device fault in %.2fs (%d KV blocks, as at first load); replaying %d sequences",
-            self.health.last_reload_seconds,
-            num_blocks,
-            len(self._running),
+            f"engine: reloaded after device fault in {self.health.last_reload_seconds:.2f}s ({num_blocks} KV blocks, "
+            f"as at first load); replaying {len(self._running)} sequences"
         )
 
     def _give_up(self, cause: str) -> None:

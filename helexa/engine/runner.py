@@ -1,6 +1,6 @@
 """The model runner: the loaded model with its KV pool — built and dropped as one — and each step's forward.
 
-`ModelRunner.load` loads the weights, derives the KV budget and allocates the pool, so a reload after
+`ModelRunner(...)` loads the weights, derives the KV budget and allocates the pool, so a reload after
 a device fault swaps the whole runner and nothing else.
 """
 
@@ -15,11 +15,10 @@ import torch
 from helexa.config import EngineConfig
 from helexa.engine.scheduler import ScheduledChunk
 from helexa.engine.sequence import Sequence
-from helexa.kvcache import AttentionMetadata, BatchBuilder, BlockPool, KVBudget, estimate_activation_bytes, kv_budget
+from helexa.kvcache import AttentionMetadata, BatchBuilder, BlockPool, estimate_activation_bytes, kv_budget
 from helexa.model.config import ModelConfig
 from helexa.model.loader import load_model
 from helexa.model.sampling import Sampler, SampleResult
-from helexa.model.transformer import CausalLM
 
 logger = logging.getLogger("helexa.engine")
 
@@ -48,27 +47,6 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: CausalLM,
-        budget: KVBudget,
-        pool: BlockPool,
-        builder: BatchBuilder,
-        device: torch.device,
-        sample_vocab_size: int | None = None,
-    ) -> None:
-        self.model = model
-        self.budget = budget
-        # Checkpoints often pad the embedding past the tokenizer's vocabulary; those ids can never be
-        # detokenised, so sampling only ever sees the tokenizer's columns.
-        self.sample_vocab_size = sample_vocab_size
-        self.pool = pool
-        self.builder = builder
-        self.device = device
-        self.sampler = Sampler()
-        self._kv_caches = pool.kv_caches()
-
-    @classmethod
-    def load(
-        cls,
         config: EngineConfig,
         model_dir: Path,
         mc: ModelConfig,
@@ -76,7 +54,7 @@ class ModelRunner:
         device: torch.device,
         max_model_len: int,
         tokenizer_vocab: int,
-    ) -> ModelRunner:
+    ) -> None:
         """Load the weights and allocate the KV pool the config gives.
 
         The block count is a function of the config and the model's shapes only (never of a live
@@ -117,8 +95,13 @@ class ModelRunner:
             dtype,
             device,
         )
-        builder = BatchBuilder(pool, max_num_seqs, max_model_len)
-        return cls(model, budget, pool, builder, device, sample_vocab_size=min(tokenizer_vocab, mc.vocab_size))
+        self.model, self.budget, self.pool, self.device = model, budget, pool, device
+        self.builder = BatchBuilder(pool, max_num_seqs, max_model_len)
+        # Checkpoints often pad the embedding past the tokenizer's vocabulary; those ids can never be
+        # detokenised, so sampling only ever sees the tokenizer's columns.
+        self.sample_vocab_size = min(tokenizer_vocab, mc.vocab_size)
+        self.sampler = Sampler()
+        self._kv_caches = pool.kv_caches()
 
     def prepare(self, chunks: list[ScheduledChunk[Sequence]]) -> StepInputs:
         """Allocate the chunks' blocks and build the flattened varlen batch for them."""
