@@ -16,16 +16,20 @@ QUESTIONS = [
 ]
 
 
-def test_greedy_batch_invariant_on_the_default_model(default_model_dir) -> None:
-    solo_llm = LLM(
-        str(default_model_dir),
+def _llm(model_dir, max_num_batched_tokens: int) -> LLM:
+    return LLM(
+        str(model_dir),
         device="cpu",
         dtype="float32",
         attention_backend="torch",
         num_blocks=64,
         max_num_seqs=8,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=max_num_batched_tokens,
     )
+
+
+def test_greedy_batch_invariant_on_the_default_model(default_model_dir) -> None:
+    solo_llm = _llm(default_model_dir, max_num_batched_tokens=512)
     prompts = [
         solo_llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
         for q in QUESTIONS
@@ -34,15 +38,7 @@ def test_greedy_batch_invariant_on_the_default_model(default_model_dir) -> None:
     solo = [solo_llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
     del solo_llm
     # 24 tokens per step: every prompt's prefill is split across steps while the others decode.
-    chunked = LLM(
-        str(default_model_dir),
-        device="cpu",
-        dtype="float32",
-        attention_backend="torch",
-        num_blocks=64,
-        max_num_seqs=8,
-        max_num_batched_tokens=24,
-    )
+    chunked = _llm(default_model_dir, max_num_batched_tokens=24)
     batched = [o.token_ids for o in chunked.generate(prompts, params, use_tqdm=False)]
     assert batched == solo
     assert chunked.engine.snapshot()["blocks_reserved"] == 0
