@@ -89,14 +89,18 @@ def _report(benchmark, name: str, baseline: str | None = "naive re-simulation") 
 def test_decision_baseline_naive_resimulation(benchmark) -> None:
     c = _loaded()
     rates = c.rates
-    running = [(t.blocks_reserved, t.prefill_tokens_left, t.decode_tokens_left) for t in c._running.values()]
-    queued = [(t.blocks_reserved, t.prefill_tokens_left, t.max_tokens) for t in c._queue.values()]
-    newcomer = (c.capacity.blocks_for(800 + 256), 800, 256)
+    expect = c.lengths.expected_remaining  # what the controller plans with: expected, not worst-case, output
+    running = [
+        (t.blocks_reserved, t.prefill_tokens_left, expect(t.tokens_generated, t.max_tokens))
+        for t in c._running.values()
+    ]
+    queued = [(t.blocks_reserved, t.prefill_tokens_left, expect(0, t.max_tokens)) for t in c._queue.values()]
+    newcomer = (c.capacity.blocks_for(800 + 256), 800, expect(0, 256))
 
     def decide() -> float:
-        releases = [(NOW + rates.run_seconds(p, d), b) for b, p, d in running]
+        releases = [(NOW + rates.run_seconds(p, d), b, d) for b, p, d in running]
         plan = FifoPlan(NOW, c.blocks_available, RUNNING - c.in_flight, releases)
-        starts = plan.extend((b, rates.run_seconds(p, d)) for b, p, d in queued + [newcomer])
+        starts = plan.extend((b, rates.run_seconds(p, d), d) for b, p, d in queued + [newcomer])
         return starts[-1] - NOW
 
     wait = benchmark(decide)

@@ -34,7 +34,7 @@ __all__ = [
     "validate",
 ]
 
-ADMISSION_POLICIES = ("fifo", "backfill")
+ADMISSION_POLICIES = ("reserve", "backfill", "adaptive")
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _UNITS = {"": 1, "b": 1, **{u: 1024**i for i, u in enumerate(("k", "m", "g", "t"), 1)}}
@@ -187,9 +187,11 @@ class AdmissionConfig:
         Rule.at_least(1),
     )
     policy: str = _scheduling(
-        "fifo",
-        "fifo: the queue's head blocks everything behind it; backfill: a request behind the head may start "
-        "now if it is estimated to end before the head could start",
+        "reserve",
+        "reserve: each request reserves its worst case (prompt + max_tokens) and the queue's head blocks "
+        "everything behind it; backfill: as reserve, and a request behind the head may start now if it is "
+        "expected to end before the head could start; adaptive: reserve the prompt + a learned output "
+        "allowance, grow by whole blocks, preempt the newest request when the pool runs short",
         Rule.one_of(*ADMISSION_POLICIES),
         flag="--admission-policy",
     )

@@ -2,21 +2,28 @@
 
 Life of a request:
 
-1. `submit(prompt_tokens, max_tokens, payload=...)`: the request needs
-   `ceil((prompt + max_tokens) / block_size) - shared_blocks` blocks. Rejected at once and for good
-   (`kv_unservable`) when it can never fit this node; granted at once when nobody waits and both
-   gates pass (sequences in flight < `max_num_seqs`, blocks available >= its need); rejected when the
-   queue is full (`queue_full`, or `model_reloading` while the model reloads) or its estimated wait
-   already exceeds `max_wait_secs` (`kv_timeout`); queued otherwise.
+1. `submit(prompt_tokens, max_tokens, payload=...)`: rejected at once and for good (`kv_unservable`)
+   when `ceil((prompt + max_tokens) / block_size) - shared_blocks` blocks can never fit this node;
+   granted at once when nobody waits and both gates pass (sequences in flight < `max_num_seqs`,
+   blocks available >= its reservation); rejected when the queue is full (`queue_full`, or
+   `model_reloading` while the model reloads) or its *expected* wait already exceeds `max_wait_secs`
+   (`kv_timeout`); queued otherwise.
 2. The engine's `poll()` each step hands over grants, queued requests that expired (kv_timeout), and
    running ones the client cancelled.
 3. While a ticket runs the engine reports `progress(...)`: output tokens, prefilled prompt tokens,
    physical blocks taken from the reservation.
-4. At finish, error or abort the engine calls `release(ticket)`: the whole reservation returns and
-   the queue is served again, head first.
+4. At finish, error or abort the engine calls `release(ticket, finish_reason=..., output_tokens=...)`:
+   the whole reservation returns, the answer's length is learned, and the queue is served, head first.
+
+Policies: `reserve` (default) reserves the worst case, prompt + `max_tokens`, so a running request
+never runs short; `backfill` also lets a request behind a blocked head start when it is expected to
+end before the head could start; `adaptive` reserves the prompt plus a learned output allowance,
+grows a reservation one whole block at a time (`grow`), and when the pool is short the engine
+preempts the most recently admitted request (`preempt`), which waits to resume ahead of the queue.
 
 Accounting: `blocks_available = blocks_total - blocks_reserved`, the sum of live reservations. A
-reservation counts only the blocks a sequence does not share (`shared_blocks`).
+reservation counts only the blocks a sequence does not share (`shared_blocks`). Wait estimates use
+the expected remaining output of each request (lengths.py), never its worst case.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 
 from helexa.admission import rejections as why
 from helexa.admission.estimator import FifoPlan, retry_after_seconds
+from helexa.admission.lengths import AnswerLengths
 from helexa.admission.rates import EngineRates
 from helexa.admission.rejections import REJECTION_REASONS, AdmissionIntegrityError, AdmissionRejected
 from helexa.admission.ticket import PollResult, Ticket, TicketState
@@ -85,6 +93,7 @@ class AdmissionController:
     - `blocks_cached()`: the prefix cache's cached-block count (0 without one).
     - `reload_status()`: None while the model serves, else the estimated seconds until it serves again
       (a full queue then answers `model_reloading`).
+    - `lengths`: the learned answer lengths estimates are made from (a fresh window by default).
     - `debug`: run `check_integrity()` after every change (default: `HELEXA_DEBUG`).
     """
 
@@ -99,6 +108,7 @@ class AdmissionController:
         blocks_free: Callable[[], int] | None = None,
         blocks_cached: Callable[[], int] | None = None,
         reload_status: Callable[[], float | None] | None = None,
+        lengths: AnswerLengths | None = None,
         debug: bool | None = None,
     ) -> None:
         self.config = config
@@ -110,9 +120,13 @@ class AdmissionController:
         self._blocks_cached = blocks_cached
         self._reload_status: Callable[[], float | None] = reload_status or (lambda: None)
         self._debug = debug_enabled() if debug is None else debug
+        self._lengths = lengths if lengths is not None else AnswerLengths()
+        self._adaptive = config.policy == "adaptive"
 
         self._lock = threading.Lock()
         self._queue: collections.OrderedDict[int, Ticket] = collections.OrderedDict()  # FIFO, by ticket id
+        # Preempted tickets waiting to resume, oldest first; served before the queue and never expire.
+        self._resume: collections.OrderedDict[int, Ticket] = collections.OrderedDict()
         self._running: dict[int, Ticket] = {}  # granted, not yet released
         self._reserved = 0  # sum of blocks_reserved over _running
         self._allocated = 0  # sum of blocks_allocated over _running
@@ -134,18 +148,27 @@ class AdmissionController:
         self._admitted_total = 0
         self._admitted_after_wait = 0
         self._wait_seconds_sum = 0.0
+        self._preemptions = 0
 
     # ------------------------------------------------------------------ server side
 
     def submit(
-        self, prompt_tokens: int, max_tokens: int | None = None, *, shared_blocks: int = 0, payload: Any = None
+        self,
+        prompt_tokens: int,
+        max_tokens: int | None = None,
+        *,
+        shared_blocks: int = 0,
+        stops_early: bool = True,
+        payload: Any = None,
     ) -> Ticket:
         """Admit a tokenised request: returns its `Ticket` (granted or queued) or raises `AdmissionRejected`.
 
-        `max_tokens=None` reserves `min(max_model_len - prompt_tokens, default_max_tokens)` output
+        `max_tokens=None` means `min(max_model_len - prompt_tokens, default_max_tokens)` output
         tokens. `shared_blocks` is how many of the prompt's full blocks the prefix cache already
-        holds (they are not reserved again). Raises `ValueError` for malformed numbers. A granted
-        ticket also appears in the engine's next `poll().granted`.
+        holds (they are not reserved again). `stops_early=False` says the request can only end at its
+        limit (it ignores EOS and has no stop condition): its estimates are exact, not learned, and
+        its length teaches nothing. Raises `ValueError` for malformed numbers. A granted ticket also
+        appears in the engine's next `poll().granted`.
         """
         check_int(prompt_tokens, "prompt_tokens")
         if max_tokens is not None:
@@ -157,7 +180,9 @@ class AdmissionController:
                 f"of a {prompt_tokens}-token prompt (block_size={self.capacity.block_size})"
             )
         with self._critical:
-            outcome = self._submit_locked(self._clock(), prompt_tokens, max_tokens, shared_blocks, payload)
+            outcome = self._submit_locked(
+                self._clock(), prompt_tokens, max_tokens, shared_blocks, bool(stops_early), payload
+            )
             self._wake_due = isinstance(outcome, Ticket)
         if isinstance(outcome, AdmissionRejected):
             raise outcome
@@ -177,7 +202,7 @@ class AdmissionController:
             now = self._clock()
             changed = True
             if ticket.state is TicketState.QUEUED:
-                del self._queue[ticket.id]
+                (self._resume if ticket.id in self._resume else self._queue).pop(ticket.id)
                 ticket.state, ticket.ended_at = TicketState.CANCELLED, now
                 self._plan_stale = True
                 self._pump(now)
@@ -215,6 +240,8 @@ class AdmissionController:
                     expired.append(head)
                 self._plan_stale = True
                 self._pump(now)
+            if self._adaptive:
+                self._pump(now)  # growth and preemption change what is available without a release
             if self._backfill_due:
                 self._backfill(now)
             granted, self._new_grants = self._new_grants, []
@@ -259,11 +286,12 @@ class AdmissionController:
                 ticket.prompt_prefilled = prompt_prefilled
             self._plan_drifted = True
 
-    def release(self, ticket: Ticket) -> bool:
+    def release(self, ticket: Ticket, *, finish_reason: str | None = None, output_tokens: int | None = None) -> bool:
         """End a granted ticket's reservation (finish, error, abort): every block returns, the queue is served.
 
-        Idempotent: False when the ticket had already ended. Raises `ValueError` for a queued
-        ticket (use `cancel`).
+        A `finish_reason` of "stop" or "length" with the answer's `output_tokens` (default: the last
+        reported `tokens_generated`) is learned as one answer length. Idempotent: False when the
+        ticket had already ended. Raises `ValueError` for a queued ticket (use `cancel`).
         """
         with self._critical:
             self._check_owned(ticket)
@@ -272,10 +300,90 @@ class AdmissionController:
             changed = ticket.state is TicketState.GRANTED
             if changed:
                 now = self._clock()
+                if ticket.stops_early and not ticket.cancel_requested:
+                    self._lengths.observe(
+                        ticket.tokens_generated if output_tokens is None else output_tokens, finish_reason
+                    )
                 self._end(ticket, now, TicketState.CANCELLED if ticket.cancel_requested else TicketState.RELEASED)
                 self._pump(now)
             self._wake_due = changed
         return changed
+
+    def grow(self, ticket: Ticket, blocks: int) -> bool:
+        """Make a running ticket's reservation at least `blocks`, taking whole blocks from those available.
+
+        True when it now is (at once when it already was); False, with nothing changed, when too few
+        blocks are available — the engine then preempts the most recently admitted request and asks
+        again. Raises `ValueError` beyond the ticket's own bound
+        (`ceil((prompt + max_tokens) / block_size) - shared_blocks`) — which is what `reserve` and
+        `backfill` reserve up front, so under them a reservation never grows.
+        """
+        with self._critical:
+            self._check_owned(ticket)
+            check_int(blocks, "blocks", 0)
+            if ticket.state is not TicketState.GRANTED:
+                raise ValueError(f"grow() of ticket {ticket.id} in state {ticket.state.value}; it must be granted")
+            extra = blocks - ticket.blocks_reserved
+            if extra <= 0:
+                return True
+            bound = self._bound(ticket)
+            if blocks > bound:
+                raise ValueError(f"ticket {ticket.id}: a reservation of {blocks} blocks exceeds its bound of {bound}")
+            if extra > self.capacity.num_blocks - self._reserved:
+                return False
+            ticket.blocks_reserved = blocks
+            self._reserved += extra
+            self._plan_drifted = True
+        return True
+
+    def preempt(self, ticket: Ticket) -> None:
+        """Take back a running ticket's whole reservation (policy `adaptive`); it waits to resume.
+
+        The engine calls this after it has freed the sequence's blocks (its stream stays open). The
+        ticket goes back to QUEUED, ahead of every request that has not run yet (preempted tickets
+        resume oldest first and never expire), with a new reservation for its prompt, the tokens it
+        has generated (recomputed on resume) and a learned allowance for the rest. A ticket whose
+        client has cancelled it ends instead. Raises `ValueError` unless it is granted and running.
+        """
+        with self._critical:
+            self._check_owned(ticket)
+            if not self._adaptive:
+                raise ValueError(f"preempt() of ticket {ticket.id} under policy {self.config.policy}; only adaptive")
+            if ticket.state is not TicketState.GRANTED or not ticket.seen_by_engine:
+                raise ValueError(f"preempt() of ticket {ticket.id}: only a granted ticket the engine runs")
+            now = self._clock()
+            self._preemptions += 1
+            if ticket.cancel_requested:
+                self._end(ticket, now, TicketState.CANCELLED)
+                return
+            freed = ticket.blocks_reserved
+            del self._running[ticket.id]
+            self._reserved -= freed
+            self._allocated -= ticket.blocks_allocated
+            ticket.blocks_allocated = 0
+            ticket.prompt_prefilled = ticket.shared_blocks * self.capacity.block_size
+            ticket.blocks_reserved = self._reservation(
+                ticket.prompt_tokens,
+                ticket.max_tokens,
+                ticket.shared_blocks,
+                ticket.tokens_generated,
+                ticket.stops_early,
+            )
+            ticket.state, ticket.preemptions = TicketState.QUEUED, ticket.preemptions + 1
+            self._resume[ticket.id] = ticket
+            self._resume = collections.OrderedDict(sorted(self._resume.items()))  # oldest (lowest id) first
+            self._plan_stale = True
+            if logger.isEnabledFor(logging.INFO):
+                fields = _Fields(
+                    self._ticket_arith(
+                        ticket,
+                        generated=ticket.tokens_generated,
+                        blocks_freed=freed,
+                        times_preempted=ticket.preemptions,
+                        resume_position=list(self._resume).index(ticket.id) + 1,
+                    )
+                )
+                self._effects.append(lambda: logger.info("admission: preempted ticket=%d %s", ticket.id, fields))
 
     def next_deadline(self) -> float | None:
         """The clock time at which the next queued ticket expires (when `poll` must run), or None."""
@@ -304,8 +412,13 @@ class AdmissionController:
 
     @property
     def queue_depth(self) -> int:
-        """Tickets waiting in the queue."""
-        return len(self._queue)
+        """Tickets waiting: in the queue, and preempted ones waiting to resume."""
+        return len(self._queue) + len(self._resume)
+
+    @property
+    def lengths(self) -> AnswerLengths:
+        """The learned answer lengths the estimates use."""
+        return self._lengths
 
     @property
     def blocks_reserved(self) -> int:
@@ -318,39 +431,50 @@ class AdmissionController:
         return self.capacity.num_blocks - self._reserved
 
     def snapshot(self) -> dict[str, Any]:
-        """The `GET /v1/admission` numbers: pool, gates, queue, rejections, admitted/wait counters, rates."""
-        blocks_free = self._blocks_free() if self._blocks_free is not None else None
-        blocks_cached = self._blocks_cached() if self._blocks_cached is not None else 0
+        """The `GET /v1/admission` numbers: pool, gates, queue, rejections, preemptions, counters, rates, basis.
+
+        `blocks_free + blocks_allocated + blocks_cached == blocks_total` in every snapshot: with a pool
+        attached all three come from one reading of the pool, never from progress reported a step ago.
+        """
+        cached = self._blocks_cached() if self._blocks_cached is not None else 0
         cfg, total = self.config, self.capacity.num_blocks
         with self._lock:
+            free = self._blocks_free() if self._blocks_free is not None else total - self._allocated - cached
+            lengths = self._lengths
             return {
                 "block_size": self.capacity.block_size,
                 "blocks_total": total,
-                "blocks_free": total - self._allocated if blocks_free is None else blocks_free,
+                "blocks_free": free,
                 "blocks_reserved": self._reserved,
                 "blocks_available": total - self._reserved,
-                "blocks_cached": blocks_cached,
-                "blocks_allocated": self._allocated,
+                "blocks_cached": cached,
+                "blocks_allocated": total - free - cached,
                 "in_flight": len(self._running),
                 "max_in_flight": cfg.max_num_seqs,
-                "queue_depth": len(self._queue),
+                "queue_depth": len(self._queue) + len(self._resume),
                 "max_queue_depth": cfg.max_queue_depth,
                 "max_wait_secs": cfg.max_wait_secs,
                 "policy": cfg.policy,
                 "rejected": dict(self._rejected),
+                "preemptions": self._preemptions,
+                "preempted_waiting": len(self._resume),
                 "admitted_total": self._admitted_total,
                 "admitted_after_wait": self._admitted_after_wait,
                 "admission_wait_seconds_sum": _seconds(self._wait_seconds_sum),
                 "decode_step_seconds": self._rates.decode_step_seconds,
                 "prefill_token_seconds": self._rates.prefill_token_seconds,
+                "answer_length_basis": lengths.basis,
+                "answer_length_samples": lengths.samples,
+                "expected_answer_tokens": round(lengths.expected_remaining(0, cfg.default_max_tokens), 1),
             }
 
     def check_integrity(self) -> None:
         """Raise `AdmissionIntegrityError` (with the numbers) unless every invariant holds.
 
         Sum of live reservations == `blocks_reserved` <= total; each ticket's allocated blocks <= its
-        reservation and their sum == the allocated count; in flight <= `max_num_seqs`; queue depth
-        <= `max_queue_depth`; every queued ticket is QUEUED and every running one GRANTED, none in both.
+        reservation <= its bound, and their sum == the allocated count; in flight <= `max_num_seqs`;
+        queue depth <= `max_queue_depth`; every queued or preempted ticket is QUEUED and every running
+        one GRANTED, none in two places; preempted tickets wait in admission order.
         """
         with self._lock:
             self._check_integrity_locked()
@@ -358,64 +482,69 @@ class AdmissionController:
     # ------------------------------------------------------------------ internals (lock held)
 
     def _submit_locked(
-        self, now: float, prompt: int, max_tokens: int | None, shared: int, payload: Any
+        self, now: float, prompt: int, max_tokens: int | None, shared: int, stops_early: bool, payload: Any
     ) -> Ticket | AdmissionRejected:
         cfg, cap = self.config, self.capacity
         m = max_tokens if max_tokens is not None else max(1, min(cap.max_model_len - prompt, cfg.default_max_tokens))
-        blocks = cap.blocks_for(prompt + m) - shared
-        if prompt >= cap.max_model_len or prompt + m > cap.max_model_len or blocks > cap.num_blocks:
-            message = why.unservable_message(prompt, m, blocks, cap.block_size, cap.num_blocks, cap.max_model_len)
-            arith = self._arith(prompt, m, shared, blocks, None, max_model_len=cap.max_model_len)
+        bound = cap.blocks_for(prompt + m) - shared
+        if prompt >= cap.max_model_len or prompt + m > cap.max_model_len or bound > cap.num_blocks:
+            message = why.unservable_message(prompt, m, bound, cap.block_size, cap.num_blocks, cap.max_model_len)
+            arith = self._arith(prompt, m, shared, bound, None, max_model_len=cap.max_model_len)
             return self._reject("kv_unservable", arith, None, message)
 
-        run_seconds = self._rates.run_seconds(prompt - shared * cap.block_size, m)
+        blocks = self._reservation(prompt, m, shared, 0, stops_early)
+        expected = self._lengths.expected_remaining(0, m) if stops_early else float(m)
+        run_seconds = self._rates.run_seconds(prompt - shared * cap.block_size, expected)
         fits_now = blocks <= cap.num_blocks - self._reserved and len(self._running) < cfg.max_num_seqs
-        if fits_now and (not self._queue or cfg.policy == "backfill" and self._backfill_fits(now, run_seconds)):
-            ticket = self._new_ticket(now, prompt, m, shared, blocks, payload)
-            ticket.backfilled = bool(self._queue)
+        waiting = bool(self._queue or self._resume)
+        if fits_now and (not waiting or cfg.policy == "backfill" and self._backfill_fits(now, run_seconds)):
+            ticket = self._new_ticket(now, prompt, m, shared, blocks, stops_early, payload)
+            ticket.backfilled = waiting
             self._grant(ticket, now, from_queue=False)
             return ticket
 
         depth = len(self._queue)
         if depth >= cfg.max_queue_depth:
             plan = self._ensure_plan(now)
-            head_start = next(iter(self._queue.values())).est_start if self._queue else plan.start_of(blocks)
-            wait = max(0.0, head_start - now)
+            head = next(iter(self._resume.values()), None) or next(iter(self._queue.values()), None)
+            wait = max(0.0, (head.est_start if head is not None else plan.start_of(blocks)) - now)
             reload_left = self._reload_status()
             message = why.queue_full_message(depth, cfg.max_queue_depth, len(self._running), wait, reload_left)
             if reload_left is not None:
                 arith = self._arith(prompt, m, shared, blocks, wait, reload_left_s=_seconds(reload_left))
                 return self._reject("model_reloading", arith, retry_after_seconds(reload_left), message)
-            return self._reject(
-                "queue_full", self._arith(prompt, m, shared, blocks, wait), retry_after_seconds(wait), message
-            )
+            arith = self._arith(prompt, m, shared, blocks, wait, **self._basis(expected, []))
+            return self._reject("queue_full", arith, retry_after_seconds(wait), message)
 
         plan = self._ensure_plan(now)
-        start, appended = plan.append_if_starts_by(blocks, run_seconds, now + cfg.max_wait_secs)
+        start, appended = plan.append_if_starts_by(blocks, run_seconds, now + cfg.max_wait_secs, expected)
         wait = max(0.0, start - now)
         if not appended:
             message = why.too_long_message(
                 blocks, wait, cfg.max_wait_secs, cap.num_blocks - self._reserved, cap.num_blocks, depth
             )
-            return self._reject(
-                "kv_timeout", self._arith(prompt, m, shared, blocks, wait), retry_after_seconds(wait), message
-            )
-        ticket = self._new_ticket(now, prompt, m, shared, blocks, payload)
+            arith = self._arith(prompt, m, shared, blocks, wait, **self._basis(expected, plan.last_waited_on))
+            return self._reject("kv_timeout", arith, retry_after_seconds(wait), message)
+        ticket = self._new_ticket(now, prompt, m, shared, blocks, stops_early, payload)
         ticket.est_wait_at_arrival = wait
         ticket.est_start = max(start, now)
         self._queue[ticket.id] = ticket
         if logger.isEnabledFor(logging.DEBUG):
-            fields = _Fields(self._arith(prompt, m, shared, blocks, wait, queue_position=depth + 1))
+            basis = self._basis(expected, plan.last_waited_on)
+            fields = _Fields(self._arith(prompt, m, shared, blocks, wait, queue_position=depth + 1, **basis))
             self._effects.append(lambda: logger.debug("admission: queued ticket=%d %s", ticket.id, fields))
         return ticket
 
-    def _new_ticket(self, now: float, prompt: int, m: int, shared: int, blocks: int, payload: Any) -> Ticket:
+    def _new_ticket(
+        self, now: float, prompt: int, m: int, shared: int, blocks: int, stops_early: bool, payload: Any
+    ) -> Ticket:
         ticket = Ticket(
             id=self._next_id,
             prompt_tokens=prompt,
             max_tokens=m,
             shared_blocks=shared,
             blocks_reserved=blocks,
+            stops_early=stops_early,
             payload=payload,
             arrival=now,
             deadline=now + self.config.max_wait_secs,
@@ -434,6 +563,33 @@ class AdmissionController:
         arith.update(extra)
         return arith
 
+    def _basis(self, expected: float, waited_on: list[tuple[float, int, float]]) -> dict[str, Any]:
+        """What a wait estimate stood on: the answer-length basis, this request's expected output, and the
+        expected remaining output tokens of the releases it waits for (the first 8)."""
+        lengths = self._lengths
+        basis: dict[str, Any] = {
+            "length_basis": lengths.basis,
+            "length_samples": lengths.samples,
+            "expected_output": round(expected),
+        }
+        if waited_on:
+            shown = ",".join(str(round(tokens)) for _, _, tokens in waited_on[:8])
+            basis["waits_on"] = len(waited_on)
+            basis["waits_on_expected_tokens"] = shown + (",..." if len(waited_on) > 8 else "")
+        return basis
+
+    def _reservation(self, prompt: int, max_tokens: int, shared: int, generated: int, stops_early: bool) -> int:
+        """Blocks a ticket reserves when granted: the bound (prompt + max_tokens) under `reserve`/`backfill`;
+        under `adaptive` the prompt, the tokens generated so far and a learned allowance for the rest."""
+        if not self._adaptive or not stops_early:
+            return self.capacity.blocks_for(prompt + max_tokens) - shared
+        allowance = max(generated + 1, self._lengths.allowance(generated, max_tokens))
+        return self.capacity.blocks_for(prompt + min(allowance, max_tokens)) - shared
+
+    def _bound(self, ticket: Ticket) -> int:
+        """The most blocks a ticket can ever need: prompt + max_tokens, less the shared ones."""
+        return self.capacity.blocks_for(ticket.prompt_tokens + ticket.max_tokens) - ticket.shared_blocks
+
     def _ticket_arith(self, t: Ticket, **extra: Any) -> dict[str, Any]:
         return self._arith(t.prompt_tokens, t.max_tokens, t.shared_blocks, t.blocks_reserved, None, **extra)
 
@@ -444,17 +600,21 @@ class AdmissionController:
         return now + run_seconds <= head.est_start
 
     def _pump(self, now: float) -> None:
-        """Grant from the head of the queue while both gates pass (strict FIFO, exact: no estimate involved)."""
+        """Grant from the head while both gates pass: preempted tickets first (oldest first), then the queue
+        (strict FIFO, exact: no estimate involved)."""
         cfg, queue = self.config, self._queue
-        while queue:
-            head = next(iter(queue.values()))
-            if (
-                head.blocks_reserved > self.capacity.num_blocks - self._reserved
-                or len(self._running) >= cfg.max_num_seqs
-            ):
+        for waiting in (self._resume, queue):
+            while waiting:
+                head = next(iter(waiting.values()))
+                if (
+                    head.blocks_reserved > self.capacity.num_blocks - self._reserved
+                    or len(self._running) >= cfg.max_num_seqs
+                ):
+                    break
+                waiting.popitem(last=False)
+                self._grant(head, now, from_queue=True)
+            if waiting:
                 break
-            queue.popitem(last=False)
-            self._grant(head, now, from_queue=True)
         # Under "backfill", requests behind a blocked head are considered at the engine's next poll,
         # when the step's progress and releases have all been reported and the estimates are current.
         self._backfill_due = cfg.policy == "backfill" and len(queue) >= 2
@@ -490,6 +650,11 @@ class AdmissionController:
         self._reserved += ticket.blocks_reserved
         self._new_grants.append(ticket)
         self._plan_stale = True
+        if ticket.preemptions:  # a preempted ticket resuming: admitted (and counted) once already
+            if logger.isEnabledFor(logging.INFO):
+                fields = _Fields(self._ticket_arith(ticket, generated=ticket.tokens_generated))
+                self._effects.append(lambda: logger.info("admission: resumed ticket=%d %s", ticket.id, fields))
+            return
         wait = now - ticket.arrival
         self._admitted_total += 1
         self._wait_seconds_sum += wait
@@ -562,22 +727,26 @@ class AdmissionController:
             and not (self._plan_drifted and now - self._plan_time >= self.config.replan_interval_secs)
         ):
             return plan
-        cfg, rates = self.config, self._rates
-        releases = [
-            (
-                now if t.cancel_requested else now + rates.run_seconds(t.prefill_tokens_left, t.decode_tokens_left),
-                t.blocks_reserved,
-            )
-            for t in self._running.values()
-        ]
+        cfg, rates, lengths = self.config, self._rates, self._lengths
+
+        def expect(t: Ticket) -> float:
+            if not t.stops_early:
+                return float(t.max_tokens - t.tokens_generated)
+            return lengths.expected_remaining(t.tokens_generated, t.max_tokens)
+
+        releases = []
+        for t in self._running.values():
+            left = 0.0 if t.cancel_requested else expect(t)
+            releases.append((now + rates.run_seconds(t.prefill_tokens_left, left), t.blocks_reserved, left))
         plan = FifoPlan(now, self.capacity.num_blocks - self._reserved, cfg.max_num_seqs - len(self._running), releases)
-        queued = self._queue.values()
+        waiting = [*self._resume.values(), *self._queue.values()]
         decode, prefill = rates.decode_step_seconds, rates.prefill_token_seconds  # inline: 1,000s of tickets
-        starts = plan.extend(
-            (t.blocks_reserved, (t.prompt_tokens - t.prompt_prefilled) * prefill + t.max_tokens * decode)
-            for t in queued
-        )
-        for t, start in zip(queued, starts):
+        work = []
+        for t in waiting:  # a resumed ticket recomputes its generated tokens too
+            left = expect(t)
+            recompute = t.prompt_tokens + t.tokens_generated - t.prompt_prefilled
+            work.append((t.blocks_reserved, recompute * prefill + left * decode, left))
+        for t, start in zip(waiting, plan.extend(work)):
             t.est_start = start
         self._plan, self._plan_time = plan, now
         self._plan_stale = self._plan_drifted = False
@@ -586,7 +755,7 @@ class AdmissionController:
     def _check_owned(self, ticket: Ticket) -> None:
         if not isinstance(ticket, Ticket):
             raise ValueError(f"expected a Ticket, got {type(ticket).__name__}")
-        owned = self._queue.get(ticket.id) is ticket or self._running.get(ticket.id) is ticket
+        owned = any(d.get(ticket.id) is ticket for d in (self._queue, self._resume, self._running))
         if not owned and not ticket.state.ended:
             raise ValueError(f"ticket {ticket.id} does not belong to this controller")
 
@@ -609,11 +778,20 @@ class AdmissionController:
                 problems.append(f"running ticket {t.id} in state {t.state.value}")
             if t.blocks_allocated > t.blocks_reserved:
                 problems.append(f"ticket {t.id} allocated {t.blocks_allocated} > its reservation {t.blocks_reserved}")
+            if t.blocks_reserved > self._bound(t):
+                problems.append(f"ticket {t.id} reserves {t.blocks_reserved} > its bound {self._bound(t)}")
             if t.id in self._queue:
                 problems.append(f"ticket {t.id} is both queued and running")
         for t in self._queue.values():
             if t.state is not TicketState.QUEUED:
                 problems.append(f"queued ticket {t.id} in state {t.state.value}")
+        for t in self._resume.values():
+            if t.state is not TicketState.QUEUED or not t.preemptions:
+                problems.append(f"ticket {t.id} waiting to resume in state {t.state.value}, preempted {t.preemptions}x")
+            if t.id in self._queue or t.id in self._running:
+                problems.append(f"ticket {t.id} waits to resume and is also queued or running")
+        if list(self._resume) != sorted(self._resume):
+            problems.append(f"preempted tickets out of admission order: {list(self._resume)}")
         for t in self._new_grants:
             if self._running.get(t.id) is not t:
                 problems.append(f"ticket {t.id} awaiting poll is not running")

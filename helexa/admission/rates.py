@@ -31,7 +31,7 @@ class EngineRates:
                 f"EngineRates.prefill_token_seconds must be finite and >= 0, got {self.prefill_token_seconds!r}"
             )
 
-    def run_seconds(self, prefill_tokens: int, decode_tokens: int) -> float:
+    def run_seconds(self, prefill_tokens: float, decode_tokens: float) -> float:
         """Estimated seconds to prefill `prefill_tokens` and then decode `decode_tokens` tokens."""
         return prefill_tokens * self.prefill_token_seconds + decode_tokens * self.decode_step_seconds
 

@@ -12,7 +12,7 @@ from helexa.admission.rejections import AdmissionRejected
 class TicketState(str, enum.Enum):
     """Where a ticket is in its life. `QUEUED` -> `GRANTED` -> one of the ended states."""
 
-    QUEUED = "queued"  # waiting in the FIFO queue; holds nothing
+    QUEUED = "queued"  # waiting in the FIFO queue (or, preempted, to resume first); holds nothing
     GRANTED = "granted"  # holds its reservation (blocks + one sequence slot) until released
     RELEASED = "released"  # ended after running: finished, failed or aborted by the engine
     CANCELLED = "cancelled"  # cancelled by the client (while queued, or while granted and then released)
@@ -29,9 +29,11 @@ class Ticket:
     """One admitted (queued or granted) request. The controller owns every field; others read them.
 
     `max_tokens` is the output limit admission decided (the request's, or the default for a request
-    that gave none): the one place it is decided, and where the engine stops the sequence, since the
-    reservation was sized for it. `blocks_reserved` is the reservation:
-    `ceil((prompt_tokens + max_tokens) / block_size) - shared_blocks`. `payload` is the submitter's
+    that gave none): the one place it is decided, and where the engine stops the sequence.
+    `blocks_reserved` is the reservation: under the `reserve` and `backfill` policies the worst case,
+    `ceil((prompt_tokens + max_tokens) / block_size) - shared_blocks`, fixed for the ticket's life;
+    under `adaptive` the prompt plus a learned output allowance, grown a whole block at a time (`grow`)
+    and given back when the ticket is preempted (`preemptions` counts those). `payload` is the submitter's
     own object (the engine's request), carried untouched. Progress fields are set through
     `AdmissionController.progress`.
     """
@@ -49,6 +51,8 @@ class Ticket:
     granted_at: float | None = None
     ended_at: float | None = None
     backfilled: bool = False  # granted ahead of the queue's head under policy "backfill"
+    stops_early: bool = True  # False: it ignores EOS with no stop condition, so it runs to max_tokens
+    preemptions: int = 0  # times its blocks were taken back to let older requests grow (policy "adaptive")
     tokens_generated: int = 0
     prompt_prefilled: int = 0  # prompt tokens whose K/V is in the cache (shared ones included)
     blocks_allocated: int = 0  # physical blocks taken from the reservation so far

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from helexa.admission import AdmissionController, Capacity, RateTracker, Ticket
+from helexa.admission import AdmissionController, Capacity, RateTracker, Ticket, TicketState
 from helexa.config import EngineConfig
 from helexa.engine.faults import FaultInjector, ModelHealth
 from helexa.engine.output import append_token
@@ -74,6 +74,8 @@ class EngineCounters:
     device_faults: int = 0
     model_reloads: int = 0
     prefix_cache_hit_tokens: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0  # tokens whose K/V a preemption dropped, computed again on resume
 
 
 class Engine:
@@ -81,8 +83,10 @@ class Engine:
 
     Guarantees: every submitted request's stream ends with exactly one final event; every block a
     request held returns to the pool when it ends (finish, abort, error); a running sequence never
-    runs out of blocks (admission reserved them); greedy output does not depend on what else runs
-    in the batch. `step()` may be driven directly (offline use) or by `start()`'s thread — not both.
+    runs out of blocks (admission reserved them, or under `adaptive` grows them, preempting the
+    newest request when the pool is short); a preempted request resumes by recomputation with its
+    stream uninterrupted; greedy and seeded output does not depend on what else runs in the batch.
+    `step()` may be driven directly (offline use) or by `start()`'s thread — not both.
     """
 
     def __init__(self, config: EngineConfig | None = None) -> None:
@@ -109,10 +113,12 @@ class Engine:
             reload_status=self.health.reload_seconds_left,
             blocks_free=lambda: self.runner.pool.num_free_blocks if self.runner is not None else 0,
         )
+        self._adaptive = config.admission.policy == "adaptive"
         self._faults = FaultInjector.from_env()
         self._step_no = 0  # steps that ran the model, counted from 1 (HELEXA_FAULT_INJECT counts these)
         self._consecutive_faults = 0
-        self._running: list[Sequence] = []
+        self._running: list[Sequence] = []  # in admission order: the last is the most recently admitted
+        self._preempted: dict[int, Sequence] = {}  # by ticket id: blocks freed, waiting in admission to resume
         self._pending: dict[str, RequestHandle] = {}  # submitted, not ended; any thread, under _lock
         self._aborts: set[str] = set()  # abort requests for running sequences, under _lock
         self._ids = itertools.count(1)
@@ -184,7 +190,10 @@ class Engine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             stream = RequestStream(request_id)
             ticket = self.admission.submit(
-                len(prompt), params.max_tokens, payload=Request(request_id, prompt, params, stream)
+                len(prompt),
+                params.max_tokens,
+                stops_early=not params.runs_to_limit,
+                payload=Request(request_id, prompt, params, stream),
             )
             handle = RequestHandle(request_id, stream, len(prompt), ticket.max_tokens, ticket)
             self._pending[request_id] = handle
@@ -203,8 +212,12 @@ class Engine:
         self._wake()
 
     def snapshot(self) -> dict[str, Any]:
-        """The `/v1/admission` body: pool and admission numbers and the model state."""
-        return {**self.admission.snapshot(), "model_state": self.health.state}
+        """The `/v1/admission` body: pool and admission numbers, recomputed tokens and the model state."""
+        return {
+            **self.admission.snapshot(),
+            "recomputed_tokens": self.counters.recomputed_tokens,
+            "model_state": self.health.state,
+        }
 
     # ------------------------------------------------------------------ the loop
 
@@ -219,6 +232,8 @@ class Engine:
         self._take_admitted(self.runner)
         self._apply_aborts()
         chunks = schedule(self._running, self.config.max_num_batched_tokens)
+        if self._adaptive:
+            chunks = self._provision(chunks)
         if not chunks:
             return False
         self._step_no += 1
@@ -242,7 +257,7 @@ class Engine:
 
     def has_work(self) -> bool:
         """True while any request is running or waiting for admission."""
-        return bool(self._running) or self.admission.queue_depth > 0 or bool(self._pending)
+        return bool(self._running) or bool(self._preempted) or self.admission.queue_depth > 0 or bool(self._pending)
 
     def start(self) -> None:
         """Run the loop on a daemon thread until `shutdown`."""
@@ -304,6 +319,11 @@ class Engine:
             if handle is not None:
                 self._end_unstarted(handle, TokenEvent(finish_reason="error", error=ticket.error))
         for ticket in polled.granted:
+            resumed = self._preempted.pop(ticket.id, None)
+            if resumed is not None:  # recompute its prompt and output so far; the stream never paused for it
+                resumed.table = runner.builder.new_table()
+                self._running.append(resumed)
+                continue
             req: Request = ticket.payload
             self._running.append(
                 Sequence(
@@ -328,7 +348,7 @@ class Engine:
             if not self._aborts:
                 return
             aborts, self._aborts = self._aborts, set()
-        for seq in [s for s in self._running if s.request_id in aborts]:
+        for seq in [s for s in [*self._running, *self._preempted.values()] if s.request_id in aborts]:
             self._finish(seq, _final(seq, "abort"))
 
     def _postprocess(self, inputs: StepInputs, samples: SampleResult | None, failures: dict[int, Exception]) -> None:
@@ -365,18 +385,54 @@ class Engine:
         for seq, event in finished:
             self._finish(seq, event)
 
-    def _finish(self, seq: Sequence, final: TokenEvent) -> None:
-        """End a running sequence: its blocks and reservation return, its stream gets the final event."""
+    def _provision(self, chunks: list[ScheduledChunk[Sequence]]) -> list[ScheduledChunk[Sequence]]:
+        """Policy adaptive: grow each scheduled sequence's reservation to cover its chunk, oldest first.
+
+        While the pool has too few blocks available, the most recently admitted sequence is preempted
+        (possibly the one asking). Returns the chunks of the sequences still running; afterwards every
+        one of them has its blocks reserved, so `prepare` never runs out.
+        """
+        block_size, by_seq = self.config.block_size, {id(c.seq): c for c in chunks}
+        for seq in list(self._running):
+            chunk = by_seq.get(id(seq))
+            if chunk is None or seq.ticket.id in self._preempted:
+                continue
+            need = -(-(seq.num_computed + chunk.num_new) // block_size) - seq.ticket.shared_blocks
+            while need > seq.ticket.blocks_reserved and not self.admission.grow(seq.ticket, need):
+                victim = self._running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+        return [c for c in chunks if c.seq.ticket.id not in self._preempted]
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and hand its reservation back; it resumes when admission regrants it."""
         self._running.remove(seq)
+        self.counters.preemptions += 1
+        self.counters.recomputed_tokens += seq.num_computed
+        self._live_runner().builder.release(seq.table)
+        seq.num_computed = 0
+        self._preempted[seq.ticket.id] = seq
+        self.admission.preempt(seq.ticket)
+
+    def _finish(self, seq: Sequence, final: TokenEvent) -> None:
+        """End a running (or preempted) sequence: its blocks and reservation return, its stream gets the final
+        event, and a natural end or the length limit teaches admission one answer length."""
+        if self._preempted.pop(seq.ticket.id, None) is None:
+            self._running.remove(seq)
         if self.runner is not None and not seq.table.released and seq.table._builder is self.runner.builder:
             self.runner.builder.release(seq.table)  # (tables of a pool dropped by a reload need no release)
-        self.admission.release(seq.ticket)
+        if seq.ticket.state is TicketState.QUEUED:  # preempted, waiting to resume
+            self.admission.cancel(seq.ticket)
+        else:
+            self.admission.release(seq.ticket, finish_reason=final.finish_reason, output_tokens=seq.num_output)
         with self._lock:
             self._pending.pop(seq.request_id, None)
             self._aborts.discard(seq.request_id)
         seq.stream.put(final)
 
     def _end_unstarted(self, handle: RequestHandle, final: TokenEvent) -> None:
+        self._preempted.pop(handle.ticket.id, None)
         with self._lock:
             self._pending.pop(handle.request_id, None)
             self._aborts.discard(handle.request_id)

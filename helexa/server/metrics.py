@@ -22,7 +22,7 @@ METRIC_NAMES = (
     "helexa_kv_cache_usage_ratio",
     "helexa_admission_rejected_total", "helexa_requests_total", "helexa_prompt_tokens_total",
     "helexa_generation_tokens_total", "helexa_device_faults_total", "helexa_model_reloads_total",
-    "helexa_prefix_cache_hit_tokens_total",
+    "helexa_prefix_cache_hit_tokens_total", "helexa_preemptions_total", "helexa_recomputed_tokens_total",
     "helexa_admission_wait_seconds", "helexa_time_to_first_token_seconds", "helexa_request_duration_seconds",
 )  # fmt: skip
 
@@ -53,6 +53,8 @@ _ENGINE_COUNTERS = (
     ("device_faults", "helexa_device_faults", "Device faults the engine caught."),
     ("model_reloads", "helexa_model_reloads", "Model reloads after a device fault."),
     ("prefix_cache_hit_tokens", "helexa_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache."),
+    ("preemptions", "helexa_preemptions", "Requests preempted to let older ones grow (policy adaptive)."),
+    ("recomputed_tokens", "helexa_recomputed_tokens", "Tokens computed again after a preemption dropped their K/V."),
 )
 
 

@@ -240,7 +240,7 @@ def _backfill_run(policy: str) -> tuple[dict[str, float], AdmissionController]:
 
 
 def test_backfill_lets_a_short_request_by_but_never_delays_the_head() -> None:
-    fifo, _ = _backfill_run("fifo")
+    fifo, _ = _backfill_run("reserve")
     backfill, c = _backfill_run("backfill")
     assert fifo["head"] == backfill["head"] == pytest.approx(30.0)
     assert fifo["short"] >= 30.0 and backfill["short"] == pytest.approx(0.5)  # backfilled at once

@@ -57,7 +57,7 @@ def test_never_fits_raises() -> None:
 
 def test_start_of_leaves_plan_unchanged_and_append_if_starts_by() -> None:
     rates = EngineRates(1.0, 0.0)
-    plan = FifoPlan(0.0, 0, 4, [(5.0, 3), (9.0, 4), (2.0, 1)])
+    plan = FifoPlan(0.0, 0, 4, [(5.0, 3, 0.0), (9.0, 4, 0.0), (2.0, 1, 0.0)])
     assert plan.start_of(4) == 5.0  # 1 back at 2 + 3 back at 5
     assert plan.start_of(1) == 2.0
     assert plan.start_of(4) == 5.0  # peeking twice gives the same answer
@@ -85,7 +85,7 @@ def test_incremental_plan_equals_batch_simulation() -> None:
             3.0,
             total - used,
             slots - len(running),
-            [(3.0 + rates.run_seconds(w.prefill_tokens, w.decode_tokens), w.blocks) for w in running],
+            [(3.0 + rates.run_seconds(w.prefill_tokens, w.decode_tokens), w.blocks, w.decode_tokens) for w in running],
         )
         incremental = []
         for w in waiting:

@@ -239,7 +239,7 @@ TestAdmissionMachine.settings = settings(max_examples=80, stateful_step_count=50
 
 @settings(max_examples=60, deadline=None)
 @given(
-    policy=st.sampled_from(["fifo", "backfill"]),
+    policy=st.sampled_from(["reserve", "backfill"]),
     arrivals=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 50), st.integers(1, 30)), min_size=1, max_size=25),
 )
 def test_the_head_starts_exactly_when_estimated_when_it_became_head(policy, arrivals) -> None:

@@ -10,11 +10,13 @@ its prefill and gains one token, reported for all of them before the ones that r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from helexa.admission import AdmissionConfig, AdmissionController, Capacity, EngineRates, FifoPlan, Ticket
+from helexa.admission.lengths import AnswerLengths
 
 
 def controller(
@@ -27,10 +29,15 @@ def controller(
     wakeup: Any = None,
     blocks_free: Any = None,
     reload_status: Any = None,
+    lengths: AnswerLengths | None = None,
     debug: bool | None = None,
     **config: Any,
 ) -> AdmissionController:
-    """An AdmissionController over a pool of `num_blocks` blocks; `config`: `AdmissionConfig` fields."""
+    """An AdmissionController over a pool of `num_blocks` blocks; `config`: `AdmissionConfig` fields.
+
+    `lengths` defaults to the worst-case prior (every answer runs to its `max_tokens`), which is
+    exactly what `FakeEngine` does, so estimates made against it are exact.
+    """
     kwargs = {"clock": clock} if clock is not None else {}
     return AdmissionController(
         AdmissionConfig(**config),
@@ -39,6 +46,7 @@ def controller(
         wakeup=wakeup,
         blocks_free=blocks_free,
         reload_status=reload_status,
+        lengths=lengths if lengths is not None else AnswerLengths(prior_mean=math.inf),
         debug=debug,
         **kwargs,
     )
@@ -61,9 +69,13 @@ def estimate_starts(
     waiting: Sequence[SeqWork],
 ) -> list[float]:
     """The oracle: each waiting request's estimated start (FIFO), simulated from scratch."""
-    releases = [(now + rates.run_seconds(w.prefill_tokens, w.decode_tokens), w.blocks) for w in running]
+    releases = [
+        (now + rates.run_seconds(w.prefill_tokens, w.decode_tokens), w.blocks, w.decode_tokens) for w in running
+    ]
     plan = FifoPlan(now, blocks_available, slots_available, releases)
-    return plan.extend((w.blocks, rates.run_seconds(w.prefill_tokens, w.decode_tokens)) for w in waiting)
+    return plan.extend(
+        (w.blocks, rates.run_seconds(w.prefill_tokens, w.decode_tokens), w.decode_tokens) for w in waiting
+    )
 
 
 class FakeClock:
@@ -89,6 +101,7 @@ class FakeEngine:
     finished: list[Ticket] = field(default_factory=list)
     expired: list[Ticket] = field(default_factory=list)
     stop_early: dict[int, int] = field(default_factory=dict)  # ticket id -> tokens after which it stops
+    teach: bool = False  # release with the finish reason ("stop" / "length"), so admission learns the lengths
 
     def step(self) -> None:
         """One engine iteration: poll, then one decode step for every running sequence."""
@@ -111,7 +124,8 @@ class FakeEngine:
 
     def _end(self, t: Ticket) -> None:
         self.running.remove(t)
-        self.controller.release(t)
+        reason = ("length" if t.tokens_generated >= t.max_tokens else "stop") if self.teach else None
+        self.controller.release(t, finish_reason=reason)
         self.finished.append(t)
 
     def run_until_idle(self, max_steps: int = 10_000) -> None:

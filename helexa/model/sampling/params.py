@@ -87,5 +87,9 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
+    def runs_to_limit(self) -> bool:  # nothing can end it before max_tokens: EOS ignored, no stop condition
+        return self.ignore_eos and not self.stop and not self.stop_token_ids
+
+    @property
     def uses_filters(self) -> bool:  # any of top-k, top-p or min-p is active
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
