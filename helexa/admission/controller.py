@@ -149,6 +149,7 @@ class AdmissionController:
         self._admitted_after_wait = 0
         self._wait_seconds_sum = 0.0
         self._preemptions = 0
+        self._lengths_time = -float("inf")  # when the running requests' progress last reached `_lengths`
 
     # ------------------------------------------------------------------ server side
 
@@ -389,6 +390,36 @@ class AdmissionController:
         """The clock time at which the next queued ticket expires (when `poll` must run), or None."""
         with self._lock:
             return next(iter(self._queue.values())).deadline if self._queue else None
+
+    def estimate_wait(self, prompt_tokens: int, max_tokens: int | None = None, *, worst_case: bool = False) -> float:
+        """Seconds a request of this size would be told to wait if it arrived now (0.0: it starts at once).
+
+        Plans exactly as `submit` does, changing nothing. `worst_case=True` instead plans as if every
+        request ran to its `max_tokens` — the bound a reservation guards against, and a poor prediction.
+        Raises `ValueError` for a request that can never fit.
+        """
+        check_int(prompt_tokens, "prompt_tokens")
+        cap, cfg = self.capacity, self.config
+        m = (
+            max_tokens
+            if max_tokens is not None
+            else max(1, min(cap.max_model_len - prompt_tokens, cfg.default_max_tokens))
+        )
+        check_int(m, "max_tokens")
+        if cap.blocks_for(prompt_tokens + m) > cap.num_blocks or prompt_tokens + m > cap.max_model_len:
+            raise ValueError(f"a request of {prompt_tokens} + {m} tokens can never fit this node")
+        with self._lock:
+            now = self._clock()
+            blocks = self._reservation(prompt_tokens, m, 0, 0, True)
+            if (
+                not self._queue
+                and not self._resume
+                and blocks <= cap.num_blocks - self._reserved
+                and len(self._running) < cfg.max_num_seqs
+            ):
+                return 0.0
+            plan = self._build_plan(now, worst_case=True) if worst_case else self._ensure_plan(now)
+            return max(0.0, plan.start_of(blocks) - now)
 
     def set_rates(self, rates: EngineRates) -> None:
         """Replace the engine's measured speed (its moving averages) used by every later estimate."""
@@ -727,10 +758,22 @@ class AdmissionController:
             and not (self._plan_drifted and now - self._plan_time >= self.config.replan_interval_secs)
         ):
             return plan
+        plan = self._build_plan(now, worst_case=False)
+        self._plan, self._plan_time = plan, now
+        self._plan_stale = self._plan_drifted = False
+        return plan
+
+    def _build_plan(self, now: float, worst_case: bool) -> FifoPlan:
+        """Simulate running and waiting tickets from `now` (expected output, or every `max_tokens` when
+        `worst_case`); sets `est_start` on the waiting tickets unless `worst_case`."""
         cfg, rates, lengths = self.config, self._rates, self._lengths
+        if now - self._lengths_time >= cfg.replan_interval_secs:  # a refit costs O(window): at most this often
+            running = (*self._running.values(), *self._resume.values())
+            lengths.set_running(t.tokens_generated for t in running if t.stops_early)
+            self._lengths_time = now
 
         def expect(t: Ticket) -> float:
-            if not t.stops_early:
+            if worst_case or not t.stops_early:
                 return float(t.max_tokens - t.tokens_generated)
             return lengths.expected_remaining(t.tokens_generated, t.max_tokens)
 
@@ -746,10 +789,10 @@ class AdmissionController:
             left = expect(t)
             recompute = t.prompt_tokens + t.tokens_generated - t.prompt_prefilled
             work.append((t.blocks_reserved, recompute * prefill + left * decode, left))
-        for t, start in zip(waiting, plan.extend(work)):
-            t.est_start = start
-        self._plan, self._plan_time = plan, now
-        self._plan_stale = self._plan_drifted = False
+        starts = plan.extend(work)
+        if not worst_case:
+            for t, start in zip(waiting, starts):
+                t.est_start = start
         return plan
 
     def _check_owned(self, ticket: Ticket) -> None:

@@ -8,6 +8,9 @@ and including the one that ended it):
 
 From the most recent `window` observations `AnswerLengths` keeps the Kaplan-Meier estimate of the
 survival `S(k) = P(L > k)`, which uses censored answers without mistaking them for natural ends.
+Requests still running count too, censored at what they have generated (`set_running`): without them
+the answers that finished first — the short ones — would stand for all of them, and a node that has
+just started would expect every answer to be as short as the first few.
 Beyond the longest observation it continues with a constant per-token stop rate (the window's
 stops / the tokens it generated), so a request that has outlived every answer seen so far is still
 expected to end at the rate answers end. With fewer than `min_samples` observations it uses the
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import collections.abc
 import math
 
 # Until this many answers have finished, estimates use the prior.
@@ -141,7 +145,8 @@ class AnswerLengths:
         self.min_samples, self.prior_mean, self.quantile = min_samples, prior_mean, quantile
         self._window: collections.deque[tuple[int, bool]] = collections.deque(maxlen=window)  # (tokens, stopped)
         self._prior = _Survival([], [], 0.0 if math.isinf(prior_mean) else 1.0 / prior_mean)
-        self._model: _Survival | None = None  # rebuilt after an observation
+        self._running: tuple[int, ...] = ()  # output tokens of the requests still running (censored)
+        self._model: _Survival | None = None  # rebuilt after an observation or a change of `_running`
 
     def observe(self, output_tokens: int, finish_reason: str | None) -> None:
         """Record one finished request. Only "stop" (a natural end) and "length" (censored at its limit) count;
@@ -150,6 +155,13 @@ class AnswerLengths:
             return
         self._window.append((output_tokens, finish_reason == "stop"))
         self._model = None
+
+    def set_running(self, generated: collections.abc.Iterable[int]) -> None:
+        """The output tokens of every request still running: each is known to be longer than that so far."""
+        running = tuple(sorted(g for g in generated if g > 0))
+        if running != self._running:
+            self._running = running
+            self._model = None
 
     @property
     def samples(self) -> int:
@@ -180,7 +192,7 @@ class AnswerLengths:
         return self._model
 
     def _fit(self) -> _Survival:
-        """Kaplan-Meier over the window, plus the window's constant-rate tail."""
+        """Kaplan-Meier over the window and the running requests, plus the constant-rate tail."""
         stops: collections.Counter[int] = collections.Counter()
         ends: collections.Counter[int] = collections.Counter()  # every observation, stopped or censored
         exposure = 0
@@ -189,7 +201,10 @@ class AnswerLengths:
             exposure += tokens
             if stopped:
                 stops[tokens] += 1
-        at_risk, s = len(self._window), 1.0
+        for tokens in self._running:
+            ends[tokens] += 1
+            exposure += tokens
+        at_risk, s = len(self._window) + len(self._running), 1.0
         times, surv = [], []
         for t in sorted(ends):
             if stops[t]:

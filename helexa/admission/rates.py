@@ -54,6 +54,15 @@ class RateTracker:
     python_overhead_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
+    @classmethod
+    def calibrated(cls, decode_step_seconds: float, prefill_token_seconds: float) -> RateTracker:
+        """A tracker starting from measured costs (each counted as one sample), not from the priors."""
+        tracker = cls()
+        tracker.decode_step_seconds = max(decode_step_seconds, 1e-6)
+        tracker.prefill_token_seconds = max(prefill_token_seconds, 0.0)
+        tracker.decode_samples = tracker.prefill_samples = 1
+        return tracker
+
     def observe_step(
         self, seconds: float, num_decode_tokens: int, num_prefill_tokens: int, overhead_seconds: float = 0.0
     ) -> None:

@@ -6,7 +6,9 @@ a device fault swaps the whole runner and nothing else.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import torch
 from helexa.config import EngineConfig
 from helexa.engine.scheduler import ScheduledChunk
 from helexa.engine.sequence import Sequence
-from helexa.kvcache import AttentionMetadata, BatchBuilder, BlockPool, estimate_activation_bytes, kv_budget
+from helexa.kvcache import AttentionMetadata, BatchBuilder, BlockPool, BlockTable, estimate_activation_bytes, kv_budget
 from helexa.model.config import ModelConfig
 from helexa.model.loader import load_model
 from helexa.model.sampling import Sampler, SampleResult
@@ -102,6 +104,49 @@ class ModelRunner:
         self.sample_vocab_size = min(tokenizer_vocab, mc.vocab_size)
         self.sampler = Sampler()
         self._kv_caches = pool.kv_caches()
+
+    @torch.inference_mode()
+    def calibrate(self, prefill_tokens: int, decode_seqs: int) -> tuple[float, float] | None:
+        """Measure `(decode step seconds, prefill seconds per token)` on scratch tables, before any request.
+
+        Runs a warm-up step (first-call and kernel-compile costs stay out of the numbers), then one
+        decode-shaped step of up to `decode_seqs` sequences and one prefill of up to `prefill_tokens`
+        tokens, each ending in a host transfer as a real step does. Every block it took is free again
+        after. None when the pool or context is too small to measure on (3 blocks, 3 tokens).
+        """
+        pool, builder = self.pool, self.builder
+        per_table = -(-3 // pool.block_size)  # a warm-up table ends with 3 tokens
+        k = min(decode_seqs, builder.max_num_seqs, pool.num_free_blocks // per_table)
+        if k < 1 or builder.max_model_len < 3:
+            return None
+        tables = [builder.new_table() for _ in range(k)]
+        try:
+            self._time_forward([(tables[0], 2)] + [(t, 1) for t in tables[1:]])  # warm-up, prefill-shaped too
+            decode = self._time_forward([(t, 1) for t in tables])
+        finally:
+            for table in tables:
+                builder.release(table)
+        p = max(1, min(prefill_tokens, pool.num_free_blocks * pool.block_size, builder.max_model_len))
+        table = builder.new_table()
+        try:
+            prefill = self._time_forward([(table, p)])
+        finally:
+            builder.release(table)
+        return decode, prefill / p
+
+    def _time_forward(self, batch: list[tuple[BlockTable, int]]) -> float:
+        """Wall seconds of one forward over `batch` ((table, new tokens) pairs) to its sampled rows on the host."""
+        start = time.perf_counter()
+        starts = [t.num_tokens for t, _ in batch]
+        attn = self.builder.build(batch)
+        positions = [pos for (_, n), s0 in zip(batch, starts) for pos in range(s0, s0 + n)]
+        ids = [1 + pos % max(1, self.sample_vocab_size - 1) for pos in positions]
+        rows = list(itertools.accumulate(n for _, n in batch))
+        packed = _to_device(ids + positions + [r - 1 for r in rows], self.device)
+        t = len(ids)
+        logits = self.model(packed[:t], packed[t : 2 * t], attn, self._kv_caches, packed[2 * t :])
+        logits.argmax(dim=-1).tolist()  # (B,): the one host transfer a step ends with
+        return time.perf_counter() - start
 
     def prepare(self, chunks: list[ScheduledChunk[Sequence]]) -> StepInputs:
         """Allocate the chunks' blocks and build the flattened varlen batch for them."""

@@ -124,3 +124,16 @@ def test_estimates_stay_within_their_bounds_and_grow_with_the_limit(answers, gen
     assert lengths.expected_remaining(generated, limit + 1) >= expected - 1e-9
     if room >= 1:
         assert generated < lengths.allowance(generated, limit) <= limit
+
+
+def test_running_requests_count_as_censored_so_the_first_short_answers_do_not_stand_for_all() -> None:
+    # 20 answers ended after 10 tokens; 20 more are still running, 100 tokens in
+    lengths = _taught((20, 10, "stop"))
+    assert lengths.expected_remaining(0, 1000) == pytest.approx(10.0)
+    lengths.set_running([100] * 20 + [0])  # (a request that has generated nothing says nothing yet)
+    # half are known to run past 100: E[min(L, 1000)] >= 10/2 + 100/2, and the rate past 100 is 20 stops
+    # over 2,200 tokens per token
+    q = 1.0 - 20 / 2200
+    assert lengths.expected_remaining(0, 1000) == pytest.approx(10 + 90 * 0.5 + 0.5 * (1 - q**900) / (1 - q))
+    lengths.set_running([])
+    assert lengths.expected_remaining(0, 1000) == pytest.approx(10.0)

@@ -56,6 +56,8 @@ def test_a_servable_request_is_queued_where_the_worst_case_bound_refused_it(capl
                 outcomes[name] = c.submit(10, 1000)
             except AdmissionRejected as exc:
                 outcomes[name] = exc
+        assert c.estimate_wait(10, 1000) == pytest.approx(1000.0 if name == "worst case" else 16.0)
+        assert c.estimate_wait(10, 1000, worst_case=True) == pytest.approx(1000.0 if name == "worst case" else 2000.0)
     rejected, queued = outcomes["worst case"], outcomes["learned"]
     assert isinstance(rejected, AdmissionRejected) and rejected.reason == "kv_timeout"
     assert rejected.arithmetic["est_wait_s"] == 1000.0 and rejected.retry_after == 1000

@@ -31,7 +31,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.servers import RunningServer, raw_post, read_until, tiny_engine_config, wait_for
+from tests.support.servers import RunningServer, make_tiny_model_dir, raw_post, read_until, tiny_engine_config, wait_for
 
 PROMPT_LEN = 10
 BLOCK = 16
@@ -538,3 +538,57 @@ def test_raw_stream_disconnect_then_queue_serves_the_next(tiny_model_dir: Path) 
         response = waiting.result(30)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 470
         _released(server)
+
+
+@pytest.fixture(scope="module")
+def long_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny chat model with an 8,192-token context: room for the OpenAI-style default of thousands."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("long_context"), max_position_embeddings=8192)
+
+
+@pytest.mark.parametrize("policy", ["reserve", "adaptive"])
+def test_a_burst_of_ordinary_chat_requests_is_served_without_a_single_refusal(
+    long_context_model_dir: Path, policy: str
+) -> None:
+    """The incident's second form: 50 chat requests at once, none with max_tokens (the OpenAI default).
+
+    Each may generate up to 8,000 tokens (502 blocks of 2,008 under `reserve`: four run at a time, 46
+    queue). The tiny model's answers end by themselves after ~100 tokens (long-tailed); the node has
+    served 24 of them before. Planning with the worst case expects the last of the burst to wait
+    twelve rounds of 8,000 tokens — far past the 60 s limit — and refused most of the burst; planning
+    with expected answer lengths queues every one, and all are served. Under `adaptive` the same burst
+    runs up to 8 at a time on the learned allowance.
+    """
+    n, warm = 50, 24
+    with _serve(
+        long_context_model_dir,
+        num_blocks=2008,
+        max_num_seqs=8,
+        default_max_tokens=8000,
+        max_wait_secs=60.0,
+        policy=policy,
+    ) as server:
+        client = _client(server, timeout=180)
+
+        def ask(i: int) -> Any:
+            messages = [{"role": "user", "content": f"tell me about block {i} of the cache"}]
+            return client.chat.completions.create(model="tiny", messages=messages, seed=i)
+
+        for call in [_Call(lambda i=i: ask(i)) for i in range(warm)]:
+            call.result(timeout=240)
+        assert _admission(server)["answer_length_basis"] == "observed"
+        calls = [_Call(lambda i=i: ask(warm + i)) for i in range(n)]
+        results = [call.result(timeout=240) for call in calls]  # an exception here is a refusal
+        snap = _assert_consistent(server)
+        metrics = _metrics(server)
+        _released(server)
+
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in results)
+    assert _metric(metrics, "helexa_requests_total", status="200") == warm + n
+    assert snap["rejected"] == {"queue_full": 0, "kv_timeout": 0, "kv_unservable": 0, "model_reloading": 0}
+    assert snap["answer_length_samples"] == warm + n and snap["policy"] == policy
+    lengths = sorted(r.usage.completion_tokens for r in results)
+    assert lengths[n // 2] < 800  # ordinary answers: a tenth of the 8,000 each may take
+    # what the worst-case planner would have told the last of the burst, at the rate measured here
+    worst = math.ceil((n - 4) / 4) * 8000 * snap["decode_step_seconds"]
+    assert worst > 60.0, worst
