@@ -11,9 +11,9 @@ survival `S(k) = P(L > k)`, which uses censored answers without mistaking them f
 Requests still running count too, censored at what they have generated (`set_running`): without them
 the answers that finished first — the short ones — would stand for all of them, and a node that has
 just started would expect every answer to be as short as the first few.
-Beyond the longest observation it continues with a constant per-token stop rate (the window's
-stops / the tokens it generated), so a request that has outlived every answer seen so far is still
-expected to end at the rate answers end. With fewer than `min_samples` observations it uses the
+Beyond the longest observation it continues with a constant per-token stop rate, that of the longer
+half of the answers (lengths are heavy-tailed: the long ones end more slowly), so a request that has
+outlived every answer seen so far is still expected to end at the rate long answers end. With fewer than `min_samples` observations it uses the
 stated prior instead: answers end at a constant rate with mean `prior_mean` tokens (`inf`: every
 answer runs to its limit, the worst case).
 
@@ -212,5 +212,20 @@ class AnswerLengths:
             times.append(t)
             surv.append(s)
             at_risk -= ends[t]
-        hazard = sum(stops.values()) / exposure if exposure else 0.0
-        return _Survival(times, surv, hazard)
+        return _Survival(times, surv, self._tail_hazard())
+
+    def _tail_hazard(self) -> float:
+        """Per-token stop rate past the longest answer seen: that of the longer half of the answers.
+
+        Answer lengths are heavy-tailed (the longer an answer has run, the less likely it is to end at
+        the next token), so the rate of the longer half, not of all answers, is what a request that
+        outlived them faces. One pseudo-answer of the prior's mean keeps a thin tail from claiming
+        certainty: (stops + 1) / (tokens + prior_mean).
+        """
+        observed = sorted([*self._window, *((g, False) for g in self._running)])
+        longer = observed[len(observed) // 2 :]
+        stops = sum(stopped for _, stopped in longer)
+        tokens = sum(n for n, _ in longer)
+        if math.isinf(self.prior_mean):
+            return stops / tokens if tokens else 0.0
+        return (stops + 1) / (tokens + self.prior_mean)

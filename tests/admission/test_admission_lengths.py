@@ -52,8 +52,9 @@ def test_two_point_distribution_exact_conditional_expectations() -> None:
     assert lengths.expected_remaining(10, 100) == pytest.approx(20.0)  # still going at 10: it is a 30
     assert lengths.expected_remaining(25, 100) == pytest.approx(5.0)
     assert lengths.expected_remaining(25, 27) == pytest.approx(2.0)  # capped by its limit
-    # past every answer seen: the window's rate, 100 stops over 2,000 generated tokens, per token
-    q = 1.0 - 100 / 2000
+    # past every answer seen: the rate of the longer half (50 stops over 1,500 tokens), with one
+    # pseudo-answer of the prior's 256 tokens
+    q = 1.0 - 51 / (1500 + 256)
     assert lengths.expected_remaining(30, 100) == pytest.approx((1.0 - q**70) / (1.0 - q))
 
 
@@ -61,8 +62,8 @@ def test_censored_answers_are_not_mistaken_for_natural_ends() -> None:
     # 50 stop at 10 tokens; 50 were cut at their max_tokens of 20 (finish "length": longer than 20)
     lengths = _taught((50, 10, "stop"), (50, 20, "length"))
     assert lengths.expected_remaining(0, 20) == pytest.approx(15.0)  # exactly what min(L, 20) averages
-    # one that passed 20 is expected to go on at the window's rate (50 stops / 1,500 tokens), not to stop now
-    q = 1.0 - 50 / 1500
+    # one that passed 20 goes on at the longer half's rate (no stop in 1,000 tokens: the pseudo-answer's)
+    q = 1.0 - 1 / (1000 + 256)
     assert lengths.expected_remaining(20, 100) == pytest.approx((1.0 - q**80) / (1.0 - q))
     assert lengths.expected_remaining(20, 100) > 25.0
     # treating the cut answers as natural ends would have said ~15 for any limit; here a larger limit is longer
@@ -131,9 +132,9 @@ def test_running_requests_count_as_censored_so_the_first_short_answers_do_not_st
     lengths = _taught((20, 10, "stop"))
     assert lengths.expected_remaining(0, 1000) == pytest.approx(10.0)
     lengths.set_running([100] * 20 + [0])  # (a request that has generated nothing says nothing yet)
-    # half are known to run past 100: E[min(L, 1000)] >= 10/2 + 100/2, and the rate past 100 is 20 stops
-    # over 2,200 tokens per token
-    q = 1.0 - 20 / 2200
+    # half are known to run past 100, and the longer half (the running ones) has not stopped once in
+    # 2,000 tokens: past 100 the rate is the pseudo-answer's, 1 / (2,000 + 256)
+    q = 1.0 - 1 / 2256
     assert lengths.expected_remaining(0, 1000) == pytest.approx(10 + 90 * 0.5 + 0.5 * (1 - q**900) / (1 - q))
     lengths.set_running([])
     assert lengths.expected_remaining(0, 1000) == pytest.approx(10.0)
