@@ -18,7 +18,7 @@ same run. Policies are compared on throughput, time to first token, preemptions 
     python bench/admission_accuracy.py --model default    # SmolLM2-135M-Instruct (slow on CPU)
     python bench/admission_accuracy.py --quick            # a smoke run
 
-Writes `bench/out/admission_accuracy.md` and `bench/out/admission_accuracy.png`.
+Writes `bench/out/admission_accuracy[_MODEL][_BLOCKS].md` and `.png`.
 """
 
 from __future__ import annotations
@@ -311,7 +311,8 @@ def main() -> None:
         results[policy] = run_policy(model, policy, workload, args.seed, args.dtype, args.num_blocks)
     text = report(results, args)
     print(text)
-    name = "admission_accuracy" if args.num_blocks == 3428 else f"admission_accuracy_{args.num_blocks}"
+    name = "admission_accuracy" + ("" if args.model == "tiny" else f"_{args.model}")
+    name += "" if args.num_blocks == 3428 else f"_{args.num_blocks}"
     (OUT / f"{name}.md").write_text(text)
     plot(results, args.min_wait, OUT / f"{name}.png")
     print(f"wrote {OUT / name}.md and .png")

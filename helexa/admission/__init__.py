@@ -3,6 +3,7 @@
 - `controller`  `AdmissionController`, `Capacity`: submit / poll / progress / release / cancel, snapshot, integrity.
 - `ticket`      `Ticket`, `TicketState`, `PollResult`: a request's place in admission.
 - `estimator`   `FifoPlan`: the FIFO simulation behind every wait estimate; `retry_after_seconds`.
+- `lengths`     `AnswerLengths`: learned answer lengths, the expected output each estimate plans with.
 - `rates`       `EngineRates`, `RateTracker`: the engine's measured speed the estimates use.
 - `rejections`  `AdmissionRejected` (reason, message with the numbers, Retry-After, arithmetic).
 
@@ -11,6 +12,7 @@ Plain Python, no torch. Its configuration is `helexa.config.AdmissionConfig`.
 
 from helexa.admission.controller import AdmissionController, Capacity
 from helexa.admission.estimator import FifoPlan, retry_after_seconds
+from helexa.admission.lengths import AnswerLengths
 from helexa.admission.rates import EngineRates, RateTracker
 from helexa.admission.rejections import REJECTION_REASONS, AdmissionIntegrityError, AdmissionRejected
 from helexa.admission.ticket import PollResult, Ticket, TicketState
@@ -22,6 +24,7 @@ __all__ = [
     "AdmissionController",
     "AdmissionIntegrityError",
     "AdmissionRejected",
+    "AnswerLengths",
     "Capacity",
     "EngineRates",
     "FifoPlan",

@@ -11,11 +11,12 @@ survival `S(k) = P(L > k)`, which uses censored answers without mistaking them f
 Requests still running count too, censored at what they have generated (`set_running`): without them
 the answers that finished first — the short ones — would stand for all of them, and a node that has
 just started would expect every answer to be as short as the first few.
+
 Beyond the longest observation it continues with a constant per-token stop rate, that of the longer
 half of the answers (lengths are heavy-tailed: the long ones end more slowly), so a request that has
-outlived every answer seen so far is still expected to end at the rate long answers end. With fewer than `min_samples` observations it uses the
-stated prior instead: answers end at a constant rate with mean `prior_mean` tokens (`inf`: every
-answer runs to its limit, the worst case).
+outlived every answer seen so far is still expected to end at the rate long answers end. With fewer
+than `min_samples` observations it uses the stated prior instead: answers end at a constant rate
+with mean `prior_mean` tokens (`inf`: every answer runs to its limit, the worst case).
 
 A running request that has generated `g` tokens and holds the limit `m` is expected to generate
 `E[min(L, m) - g | L > g] = sum_{k=g}^{m-1} S(k) / S(g)` more: the estimate conditions on what it has
