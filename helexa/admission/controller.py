@@ -709,7 +709,7 @@ class AdmissionController:
         self._reserved -= ticket.blocks_reserved
         self._allocated -= ticket.blocks_allocated
         ticket.state, ticket.ended_at = state, now
-        if not ticket.seen_by_engine:
+        if ticket in self._new_grants:  # granted (or, preempted, regranted) and never picked up
             self._new_grants.remove(ticket)
         self._plan_stale = True
 

@@ -452,7 +452,8 @@ class Engine:
         seq.stream.put(final)
 
     def _end_unstarted(self, handle: RequestHandle, final: TokenEvent) -> None:
-        self._preempted.pop(handle.ticket.id, None)
+        if self._preempted.pop(handle.ticket.id, None) is not None and handle.ticket.state is TicketState.GRANTED:
+            self.admission.release(handle.ticket)  # preempted, regranted, never resumed: its blocks return
         with self._lock:
             self._pending.pop(handle.request_id, None)
             self._aborts.discard(handle.request_id)

@@ -219,3 +219,14 @@ def test_snapshot_blocks_add_up_from_one_pool_reading() -> None:
     assert snap["blocks_free"] + snap["blocks_allocated"] + snap["blocks_cached"] == snap["blocks_total"]
     assert (snap["blocks_free"], snap["blocks_allocated"]) == (97, 3)
     c.release(t)
+
+
+def test_a_regranted_ticket_released_before_the_engine_picks_it_up_is_never_handed_over() -> None:
+    c = _make(_short_answers(8), policy="adaptive", num_blocks=10)
+    a, b = c.submit(20, 120), c.submit(20, 120)
+    c.poll()
+    c.preempt(b)
+    c.release(a)  # b is regranted at once, waiting for the engine's next poll
+    assert b.state is TicketState.GRANTED
+    assert c.release(b)  # (the engine ended it first: aborted while preempted)
+    assert c.poll().granted == [] and c.blocks_reserved == 0 and c.in_flight == 0
