@@ -23,7 +23,13 @@ from helexa.server.errors import APIError, error_response
 from helexa.server.formats import FORMATS, ApiFormat, LogprobFormatter
 from helexa.server.generation import Choice, GenerationRun, event_error
 from helexa.server.metrics import ServerMetrics
-from helexa.server.middleware import AuthMiddleware, BodyLimitMiddleware, RequestContextMiddleware, request_id_of
+from helexa.server.middleware import (
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    RequestContextMiddleware,
+    mark_client_gone,
+    request_id_of,
+)
 from helexa.server.protocol import GenerationRequest, decode_json
 from helexa.server.settings import ServerSettings
 from helexa.server.sse import EventStreamResponse, race_disconnect, sse
@@ -80,6 +86,10 @@ async def generate(request: Request) -> Response | EventStreamResponse:
     if state.draining:
         raise APIError("shutting_down", "the server is shutting down and admits no new requests")
     parse, fmt_type = FORMATS[request.url.path]
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":  # a browser page can send the others without a CORS preflight
+        shown = media_type or "none"
+        raise APIError("unsupported_media_type", f"Content-Type must be application/json, got {shown}")
     req = parse(decode_json(await request.body()))
     prompt_ids = await run_in_threadpool(_prompt_ids, state, req)
     run = GenerationRun(state.engine, f"{fmt_type.id_prefix}{uuid.uuid4().hex}", prompt_ids, req)
@@ -91,12 +101,20 @@ async def generate(request: Request) -> Response | EventStreamResponse:
         if not await race_disconnect(request.receive, first):
             await events.aclose()
             run.abort()
+            logger.info("request %s: client disconnected before the first token; aborted", request_id_of(request.scope))
+            mark_client_gone(request.scope)
             return Response(status_code=499)
         error = event_error(first.result()[1])
         if error is not None:
             await events.aclose()
             raise error
-        return EventStreamResponse(_stream(state, fmt, first.result(), events, request), run.abort)
+
+        def client_gone() -> None:
+            run.abort()
+            logger.info("request %s: client disconnected mid-stream; aborted", request_id_of(request.scope))
+            mark_client_gone(request.scope)
+
+        return EventStreamResponse(_stream(state, fmt, first.result(), events, request), client_gone)
     try:
         if not await race_disconnect(request.receive, asyncio.ensure_future(run.finish())):
             run.abort()
@@ -105,6 +123,7 @@ async def generate(request: Request) -> Response | EventStreamResponse:
                 request_id_of(request.scope),
                 len(run.handles),
             )
+            mark_client_gone(request.scope)
             return Response(status_code=499)
         for choice in run.choices:
             if (error := event_error(choice)) is not None:

@@ -24,6 +24,7 @@ _SERVER_ERRORS: dict[str, tuple[int, str]] = {
     "not_found": (404, "invalid_request_error"),
     "method_not_allowed": (405, "invalid_request_error"),
     "request_too_large": (413, "invalid_request_error"),
+    "unsupported_media_type": (415, "invalid_request_error"),
     "request_aborted": (503, "service_unavailable_error"),
     "shutting_down": (503, "service_unavailable_error"),
     "device_fault": (500, "server_error"),

@@ -26,12 +26,18 @@ def request_id_of(scope: Scope) -> str:
     return scope.get("state", {}).get("request_id", "-")
 
 
+def mark_client_gone(scope: Scope) -> None:
+    """Record that the client left before the whole answer: the request counts as 499, whatever was sent."""
+    scope.setdefault("state", {})["client_gone"] = True
+
+
 class RequestContextMiddleware:
     """Gives each HTTP request an id (the client's `x-request-id` when well-formed, else a new one).
 
     Guarantees: every response carries `x-request-id`; an exception escaping the app is logged with the
     id and, when no response started yet, answered `500 internal_error` (its message names only the id);
-    for `generation_paths`, `metrics.count_request(status)` and `metrics.observe_duration` run once each.
+    for `generation_paths`, `metrics.count_request(status)` and `metrics.observe_duration` run once each,
+    with status 499 when the client left before the whole answer (`mark_client_gone`), as nginx logs it.
     """
 
     def __init__(self, app: ASGIApp, metrics: Any, generation_paths: frozenset[str]) -> None:
@@ -62,6 +68,8 @@ class RequestContextMiddleware:
                 error = APIError("internal_error", f"internal server error (request id {request_id})")
                 await error_response(error)(scope, receive, send_with_id)
         finally:
+            if scope["state"].get("client_gone"):
+                status = 499
             if scope.get("path") in self.generation_paths and status is not None:
                 self.metrics.count_request(status)
                 self.metrics.observe_duration(time.monotonic() - started)
@@ -121,6 +129,16 @@ class BodyLimitMiddleware:
                 chunks.append(chunk)
             elif size > _DRAIN_LIMIT_BYTES:
                 break
+        if last is not None and last["type"] == "http.disconnect":
+            shown_of = f" of {declared}" if declared is not None else ""
+            logger.info(
+                "request %s: client disconnected while sending its body (%d%s bytes received); 499",
+                request_id_of(scope),
+                size,
+                shown_of,
+            )
+            mark_client_gone(scope)
+            return
         if too_large:
             shown = int(declared) if declared is not None and declared.isdigit() else size
             error = APIError(

@@ -58,7 +58,8 @@ def decode_json(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object; 400 `invalid_request` when it is not valid JSON or not an object.
 
     Also refused: nesting deeper than `MAX_JSON_DEPTH` arrays/objects (no later recursive walk can exhaust
-    the stack) and strings holding a lone UTF-16 surrogate (`"\\ud800"` is valid JSON but not Unicode).
+    the stack), integers of more digits than Python reads from text (4,300), and strings holding a lone
+    UTF-16 surrogate (`"\\ud800"` is valid JSON but not Unicode).
     """
     too_deep = f"request body is nested too deeply (limit {MAX_JSON_DEPTH})"
     try:
@@ -67,6 +68,8 @@ def decode_json(raw: bytes) -> dict[str, Any]:
         raise APIError("invalid_request", f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise APIError("invalid_request", too_deep) from None
+    except ValueError as exc:  # Python's int-from-text limit: a number with more than 4,300 digits
+        raise APIError("invalid_request", f"request body has a number too long to read: {exc}") from None
     if not isinstance(body, dict):
         raise APIError("invalid_request", f"request body must be a JSON object, got {type(body).__name__}")
     stack: list[tuple[Any, int]] = [(body, 1)]  # an iterative walk: depth and Unicode of every item

@@ -33,6 +33,19 @@ def startup_line(engine: Engine, host: str, port: int) -> str:
     )
 
 
+class RedactQuery(logging.Filter):
+    """Drops the query string from uvicorn's access-log lines: it may carry a key or a user's data."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str) and "?" in args[2]:
+            record.args = (*args[:2], args[2].partition("?")[0] + "?<redacted>", *args[3:])
+        return True
+
+
+_ACCESS_FILTER = RedactQuery()
+
+
 class HelexaServer(uvicorn.Server):
     """`uvicorn.Server` that drains on the first SIGTERM/SIGINT instead of stopping at once.
 
@@ -53,6 +66,9 @@ class HelexaServer(uvicorn.Server):
             timeout_graceful_shutdown=int(_AFTER_DRAIN_SECS),
         )
         super().__init__(config)
+        access = logging.getLogger("uvicorn.access")
+        if _ACCESS_FILTER not in access.filters:
+            access.addFilter(_ACCESS_FILTER)
         self.app, self.engine, self.settings = app, engine, settings
         self.bound_port: int | None = None
         self._drain_requested = False

@@ -30,6 +30,9 @@ class ServerSettings:
     host: str = _http("127.0.0.1", "bind address", TEXT)
     port: int = _http(8000, "bind port (0: any free port)", PORT)
     api_key: str | None = _http(None, "require 'Authorization: Bearer KEY' on /v1/* (default: $HELEXA_API_KEY)", TEXT)
+    api_key_file: str | None = _http(
+        None, "read the API key from this file (keeps it out of the process list)", TEXT, metavar="PATH"
+    )
     # 8 MiB: a 128k-token prompt as JSON-escaped text, with room to spare.
     max_body_bytes: int = _http(8 << 20, "largest request body accepted (413 beyond)", SIZE, flag="--max-body-size")
     shutdown_grace_secs: float = _http(

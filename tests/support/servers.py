@@ -118,6 +118,7 @@ DOCUMENTED_ERRORS = {
     (503, "model_reloading"): True,
     (401, "invalid_api_key"): False,
     (413, "request_too_large"): False,
+    (415, "unsupported_media_type"): False,
     (500, "device_fault"): False,
 }
 

@@ -1,0 +1,139 @@
+"""The edges a hostile or careless client reaches, through a real server on 127.0.0.1: huge numbers, bodies a
+browser could send without a CORS preflight, clients that leave while uploading or mid-stream, the API key's
+file and the access log."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from helexa.server.cli import build_parser, configs_from_args
+from helexa.server.serve import RedactQuery
+from helexa.server.settings import ServerSettings
+from tests.support.servers import RunningServer, raw_post, read_until, tiny_engine_config, wait_for
+
+
+def _requests_total(server: RunningServer) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {
+        s.labels["status"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "helexa_requests_total"
+    }
+
+
+def _error(response: httpx.Response, status: int, code: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and set(error) == {"message", "type", "code", "param"}
+    return error
+
+
+def test_a_number_of_more_than_4300_digits_is_a_400_not_a_500(server: RunningServer) -> None:
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": ' + b"7" * 4301 + b"}"
+    response = httpx.post(
+        f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=30
+    )
+    error = _error(response, 400, "invalid_request")
+    assert "too long" in error["message"] and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None]
+)
+def test_bodies_a_web_page_can_send_without_a_preflight_are_415(server: RunningServer, content_type) -> None:
+    before = server.engine.admission.snapshot()["admitted_total"]
+    headers = {} if content_type is None else {"content-type": content_type}
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+    response = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=30)
+    error = _error(response, 415, "unsupported_media_type")
+    assert "application/json" in error["message"] and error["type"] == "invalid_request_error"
+    assert server.engine.admission.snapshot()["admitted_total"] == before  # nothing ran
+
+
+def test_json_with_a_charset_is_json(server: RunningServer) -> None:
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+    headers = {"content-type": "Application/JSON; charset=utf-8"}
+    response = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=30)
+    assert response.status_code == 200, response.text
+
+
+def test_a_client_gone_while_uploading_is_a_499_on_one_line(server: RunningServer, caplog) -> None:
+    before = _requests_total(server)
+    host, port = server.url.removeprefix("http://").split(":")
+    with caplog.at_level(logging.INFO, logger="helexa.server"):
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n" + b'{"prompt": "' + b"a" * 500
+        )
+        time.sleep(0.2)
+        sock.close()
+        assert wait_for(lambda: _requests_total(server).get("499", 0) == before.get("499", 0) + 1, 10)
+    after = _requests_total(server)
+    assert after.get("500", 0) == before.get("500", 0)
+    lines = [r for r in caplog.records if "while sending its body" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None and "of 100000 bytes" in lines[0].getMessage()
+    assert not any(r.exc_info for r in caplog.records)  # no traceback anywhere
+
+
+def test_a_client_gone_mid_stream_counts_as_499_not_200(server: RunningServer, caplog) -> None:
+    before = _requests_total(server)
+    with caplog.at_level(logging.INFO, logger="helexa.server"):
+        sock = raw_post(
+            server.url,
+            "/v1/completions",
+            {"model": "tiny", "prompt": "hi", "max_tokens": 400, "stream": True, "ignore_eos": True},
+        )
+        read_until(sock, b"data: ")
+        sock.close()
+        assert wait_for(lambda: _requests_total(server).get("499", 0) == before.get("499", 0) + 1, 20)
+    after = _requests_total(server)
+    assert after.get("200", 0) == before.get("200", 0)
+    assert wait_for(lambda: server.engine.admission.in_flight == 0, 10)  # the run was aborted, its blocks back
+    assert any("disconnected mid-stream" in r.getMessage() for r in caplog.records)
+
+
+def test_api_key_file_keeps_the_key_out_of_the_command_line(tmp_path: Path, tiny_model_dir: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret-key\n")
+    parser = build_parser()
+    _, settings = configs_from_args(parser.parse_args(["--api-key-file", str(key_file)]))
+    assert settings.api_key == "s3cret-key"
+    with pytest.raises(ValueError, match="not both"):
+        configs_from_args(parser.parse_args(["--api-key", "x", "--api-key-file", str(key_file)]))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        configs_from_args(parser.parse_args(["--api-key-file", str(tmp_path / "empty")]))
+    with pytest.raises(ValueError, match="cannot read"):
+        configs_from_args(parser.parse_args(["--api-key-file", str(tmp_path / "missing")]))
+    running = RunningServer(tiny_engine_config(tiny_model_dir, num_blocks=64), ServerSettings(api_key=settings.api_key))
+    try:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{running.url}/v1/completions", json=body, timeout=30).status_code == 401
+        headers = {"authorization": "Bearer s3cret-key"}
+        assert httpx.post(f"{running.url}/v1/completions", json=body, headers=headers, timeout=30).status_code == 200
+    finally:
+        running.stop()
+
+
+def test_access_log_lines_never_show_a_query_string(server: RunningServer) -> None:
+    assert any(isinstance(f, RedactQuery) for f in logging.getLogger("uvicorn.access").filters)
+    record = logging.LogRecord(
+        "uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+        ("127.0.0.1:5", "GET", "/v1/models?api_key=s3cret&user=alice", "1.1", 200), None,
+    )  # fmt: skip
+    assert RedactQuery().filter(record)
+    assert record.getMessage() == '127.0.0.1:5 - "GET /v1/models?<redacted> HTTP/1.1" 200'
+    plain = logging.LogRecord(
+        "uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+        ("127.0.0.1:5", "GET", "/health", "1.1", 200), None,
+    )  # fmt: skip
+    assert RedactQuery().filter(plain) and plain.getMessage() == '127.0.0.1:5 - "GET /health HTTP/1.1" 200'
