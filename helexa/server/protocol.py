@@ -185,12 +185,22 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(include_usage)
 
 
+# The roles the OpenAI API defines; any other is a 400, as there.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 def _messages(value: Any, param: str) -> list[dict[str, Any]]:
     try:
         messages = validate_messages(value)
     except ValueError as exc:
         raise APIError("invalid_request", str(exc), param=param) from None
-    for message in messages:
+    for i, message in enumerate(messages):
+        if message["role"] not in ROLES:
+            raise APIError(
+                "invalid_request",
+                f"invalid role {json.dumps(message['role'])[:40]} in {param}[{i}]; supported roles: {', '.join(ROLES)}",
+                param=f"{param}[{i}].role",
+            )
         if message["role"] == "developer":  # OpenAI's newer name for the system role; templates know "system"
             message["role"] = "system"
     return messages

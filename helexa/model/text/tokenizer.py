@@ -9,8 +9,11 @@ transformers' `clean_up_tokenization_spaces` (streamed text cannot be cleaned up
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import re
+import secrets
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,9 +142,69 @@ class Tokenizer:
         return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
-        """Token ids of `render_chat(messages, **kwargs)`, equal to transformers' `apply_chat_template(...,
-        tokenize=True)`: encoded without adding special tokens, as templates write `{{ bos_token }}` themselves."""
-        return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+        """Token ids of `render_chat(messages, **kwargs)`, encoded without adding special tokens (templates
+        write `{{ bos_token }}` themselves): transformers' `apply_chat_template(..., tokenize=True)`.
+
+        Message text is always text: a control-token string typed into a message (`<|im_end|>`, a fake
+        turn header) is encoded as ordinary tokens, never as the control token; only the template's own
+        markers are special. Messages without such strings encode exactly as transformers does.
+        """
+        added = self._added_token_strings
+        if not any(token in text for text in _message_texts(messages) for token in added):
+            return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+        # Render with each message text replaced by an unguessable marker, then encode the template's
+        # pieces as usual and each message text with special-token matching switched off.
+        nonce, texts = secrets.token_hex(8), []
+
+        def mark(text: str) -> str:
+            texts.append(text)
+            return f"\ue000{nonce}:{len(texts) - 1}\ue001"
+
+        rendered = self.render_chat([_map_texts(m, mark) for m in messages], **kwargs)
+        ids, pos = [], 0
+        for match in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", rendered):
+            ids += self.encode(rendered[pos : match.start()], add_special_tokens=False)
+            ids += self._text_backend.encode(texts[int(match.group(1))], add_special_tokens=False).ids
+            pos = match.end()
+        return ids + self.encode(rendered[pos:], add_special_tokens=False)
+
+    @functools.cached_property
+    def _added_token_strings(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self.backend.get_added_tokens_decoder().values() if t.content)
+
+    @functools.cached_property
+    def _text_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that encodes added-token strings as plain text."""
+        backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+
+def _message_texts(messages: Sequence[Mapping[str, Any]]) -> Iterable[str]:
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):
+            yield from (
+                part["text"] for part in content if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+            )
+
+
+def _map_texts(message: Mapping[str, Any], fn: Callable[[str], str]) -> dict[str, Any]:
+    """`message` with `fn` applied to its content text (a string, or each text part)."""
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, str):
+        out["content"] = fn(content)
+    elif isinstance(content, list):
+        out["content"] = [
+            {**part, "text": fn(part["text"])}
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+            else part
+            for part in content
+        ]
+    return out
 
 
 def _read_json(path: Path) -> dict[str, Any]:
