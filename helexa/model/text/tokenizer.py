@@ -152,19 +152,25 @@ class Tokenizer:
         added = self._added_token_strings
         if not any(token in text for text in _message_texts(messages) for token in added):
             return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
-        # Render with each message text replaced by an unguessable marker, then encode the template's
-        # pieces as usual and each message text with special-token matching switched off.
-        nonce, texts = secrets.token_hex(8), []
+        # Each control-token string inside a message text is swapped for an unguessable marker before
+        # rendering (so the template's own filters still apply to the text around it), then encoded as
+        # plain text where its marker landed; everything else is encoded as usual.
+        nonce = str(secrets.randbelow(10**16)).zfill(16)  # digits: unchanged by any case filter
+        pattern = re.compile("|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)))
+        found: list[str] = []
 
         def mark(text: str) -> str:
-            texts.append(text)
-            return f"\ue000{nonce}:{len(texts) - 1}\ue001"
+            def swap(match: re.Match[str]) -> str:
+                found.append(match.group(0))
+                return f"\ue000{nonce}{len(found) - 1}\ue001"
+
+            return pattern.sub(swap, text)
 
         rendered = self.render_chat([_map_texts(m, mark) for m in messages], **kwargs)
         ids, pos = [], 0
-        for match in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", rendered):
+        for match in re.finditer(f"\ue000{nonce}(\\d+)\ue001", rendered):
             ids += self.encode(rendered[pos : match.start()], add_special_tokens=False)
-            ids += self._text_backend.encode(texts[int(match.group(1))], add_special_tokens=False).ids
+            ids += self._text_backend.encode(found[int(match.group(1))], add_special_tokens=False).ids
             pos = match.end()
         return ids + self.encode(rendered[pos:], add_special_tokens=False)
 
