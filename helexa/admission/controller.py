@@ -386,6 +386,17 @@ class AdmissionController:
                 )
                 self._effects.append(lambda: logger.info("admission: preempted ticket=%d %s", ticket.id, fields))
 
+    def queue_status(self, ticket: Ticket) -> tuple[int, float] | None:
+        """`(place among the waiting requests from 1, estimated seconds until its grant)` while `ticket`
+        waits (preempted ones resume first and count ahead); None once it is granted or ended."""
+        with self._lock:
+            if ticket.state is not TicketState.QUEUED:
+                return None
+            now = self._clock()
+            self._ensure_plan(now)
+            place = [*self._resume, *self._queue].index(ticket.id) + 1
+            return place, max(0.0, ticket.est_start - now)
+
     def next_deadline(self) -> float | None:
         """The clock time at which the next queued ticket expires (when `poll` must run), or None."""
         with self._lock:

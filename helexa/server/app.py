@@ -98,6 +98,15 @@ async def generate(request: Request) -> Response | EventStreamResponse:
     if req.stream:
         events = run.events()
         first = asyncio.ensure_future(anext(events))
+
+        def client_gone() -> None:
+            run.abort()
+            logger.info("request %s: client disconnected mid-stream; aborted", request_id_of(request.scope))
+            mark_client_gone(request.scope)
+
+        if run.queue_status() is not None:  # waiting for admission: answer now and say so while it waits
+            chunks = _stream_queued(state, fmt, first, events, request)
+            return EventStreamResponse(chunks, client_gone)
         if not await race_disconnect(request.receive, first):
             await events.aclose()
             run.abort()
@@ -108,11 +117,6 @@ async def generate(request: Request) -> Response | EventStreamResponse:
         if error is not None:
             await events.aclose()
             raise error
-
-        def client_gone() -> None:
-            run.abort()
-            logger.info("request %s: client disconnected mid-stream; aborted", request_id_of(request.scope))
-            mark_client_gone(request.scope)
 
         return EventStreamResponse(_stream(state, fmt, first.result(), events, request), client_gone)
     try:
@@ -131,6 +135,29 @@ async def generate(request: Request) -> Response | EventStreamResponse:
         return JSONResponse(fmt.body())
     finally:
         _observe(state, run)
+
+
+async def _stream_queued(
+    state: ServerState,
+    fmt: ApiFormat,
+    first: asyncio.Future[tuple[Choice, TokenEvent]],
+    events: AsyncGenerator[tuple[Choice, TokenEvent], None],
+    request: Request,
+) -> AsyncGenerator[bytes, None]:
+    """A stream whose request waits for admission: `: queued position N, estimated start in S s` comments
+    (the first at once, then every `queue_comment_secs`) until its first event, then the stream itself.
+    A queue timeout then arrives as the stream's error event."""
+    try:
+        while not first.done():
+            status = fmt.run.queue_status()
+            if status is not None:
+                yield f": queued position {status[0]}, estimated start in {status[1]:.0f} s\n\n".encode()
+            await asyncio.wait({first}, timeout=state.settings.queue_comment_secs)
+        async for chunk in _stream(state, fmt, first.result(), events, request):
+            yield chunk
+    finally:
+        first.cancel()
+        await events.aclose()
 
 
 async def _stream(

@@ -133,6 +133,11 @@ class GenerationRun:
             if k not in self._done:
                 self.engine.abort(handle.request_id)
 
+    def queue_status(self) -> tuple[int, float] | None:
+        """While any choice waits for admission: the best `(queue place, estimated seconds to start)`; else None."""
+        waiting = [s for h in self.handles if (s := self.engine.admission.queue_status(h.ticket)) is not None]
+        return min(waiting) if waiting else None
+
     @property
     def prompt_tokens(self) -> int:
         """Prompt tokens of the request, each prompt counted once (not once per choice)."""

@@ -39,6 +39,9 @@ class ServerSettings:
         30.0, "on SIGTERM/SIGINT, how long in-flight requests may finish", Rule.seconds()
     )
     log_level: str = _http("info", "log level of helexa's and uvicorn's loggers", Rule.one_of(*LOG_LEVELS))
+    # A queued stream's headers go out at once, then a comment with its place and estimated start this
+    # often, so proxies in front never see an idle connection.
+    queue_comment_secs: float = _http(5.0, "", Rule.seconds(positive=True), cli=False)
 
     def __post_init__(self) -> None:
         validate(self)

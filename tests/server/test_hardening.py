@@ -171,3 +171,34 @@ def test_only_the_roles_the_api_defines_are_accepted(server: RunningServer, role
         assert response.status_code in (200, 400), response.text
         if response.status_code == 400:  # a template may refuse a role it has no turn for; never the API
             assert "chat template" in response.json()["error"]["message"]
+
+
+def test_a_queued_stream_is_answered_at_once_and_says_where_it_waits(tiny_model_dir: Path) -> None:
+    """A stream that must wait gets its headers and a `: queued position ...` comment at once, then one every
+    `queue_comment_secs`, and streams normally once admitted. A request admitted at once is unchanged."""
+    settings = ServerSettings(queue_comment_secs=0.2)
+    running = RunningServer(tiny_engine_config(tiny_model_dir, num_blocks=40, max_wait_secs=120.0), settings)
+    try:
+        holder = raw_post(
+            running.url,
+            "/v1/completions",
+            {"model": "tiny", "prompt": "hi", "max_tokens": 600, "stream": True, "ignore_eos": True},
+        )
+        read_until(holder, b"data: ")  # running: 38 of 40 blocks reserved
+        waiting = raw_post(
+            running.url, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 60, "stream": True}
+        )
+        started = time.monotonic()
+        head = read_until(waiting, b"estimated start in")
+        assert time.monotonic() - started < 2.0
+        assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head
+        assert b": queued position 1, estimated start in " in head and b"data:" not in head
+        more = read_until(waiting, b": queued position 1", limit=1 << 16)  # the next comment, ~0.2 s later
+        assert b"data:" not in more
+        holder.close()  # the holder's client leaves: its blocks return and the waiting stream is admitted
+        tail = read_until(waiting, b"data: [DONE]")
+        assert b'"text"' in tail and b'"error"' not in tail
+        waiting.close()
+        assert wait_for(lambda: running.engine.admission.in_flight == 0, 10)
+    finally:
+        running.stop()
