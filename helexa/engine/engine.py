@@ -184,9 +184,11 @@ class Engine:
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
+        if not prompt_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
+        if len(prompt_ids) >= self.max_model_len:  # can never run: admission says so without a pass over the ids
+            self.admission.submit(len(prompt_ids), params.max_tokens, stops_early=not params.runs_to_limit)
+        prompt = [int(t) for t in prompt_ids]
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:

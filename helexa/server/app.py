@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from helexa.engine import Engine, TokenEvent
+from helexa.model.text.tokenizer import TooManyTokens
 from helexa.server.errors import APIError, error_response
 from helexa.server.formats import FORMATS, ApiFormat, LogprobFormatter
 from helexa.server.generation import Choice, GenerationRun, event_error
@@ -55,18 +56,54 @@ def _state(request: Request) -> ServerState:
 
 def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[list[int]]:
     """Token ids of each prompt: the rendered chat template, or the completion prompt (text or ids)."""
-    tokenizer = state.engine.tokenizer
-    if req.messages is not None:
-        try:
-            return [tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tools=req.tools)]
-        except ValueError as exc:  # ChatTemplateError is a ValueError
-            raise APIError(
-                "invalid_request", f"chat template: {exc}", param="input" if req.kind == "response" else "messages"
-            ) from None
-    ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
+    tokenizer, limit = state.engine.tokenizer, state.engine.max_model_len - 1
+    _check_can_fit(state, req)
+    param = "prompt" if req.kind == "completion" else "input" if req.kind == "response" else "messages"
+    try:
+        if req.messages is not None:
+            try:
+                return [
+                    tokenizer.apply_chat_template(
+                        req.messages, add_generation_prompt=True, tools=req.tools, max_length=limit
+                    )
+                ]
+            except TooManyTokens:
+                raise
+            except ValueError as exc:  # ChatTemplateError is a ValueError
+                raise APIError("invalid_request", f"chat template: {exc}", param=param) from None
+        ids = [tokenizer.encode(p, max_length=limit) if isinstance(p, str) else list(p) for p in req.prompts]
+    except TooManyTokens as exc:  # refused before its ids are built: it can never run here
+        raise APIError(
+            "context_length_exceeded",
+            f"prompt of {exc.count} tokens leaves no room for output: the maximum context length is "
+            f"{state.engine.max_model_len} tokens",
+            param=param,
+        ) from None
     if any(not p for p in ids):
         raise APIError("invalid_request", "the prompt is empty after tokenisation", param="prompt")
     return ids
+
+
+def _check_can_fit(state: ServerState, req: GenerationRequest) -> None:
+    """400 `context_length_exceeded` before tokenising a prompt whose text is too long to fit in any tokenisation
+    (more UTF-8 bytes than `max_model_len` tokens of the longest token can hold): tokenising megabytes takes
+    seconds and memory for a request that can never run."""
+    engine = state.engine
+    limit = engine.max_model_len * engine.tokenizer.max_token_bytes
+    if req.messages is not None:
+        texts = [m["content"] for m in req.messages if isinstance(m.get("content"), str)]
+        texts += [p["text"] for m in req.messages if isinstance(m.get("content"), list) for p in m["content"]]
+        sizes = [sum(len(t.encode("utf-8")) for t in texts)]
+    else:
+        sizes = [len(p.encode("utf-8")) for p in req.prompts if isinstance(p, str)]
+    if sizes and max(sizes) > limit:
+        raise APIError(
+            "context_length_exceeded",
+            f"the prompt's {max(sizes)} bytes of text cannot fit the maximum context length of "
+            f"{engine.max_model_len} tokens (no token of this model stands for more than "
+            f"{engine.tokenizer.max_token_bytes} bytes)",
+            param="messages" if req.messages is not None else "prompt",
+        )
 
 
 def _observe(state: ServerState, run: GenerationRun) -> None:

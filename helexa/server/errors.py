@@ -20,6 +20,7 @@ ADMISSION_ERRORS: dict[str, tuple[int, str, str]] = {
 # code -> (HTTP status, OpenAI error type) for the errors the server itself decides.
 _SERVER_ERRORS: dict[str, tuple[int, str]] = {
     "invalid_request": (400, "invalid_request_error"),
+    "context_length_exceeded": (400, "invalid_request_error"),  # text too long to fit, found before tokenising
     "invalid_api_key": (401, "authentication_error"),
     "not_found": (404, "invalid_request_error"),
     "method_not_allowed": (405, "invalid_request_error"),

@@ -22,9 +22,17 @@ from tokenizers import AddedToken, processors
 
 from helexa.model.text.chat_template import ChatTemplate
 
-__all__ = ["Tokenizer", "bos_eos_processor"]
+__all__ = ["Tokenizer", "TooManyTokens", "bos_eos_processor"]
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class TooManyTokens(ValueError):
+    """A text encodes to more tokens than the caller's `max_length` (`count` of them)."""
+
+    def __init__(self, count: int, max_length: int) -> None:
+        super().__init__(f"the text is {count} tokens, more than {max_length}")
+        self.count, self.max_length = count, max_length
 
 
 class Tokenizer:
@@ -108,11 +116,26 @@ class Tokenizer:
         """Ids of the added tokens marked special (the ones `skip_special_tokens` drops)."""
         return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_special_tokens` the post-processor adds BOS/EOS as configured."""
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens` the post-processor adds BOS/EOS as configured.
+
+        With `max_length`, a text of more tokens raises `TooManyTokens` (its count) before any id list is built.
+        """
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a string, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # `encode_batch_fast` releases the GIL while it works (`encode` holds it: seconds for a long prompt,
+        # during which no other Python thread, the server's event loop included, would run).
+        encoding = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+        if max_length is not None and len(encoding) > max_length:
+            raise TooManyTokens(len(encoding), max_length)
+        return encoding.ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token can stand for (its vocabulary string's length,
+        which byte-level and byte-fallback vocabularies only ever make longer): a text of more than
+        `n * max_token_bytes` bytes always needs more than `n` tokens."""
+        return max(len(token.encode("utf-8")) for token in self.backend.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids` (no tokenization-space clean-up); raises ValueError for ids out of range."""
@@ -149,9 +172,9 @@ class Tokenizer:
         turn header) is encoded as ordinary tokens, never as the control token; only the template's own
         markers are special. Messages without such strings encode exactly as transformers does.
         """
-        added = self._added_token_strings
+        added, max_length = self._added_token_strings, kwargs.pop("max_length", None)
         if not any(token in text for text in _message_texts(messages) for token in added):
-            return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+            return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False, max_length=max_length)
         # Each control-token string inside a message text is swapped for an unguessable marker before
         # rendering (so the template's own filters still apply to the text around it), then encoded as
         # plain text where its marker landed; everything else is encoded as usual.
@@ -170,7 +193,7 @@ class Tokenizer:
         ids, pos = [], 0
         for match in re.finditer(f"\ue000{nonce}(\\d+)\ue001", rendered):
             ids += self.encode(rendered[pos : match.start()], add_special_tokens=False)
-            ids += self._text_backend.encode(found[int(match.group(1))], add_special_tokens=False).ids
+            ids += self._text_backend.encode_batch_fast([found[int(match.group(1))]], add_special_tokens=False)[0].ids
             pos = match.end()
         return ids + self.encode(rendered[pos:], add_special_tokens=False)
 
