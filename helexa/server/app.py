@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from helexa.engine import Engine, TokenEvent
 from helexa.model.text.tokenizer import TooManyTokens
+from helexa.server.connections import ConnectionLimit, ConnectionLimitMiddleware
 from helexa.server.errors import APIError, error_response
 from helexa.server.formats import FORMATS, ApiFormat, LogprobFormatter
 from helexa.server.generation import Choice, GenerationRun, event_error
@@ -46,6 +47,7 @@ class ServerState:
     settings: ServerSettings
     metrics: ServerMetrics
     logprobs: LogprobFormatter
+    connections: ConnectionLimit
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
 
@@ -286,7 +288,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
     """The OpenAI-compatible app over a started `engine`; `app.state.helexa` is its `ServerState`."""
     settings = settings or ServerSettings()
     state = ServerState(
-        engine=engine, settings=settings, metrics=ServerMetrics(engine), logprobs=LogprobFormatter(engine.tokenizer)
+        engine=engine,
+        settings=settings,
+        metrics=ServerMetrics(engine),
+        logprobs=LogprobFormatter(engine.tokenizer),
+        connections=ConnectionLimit(settings.max_connections),
     )
     routes = [
         *(Route(path, generate, methods=["POST"]) for path in FORMATS),
@@ -296,9 +302,10 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
         Route("/metrics", metrics, methods=["GET"]),
     ]
     middleware = [
+        Middleware(ConnectionLimitMiddleware, limit=state.connections),
         Middleware(RequestContextMiddleware, metrics=state.metrics, generation_paths=frozenset(FORMATS)),
         Middleware(AuthMiddleware, api_key=settings.api_key),
-        Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes),
+        Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_secs=settings.body_timeout_secs),
     ]
     app = Starlette(
         routes=routes, middleware=middleware, exception_handlers={APIError: _api_error, HTTPException: _http_error}

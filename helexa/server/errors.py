@@ -24,10 +24,12 @@ _SERVER_ERRORS: dict[str, tuple[int, str]] = {
     "invalid_api_key": (401, "authentication_error"),
     "not_found": (404, "invalid_request_error"),
     "method_not_allowed": (405, "invalid_request_error"),
+    "request_timeout": (408, "invalid_request_error"),
     "request_too_large": (413, "invalid_request_error"),
     "unsupported_media_type": (415, "invalid_request_error"),
     "request_aborted": (503, "service_unavailable_error"),
     "shutting_down": (503, "service_unavailable_error"),
+    "overloaded": (503, "service_unavailable_error"),
     "device_fault": (500, "server_error"),
     "internal_error": (500, "server_error"),
 }

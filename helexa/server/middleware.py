@@ -3,6 +3,7 @@ Bearer auth on `/v1/*` (`AuthMiddleware`), the request-body limit (`BodyLimitMid
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -99,14 +100,15 @@ class BodyLimitMiddleware:
     """Reads a request body of at most `max_bytes`, then replays it to the app; 413 `request_too_large` beyond.
 
     A too-large body (by `Content-Length`, or counted while it streams in) is read and dropped (up to
-    64 MiB) before the 413 is sent, so a client still uploading sees the answer instead of a reset.
+    64 MiB) before the 413 is sent, so a client still uploading sees the answer instead of a reset. A
+    body that stalls `timeout_secs` between two reads gets 408 `request_timeout`.
     After the body, `receive` passes through, so the app still sees `http.disconnect`.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_secs: float = 30.0) -> None:
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
-        self.app, self.max_bytes = app, max_bytes
+        self.app, self.max_bytes, self.timeout_secs = app, max_bytes, timeout_secs
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
@@ -117,7 +119,20 @@ class BodyLimitMiddleware:
         chunks: list[bytes] = []
         size, more, last = 0, True, None
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_secs)
+            except TimeoutError:
+                logger.info(
+                    "request %s: body stalled for %.0f s after %d bytes; 408",
+                    request_id_of(scope),
+                    self.timeout_secs,
+                    size,
+                )
+                error = APIError(
+                    "request_timeout", f"the request body stalled for {self.timeout_secs:g} s after {size} bytes"
+                )
+                await error_response(error, {"connection": "close"})(scope, receive, send)
+                return
             if message["type"] != "http.request":  # the client left while sending
                 last = message
                 break

@@ -12,6 +12,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from helexa.engine import Engine
+from helexa.server.connections import GuardedH11Protocol, quiet_accept_errors
 from helexa.server.settings import ServerSettings
 
 logger = logging.getLogger("helexa.server")
@@ -56,6 +57,7 @@ class HelexaServer(uvicorn.Server):
     """
 
     def __init__(self, app: Starlette, engine: Engine, settings: ServerSettings) -> None:
+        protocol = type("HelexaH11", (GuardedH11Protocol,), {"header_timeout": settings.header_timeout_secs})
         config = uvicorn.Config(
             app,
             host=settings.host,
@@ -64,8 +66,12 @@ class HelexaServer(uvicorn.Server):
             log_level=settings.log_level,
             lifespan="off",
             timeout_graceful_shutdown=int(_AFTER_DRAIN_SECS),
+            http=protocol,
+            backlog=4096,
         )
         super().__init__(config)
+        app.state.helexa.connections.connections = self.server_state.connections  # counted by the protocol
+        quiet_accept_errors()
         access = logging.getLogger("uvicorn.access")
         if _ACCESS_FILTER not in access.filters:
             access.addFilter(_ACCESS_FILTER)

@@ -39,6 +39,17 @@ class ServerSettings:
         30.0, "on SIGTERM/SIGINT, how long in-flight requests may finish", Rule.seconds()
     )
     log_level: str = _http("info", "log level of helexa's and uvicorn's loggers", Rule.one_of(*LOG_LEVELS))
+    header_timeout_secs: float = _http(
+        10.0, "close a connection whose request head has not arrived after this long", Rule.seconds(positive=True)
+    )
+    body_timeout_secs: float = _http(
+        30.0, "408 when a request body stalls this long between two reads", Rule.seconds(positive=True)
+    )
+    max_connections: int = _http(
+        2048,
+        "open connections beyond which requests get a fast 503 (/health and /metrics still answer)",
+        Rule.at_least(1),
+    )
     # A queued stream's headers go out at once, then a comment with its place and estimated start this
     # often, so proxies in front never see an idle connection.
     queue_comment_secs: float = _http(5.0, "", Rule.seconds(positive=True), cli=False)

@@ -296,3 +296,59 @@ threads = [threading.Thread(target=post, args=(i,)) for i in range(2)]
 for o in out:
     print(json.dumps(o))
 """
+
+
+def test_slow_and_idle_clients_are_dropped_and_health_answers_under_the_flood(tiny_model_dir: Path) -> None:
+    """2,000 connections that never finish their request head: beyond --max-connections generation requests
+    get a fast 503 `overloaded` while /health and /metrics still answer; after --header-timeout-secs every one
+    is closed by the server, and the node serves again. A body that stalls gets 408."""
+    settings = ServerSettings(header_timeout_secs=1.5, body_timeout_secs=1.0, max_connections=100)
+    running = RunningServer(tiny_engine_config(tiny_model_dir, num_blocks=64), settings)
+    host, port = running.url.removeprefix("http://").split(":")
+    slow: list[socket.socket] = []
+    try:
+        for _ in range(2000):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # ...and never the rest
+            slow.append(sock)
+        started = time.monotonic()
+        assert httpx.get(f"{running.url}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{running.url}/metrics", timeout=5).status_code == 200
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        crowded = httpx.post(f"{running.url}/v1/completions", json=body, timeout=5)
+        if time.monotonic() - started < 1.0:  # (still within the head deadline of the flood)
+            error = _error(crowded, 503, "overloaded")
+            assert "--max-connections" in error["message"]
+        # every slow connection is closed by the server once its head deadline passes
+        for sock in slow:
+            sock.settimeout(10)
+            assert sock.recv(1) == b""
+        assert wait_for(lambda: running.server.server_state.connections.__len__() < 10, 10)
+        assert httpx.post(f"{running.url}/v1/completions", json=body, timeout=30).status_code == 200
+        # a body that stops arriving: 408 after --body-timeout-secs
+        stall = socket.create_connection((host, int(port)), timeout=10)
+        stall.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n" + b'{"prompt": '
+        )
+        answer = read_until(stall, b"}}")
+        assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer and b"stalled" in answer
+        stall.close()
+    finally:
+        for sock in slow:
+            sock.close()
+        running.stop()
+
+
+def test_accept_failures_are_logged_at_most_once_per_interval() -> None:
+    from helexa.server.connections import _RateLimited
+
+    limiter = _RateLimited("accept", interval=60.0)
+    records = [
+        logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "socket.accept() out of system resource", (), None)
+        for _ in range(1000)
+    ]
+    passed = [r for r in records if limiter.filter(r)]
+    assert len(passed) == 1 and limiter.dropped == 999
+    other = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "something else", (), None)
+    assert limiter.filter(other)

@@ -119,6 +119,8 @@ DOCUMENTED_ERRORS = {
     (401, "invalid_api_key"): False,
     (413, "request_too_large"): False,
     (415, "unsupported_media_type"): False,
+    (408, "request_timeout"): False,
+    (503, "overloaded"): False,
     (500, "device_fault"): False,
 }
 
