@@ -547,9 +547,11 @@ class AdmissionController:
 
         depth = len(self._queue)
         if depth >= cfg.max_queue_depth:
+            # Retry when the queue will have room again: when everything waiting now has started (the
+            # head's start would only free one place, for which every refused client would race).
             plan = self._ensure_plan(now)
-            head = next(iter(self._resume.values()), None) or next(iter(self._queue.values()), None)
-            wait = max(0.0, (head.est_start if head is not None else plan.start_of(blocks)) - now)
+            tail = next(reversed(self._queue.values()), None)
+            wait = max(0.0, (tail.est_start if tail is not None else plan.start_of(blocks)) - now)
             reload_left = self._reload_status()
             message = why.queue_full_message(depth, cfg.max_queue_depth, len(self._running), wait, reload_left)
             if reload_left is not None:

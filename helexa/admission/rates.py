@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 import threading
-from dataclasses import dataclass, field
-
-# One step may move an average by at most this factor: a stall (a page fault, a busy neighbour)
-# should not turn into a minutes-long Retry-After, while a real change still shows within a few steps.
-_MAX_JUMP = 4.0
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -36,68 +34,58 @@ class EngineRates:
         return prefill_tokens * self.prefill_token_seconds + decode_tokens * self.decode_step_seconds
 
 
-@dataclass
 class RateTracker:
-    """Exponential moving averages of measured step costs, safe to read from any thread.
+    """The median measured step costs over the last `window` steps, safe to read from any thread.
 
     `decode_step_seconds` is the wall time of one step that decodes (each running sequence gains a
-    token per step); `prefill_token_seconds` the cost of one prompt token. Both start at
-    `EngineRates()`' priors. A sample more than 4x the current average is clipped to that before it is
-    folded in, so one stalled step cannot inflate every estimate.
+    token per step); `prefill_token_seconds` the cost of one prompt token; a mixed step is split by the
+    current estimates' shares. Until a cost has been measured it is `EngineRates()`' prior. A median, not
+    a moving average: a burst of slow steps shorter than half the window (a storm of arriving requests
+    competing for the interpreter, a page fault) does not move it, while a lasting change does within
+    half a window.
     """
 
-    decode_step_seconds: float = EngineRates.decode_step_seconds
-    prefill_token_seconds: float = EngineRates.prefill_token_seconds
-    alpha: float = 0.2
-    decode_samples: int = 0
-    prefill_samples: int = 0
-    python_overhead_seconds: float = 0.0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    def __init__(self, window: int = 64) -> None:
+        self._decode: collections.deque[float] = collections.deque(maxlen=window)
+        self._prefill: collections.deque[float] = collections.deque(maxlen=window)
+        self._lock = threading.Lock()
 
     @classmethod
     def calibrated(cls, decode_step_seconds: float, prefill_token_seconds: float) -> RateTracker:
         """A tracker starting from measured costs (each counted as one sample), not from the priors."""
         tracker = cls()
-        tracker.decode_step_seconds = max(decode_step_seconds, 1e-6)
-        tracker.prefill_token_seconds = max(prefill_token_seconds, 0.0)
-        tracker.decode_samples = tracker.prefill_samples = 1
+        tracker._decode.append(max(decode_step_seconds, 1e-6))
+        tracker._prefill.append(max(prefill_token_seconds, 0.0))
         return tracker
 
-    def observe_step(
-        self, seconds: float, num_decode_tokens: int, num_prefill_tokens: int, overhead_seconds: float = 0.0
-    ) -> None:
+    @property
+    def decode_step_seconds(self) -> float:
+        with self._lock:
+            return statistics.median(self._decode) if self._decode else EngineRates.decode_step_seconds
+
+    @property
+    def prefill_token_seconds(self) -> float:
+        with self._lock:
+            return statistics.median(self._prefill) if self._prefill else EngineRates.prefill_token_seconds
+
+    def observe_step(self, seconds: float, num_decode_tokens: int, num_prefill_tokens: int) -> None:
         """Fold one step's wall time in; a mixed step is split by the current estimates' shares."""
         if seconds <= 0 or (num_decode_tokens == 0 and num_prefill_tokens == 0):
             return
+        decode_now, prefill_now = self.decode_step_seconds, self.prefill_token_seconds
+        prefill_est = num_prefill_tokens * prefill_now
+        decode_est = decode_now if num_decode_tokens else 0.0
+        total_est = prefill_est + decode_est
         with self._lock:
-            prefill_est = num_prefill_tokens * self.prefill_token_seconds
-            decode_est = self.decode_step_seconds if num_decode_tokens else 0.0
-            total_est = prefill_est + decode_est
             if num_decode_tokens:
-                share = seconds * (decode_est / total_est) if total_est > 0 else seconds
-                self.decode_step_seconds = self._ema(self.decode_step_seconds, share, self.decode_samples)
-                self.decode_samples += 1
+                self._decode.append(seconds * (decode_est / total_est) if total_est > 0 else seconds)
             if num_prefill_tokens:
                 share = seconds * (prefill_est / total_est) if total_est > 0 else seconds
-                self.prefill_token_seconds = self._ema(
-                    self.prefill_token_seconds, share / num_prefill_tokens, self.prefill_samples
-                )
-                self.prefill_samples += 1
-            self.python_overhead_seconds = self._ema(
-                self.python_overhead_seconds, overhead_seconds, self.decode_samples + self.prefill_samples - 1
-            )
-
-    def _ema(self, old: float, new: float, samples: int) -> float:
-        if samples == 0:
-            return new
-        if old > 0:
-            new = min(new, _MAX_JUMP * old)
-        return (1 - self.alpha) * old + self.alpha * new
+                self._prefill.append(share / num_prefill_tokens)
 
     def rates(self) -> EngineRates:
-        """The current averages as one consistent `EngineRates`."""
-        with self._lock:
-            return EngineRates(
-                decode_step_seconds=max(self.decode_step_seconds, 1e-6),
-                prefill_token_seconds=max(self.prefill_token_seconds, 0.0),
-            )
+        """The current medians as one consistent `EngineRates`."""
+        return EngineRates(
+            decode_step_seconds=max(self.decode_step_seconds, 1e-6),
+            prefill_token_seconds=max(self.prefill_token_seconds, 0.0),
+        )

@@ -70,8 +70,8 @@ def queue_full_message(depth: int, max_depth: int, running: int, wait: float, re
             f"{max_depth} waiting); estimated {reload_left:.0f} s until it serves again"
         )
     return (
-        f"the admission queue is full ({depth} of {max_depth} waiting, {running} running); a place is "
-        f"estimated to free in {wait:.0f} s"
+        f"the admission queue is full ({depth} of {max_depth} waiting, {running} running); the requests "
+        f"waiting now are estimated to have started in {wait:.0f} s"
     )
 
 

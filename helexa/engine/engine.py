@@ -269,7 +269,7 @@ class Engine:
         # The rate estimates are made from the loop's cadence: from the end of the previous working step
         # (back to back under load) to the end of this one, so the loop's own overhead and the threads
         # it shares the interpreter with are in it, as they are in every real wait.
-        self._record(inputs, t3 - begin, (t1 - t0) + (t3 - t2), t2 - t1)
+        self._record(inputs, t3 - begin, t3 - t0, t2 - t1)
         self._last_end = t3
         return True
 
@@ -461,12 +461,13 @@ class Engine:
             self._aborts.discard(handle.request_id)
         handle.stream.put(final)
 
-    def _record(self, inputs: StepInputs, step_seconds: float, overhead_seconds: float, model_seconds: float) -> None:
+    def _record(self, inputs: StepInputs, cadence_seconds: float, step_seconds: float, model_seconds: float) -> None:
+        """Counters get the step's own time; the rate estimates get the loop's cadence (see `step`)."""
         self.counters.steps += 1
         self.counters.step_seconds += step_seconds
         self.counters.model_seconds += model_seconds
         self.counters.prompt_tokens += inputs.num_prefill_tokens
-        self.rates.observe_step(step_seconds, inputs.num_decode_tokens, inputs.num_prefill_tokens, overhead_seconds)
+        self.rates.observe_step(cadence_seconds, inputs.num_decode_tokens, inputs.num_prefill_tokens)
         self.admission.set_rates(self.rates.rates())
 
     # ------------------------------------------------------------------ device faults

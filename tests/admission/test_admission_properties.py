@@ -113,7 +113,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         elif blocks <= NB - self.reserved() and len(self.running) < SEQS and not self.queue:
             expect = "granted"
         elif len(self.queue) >= QD:
-            expect, retry = "queue_full", retry_after_seconds(max(0.0, self.starts(now, self.queue_work())[0] - now))
+            expect, retry = "queue_full", retry_after_seconds(max(0.0, self.starts(now, self.queue_work())[-1] - now))
         else:
             wait = max(0.0, self.starts(now, self.queue_work() + [(blocks, req.run_seconds)])[-1] - now)
             if wait > WAIT:

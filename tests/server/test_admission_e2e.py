@@ -592,3 +592,43 @@ def test_a_burst_of_ordinary_chat_requests_is_served_without_a_single_refusal(
     # what the worst-case planner would have told the last of the burst, at the rate measured here
     worst = math.ceil((n - 4) / 4) * 8000 * snap["decode_step_seconds"]
     assert worst > 60.0, worst
+
+
+def test_a_burst_past_the_queue_is_refused_at_once_with_the_time_the_queue_needs(tiny_model_dir: Path) -> None:
+    """120 requests at once on 8 slots and a 64-deep queue: the ones that do not fit the queue get 429 at once
+    with a Retry-After close to when the queue really has drained (not "1 s"); none of those queued waits the
+    full limit and then fails — a request that would is refused at arrival."""
+    n, limit = 120, 15.0
+    with _serve(tiny_model_dir, num_blocks=128, max_num_seqs=8, max_queue_depth=64, max_wait_secs=limit) as server:
+        client = _client(server)
+        for i in range(4):  # a warm node: it has measured its steps and seen a few answers
+            client.completions.create(model="tiny", prompt=f"warm {i}", max_tokens=100)
+        results: list[tuple[int, float, float, str | None]] = []
+        lock = threading.Lock()
+
+        def call(i: int) -> None:
+            t0 = time.monotonic()
+            body = {"model": "tiny", "prompt": f"tell me about block {i}", "max_tokens": 100}
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+            with lock:
+                results.append((response.status_code, t0, time.monotonic(), response.headers.get("retry-after")))
+
+        threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(n)]
+        for thread in threads:
+            thread.start()
+        drained_at = None
+        deadline = time.monotonic() + 120
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            if drained_at is None and len(results) > 0 and _admission(server)["queue_depth"] == 0:
+                drained_at = time.monotonic()
+            time.sleep(0.02)
+        assert drained_at is not None
+        _released(server)
+
+    statuses = [r[0] for r in results]
+    assert len(results) == n and set(statuses) <= {200, 429, 503}, statuses
+    assert all(end - start < limit - 1 for status, start, end, _ in results if status == 503)  # never after waiting
+    refusals = [(end, int(retry)) for status, _, end, retry in results if status == 429]
+    assert len(refusals) >= n - 8 - 64 - 8  # (a few places free up while the burst arrives)
+    ratios = sorted(retry / max(0.5, drained_at - end) for end, retry in refusals)
+    assert 0.5 <= ratios[len(ratios) // 2] <= 2.0, ratios  # the median Retry-After is within 2x of the truth
