@@ -95,9 +95,9 @@ def _check_can_fit(state: ServerState, req: GenerationRequest) -> None:
     if req.messages is not None:
         texts = [m["content"] for m in req.messages if isinstance(m.get("content"), str)]
         texts += [p["text"] for m in req.messages if isinstance(m.get("content"), list) for p in m["content"]]
-        sizes = [sum(len(t.encode("utf-8")) for t in texts)]
+        sizes = [sum(map(_utf8_len, texts))]
     else:
-        sizes = [len(p.encode("utf-8")) for p in req.prompts if isinstance(p, str)]
+        sizes = [_utf8_len(p) for p in req.prompts if isinstance(p, str)]
     if sizes and max(sizes) > limit:
         raise APIError(
             "context_length_exceeded",
@@ -106,6 +106,10 @@ def _check_can_fit(state: ServerState, req: GenerationRequest) -> None:
             f"{engine.tokenizer.max_token_bytes} bytes)",
             param="messages" if req.messages is not None else "prompt",
         )
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
 def _observe(state: ServerState, run: GenerationRun) -> None:

@@ -76,6 +76,8 @@ def decode_json(raw: bytes) -> dict[str, Any]:
     while stack:
         item, depth = stack.pop()
         if isinstance(item, str):
+            if item.isascii():  # (no surrogate possible; and no copy of a megabyte string)
+                continue
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:
