@@ -433,7 +433,7 @@ class AdmissionController:
             return max(0.0, plan.start_of(blocks) - now)
 
     def set_rates(self, rates: EngineRates) -> None:
-        """Replace the engine's measured speed (its moving averages) used by every later estimate."""
+        """Replace the engine's measured speed (its recent medians) used by every later estimate."""
         if not isinstance(rates, EngineRates):
             raise ValueError(f"rates must be an EngineRates, got {type(rates).__name__}")
         with self._lock:
