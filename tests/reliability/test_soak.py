@@ -246,9 +246,10 @@ def test_soak(tiny_model_dir: Path) -> None:
         probes.sort()
         p99 = probes[int(0.99 * (len(probes) - 1))]
         print(f"soak: /health p50 {probes[len(probes) // 2] * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms; {hostile_report}")
-        # Measured on two cores with the engine, 32 clients and the prober in one interpreter: p99 ~0.1-0.3 s.
-        # (The hostile process's floods and 7.9 MiB bodies add nothing measurable to it.)
-        assert p99 < 0.5 and probes[-1] < 2.0, (p99, probes[-1])
+        # Measured on two cores with the engine, 32 clients and the prober in one interpreter: p99 0.11-0.32 s.
+        # The bound leaves room for a busier CI machine and still catches any stall of seconds (a tokenisation
+        # holding the GIL, a blocked event loop, a flood holding every connection).
+        assert p99 < 1.0 and probes[-1] < 3.0, (p99, probes[-1])
         assert "oversized 400" in hostile_report and "slow dropped" in hostile_report, hostile_report
         bad = [o for o in outcomes if o.kind == "bad"]
         assert not bad, f"{len(bad)} requests ended badly, e.g. {bad[:5]}"
