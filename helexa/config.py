@@ -116,6 +116,7 @@ FRACTION = Rule("a fraction in (0, 1]", lambda v: is_number(v) and 0 < v <= 1, f
 SIZE = Rule("a size of at least 1 byte (e.g. 512MiB, 2GiB)", lambda v: is_int(v) and v >= 1, parse_size, metavar="SIZE")
 POWER_OF_TWO = Rule("a power of two in [1, 128]", lambda v: is_int(v) and 1 <= v <= 128 and not v & (v - 1), int)
 TEXT = Rule("a non-empty string", lambda v: isinstance(v, str) and bool(v.strip()))
+SWITCH = Rule("true or false", lambda v: isinstance(v, bool), bool)  # a flag without a value: it flips the default
 
 # Flag groups of `python -m helexa.server --help`, in order, with their descriptions.
 GROUPS: dict[str, str | None] = {
@@ -242,6 +243,19 @@ class EngineConfig:
         2048, "most tokens one engine step runs (decode tokens and prefill chunks)", Rule.at_least(1)
     )
     seed: int = _scheduling(0, "seeds the default generator unseeded requests sample from", ANY_INT)
+    prefix_cache: bool = _scheduling(
+        True,
+        "turn the prefix cache off (on by default: requests share the KV blocks of a common prefix, and a "
+        "turn that resends its conversation computes only its new tokens)",
+        SWITCH,
+        flag="--no-prefix-cache",
+    )
+    prefix_retention_secs: float = _scheduling(
+        600.0,
+        "after a request with a prompt_cache_key ends, its cached blocks are evicted only after every "
+        "unretained cached block, for this long",
+        Rule.seconds(),
+    )
     max_fault_retries: int = _faults(
         3, "consecutive device faults the engine recovers from before it gives up", Rule.at_least(0)
     )
@@ -308,7 +322,9 @@ def add_flags(parser: argparse.ArgumentParser, config_type: type, groups: dict[s
             target = groups[key]
         rule: Rule = meta["rule"]
         kwargs: dict[str, Any] = {"default": f.default, "help": meta["help"], "dest": f.name}
-        if rule.choices:
+        if rule is SWITCH:
+            kwargs["action"] = "store_false" if f.default else "store_true"
+        elif rule.choices:
             kwargs["choices"] = rule.choices
         else:
             kwargs["type"], kwargs["metavar"] = _flag_type(rule), meta["metavar"] or rule.metavar
@@ -319,7 +335,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each flag's default, except where there is none."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
+        if action.default is None or isinstance(action.default, bool):  # a switch: its name says it
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _flag_type(rule: Rule) -> Callable[[str], Any]:

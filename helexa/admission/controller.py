@@ -3,9 +3,9 @@
 Life of a request:
 
 1. `submit(prompt_tokens, max_tokens, payload=...)`: rejected at once and for good (`kv_unservable`)
-   when `ceil((prompt + max_tokens) / block_size) - shared_blocks` blocks can never fit this node;
-   granted at once when nobody waits and both gates pass (sequences in flight < `max_num_seqs`,
-   blocks available >= its reservation); rejected when the queue is full (`queue_full`, or
+   when `ceil((prompt + max_tokens) / block_size)` blocks can never fit this node (sharing never
+   counts here); granted at once when nobody waits and both gates pass (sequences in flight <
+   `max_num_seqs`, blocks available >= its reservation); rejected when the queue is full (`queue_full`, or
    `model_reloading` while the model reloads) or its *expected* wait already exceeds `max_wait_secs`
    (`kv_timeout`); queued otherwise.
 2. The engine's `poll()` each step hands over grants, queued requests that expired (kv_timeout), and
@@ -21,9 +21,12 @@ end before the head could start; `adaptive` reserves the prompt plus a learned o
 grows a reservation one whole block at a time (`grow`), and when the pool is short the engine
 preempts the most recently admitted request (`preempt`), which waits to resume ahead of the queue.
 
-Accounting: `blocks_available = blocks_total - blocks_reserved`, the sum of live reservations. A
-reservation counts only the blocks a sequence does not share (`shared_blocks`). Wait estimates use
-the expected remaining output of each request (lengths.py), never its worst case.
+Accounting: `blocks_available = blocks_total - blocks_reserved`, where `blocks_reserved` is the sum
+of live reservations plus the prefix cache's orphan blocks (in use by sharers, charged to no live
+reservation). With a prefix cache (`sharing`), a request's hit is measured when it is granted,
+under this lock: blocks of its prefix that running sequences hold (`shared_blocks`) are not reserved
+again; cached blocks it takes count like new ones. Cached blocks count as available. Wait estimates
+use the expected remaining output of each request (lengths.py), never its worst case.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from helexa.admission.estimator import FifoPlan, retry_after_seconds
 from helexa.admission.lengths import AnswerLengths
 from helexa.admission.rates import EngineRates
 from helexa.admission.rejections import REJECTION_REASONS, AdmissionIntegrityError, AdmissionRejected
+from helexa.admission.sharing import BlockStates, PrefixSharing, Share
 from helexa.admission.ticket import PollResult, Ticket, TicketState
 from helexa.config import AdmissionConfig, check_int, debug_enabled
 
@@ -89,8 +93,9 @@ class AdmissionController:
 
     - `clock`: monotonic seconds (tests inject a fake); `rates`: the engine's speed until it measures.
     - `wakeup()`: called after `submit`, `cancel` or `release` changed something the engine loop should see.
-    - `blocks_free()`: the pool's exact physical free count for `snapshot()` (else `total - allocated`).
-    - `blocks_cached()`: the prefix cache's cached-block count (0 without one).
+    - `blocks_free()`: the pool's exact physical free count for `snapshot()` (else `total - allocated`),
+      used when there is no `sharing`.
+    - `sharing`: the prefix cache (see sharing.py): hits measured at grant, block states, orphans.
     - `reload_status()`: None while the model serves, else the estimated seconds until it serves again
       (a full queue then answers `model_reloading`).
     - `lengths`: the learned answer lengths estimates are made from (a fresh window by default).
@@ -106,7 +111,7 @@ class AdmissionController:
         rates: EngineRates | None = None,
         wakeup: Callable[[], None] | None = None,
         blocks_free: Callable[[], int] | None = None,
-        blocks_cached: Callable[[], int] | None = None,
+        sharing: PrefixSharing | None = None,
         reload_status: Callable[[], float | None] | None = None,
         lengths: AnswerLengths | None = None,
         debug: bool | None = None,
@@ -117,7 +122,7 @@ class AdmissionController:
         self._rates = rates if rates is not None else EngineRates()
         self._wakeup = wakeup
         self._blocks_free = blocks_free
-        self._blocks_cached = blocks_cached
+        self._sharing = sharing
         self._reload_status: Callable[[], float | None] = reload_status or (lambda: None)
         self._debug = debug_enabled() if debug is None else debug
         self._lengths = lengths if lengths is not None else AnswerLengths()
@@ -154,19 +159,13 @@ class AdmissionController:
     # ------------------------------------------------------------------ server side
 
     def submit(
-        self,
-        prompt_tokens: int,
-        max_tokens: int | None = None,
-        *,
-        shared_blocks: int = 0,
-        stops_early: bool = True,
-        payload: Any = None,
+        self, prompt_tokens: int, max_tokens: int | None = None, *, stops_early: bool = True, payload: Any = None
     ) -> Ticket:
         """Admit a tokenised request: returns its `Ticket` (granted or queued) or raises `AdmissionRejected`.
 
         `max_tokens=None` means `min(max_model_len - prompt_tokens, default_max_tokens)` output
-        tokens. `shared_blocks` is how many of the prompt's full blocks the prefix cache already
-        holds (they are not reserved again). `stops_early=False` says the request can only end at its
+        tokens. With a prefix cache, the blocks of its prefix that running sequences hold are measured
+        when it is granted and not reserved again. `stops_early=False` says the request can only end at its
         limit (it ignores EOS and has no stop condition): its estimates are exact, not learned, and
         its length teaches nothing. Raises `ValueError` for malformed numbers. A granted ticket also
         appears in the engine's next `poll().granted`.
@@ -174,16 +173,8 @@ class AdmissionController:
         check_int(prompt_tokens, "prompt_tokens")
         if max_tokens is not None:
             check_int(max_tokens, "max_tokens")
-        check_int(shared_blocks, "shared_blocks", 0)
-        if shared_blocks > prompt_tokens // self.capacity.block_size:
-            raise ValueError(
-                f"shared_blocks={shared_blocks} exceeds the {prompt_tokens // self.capacity.block_size} full blocks "
-                f"of a {prompt_tokens}-token prompt (block_size={self.capacity.block_size})"
-            )
         with self._critical:
-            outcome = self._submit_locked(
-                self._clock(), prompt_tokens, max_tokens, shared_blocks, bool(stops_early), payload
-            )
+            outcome = self._submit_locked(self._clock(), prompt_tokens, max_tokens, bool(stops_early), payload)
             self._wake_due = isinstance(outcome, Ticket)
         if isinstance(outcome, AdmissionRejected):
             raise outcome
@@ -241,7 +232,7 @@ class AdmissionController:
                     expired.append(head)
                 self._plan_stale = True
                 self._pump(now)
-            if self._adaptive:
+            if self._adaptive or self._resume:
                 self._pump(now)  # growth and preemption change what is available without a release
             if self._backfill_due:
                 self._backfill(now)
@@ -330,7 +321,7 @@ class AdmissionController:
             bound = self._bound(ticket)
             if blocks > bound:
                 raise ValueError(f"ticket {ticket.id}: a reservation of {blocks} blocks exceeds its bound of {bound}")
-            if extra > self.capacity.num_blocks - self._reserved:
+            if extra > self._available():
                 return False
             ticket.blocks_reserved = blocks
             self._reserved += extra
@@ -338,18 +329,19 @@ class AdmissionController:
         return True
 
     def preempt(self, ticket: Ticket) -> None:
-        """Take back a running ticket's whole reservation (policy `adaptive`); it waits to resume.
+        """Take back a running ticket's whole reservation; it waits to resume.
 
-        The engine calls this after it has freed the sequence's blocks (its stream stays open). The
-        ticket goes back to QUEUED, ahead of every request that has not run yet (preempted tickets
-        resume oldest first and never expire), with a new reservation for its prompt, the tokens it
-        has generated (recomputed on resume) and a learned allowance for the rest. A ticket whose
-        client has cancelled it ends instead. Raises `ValueError` unless it is granted and running.
+        Policy `adaptive` preempts to let older requests grow; any policy may preempt after a device
+        fault when a replay no longer fits. The engine calls this after it has freed the sequence's
+        blocks (its stream stays open); the cache blocks it held are let go here. The ticket goes back
+        to QUEUED, ahead of every request that has not run yet (preempted tickets resume oldest first
+        and never expire), with a new reservation for its prompt, the tokens it has generated
+        (recomputed on resume, less what the cache still holds) and, under `adaptive`, a learned
+        allowance for the rest. A ticket whose client has cancelled it ends instead. Raises
+        `ValueError` unless it is granted and running.
         """
         with self._critical:
             self._check_owned(ticket)
-            if not self._adaptive:
-                raise ValueError(f"preempt() of ticket {ticket.id} under policy {self.config.policy}; only adaptive")
             if ticket.state is not TicketState.GRANTED or not ticket.seen_by_engine:
                 raise ValueError(f"preempt() of ticket {ticket.id}: only a granted ticket the engine runs")
             now = self._clock()
@@ -361,14 +353,12 @@ class AdmissionController:
             del self._running[ticket.id]
             self._reserved -= freed
             self._allocated -= ticket.blocks_allocated
-            ticket.blocks_allocated = 0
-            ticket.prompt_prefilled = ticket.shared_blocks * self.capacity.block_size
+            if self._sharing is not None:
+                self._sharing.let_go(ticket)
+            ticket.blocks_allocated = ticket.prompt_prefilled = 0
+            ticket.shared_blocks = ticket.hit_blocks = 0
             ticket.blocks_reserved = self._reservation(
-                ticket.prompt_tokens,
-                ticket.max_tokens,
-                ticket.shared_blocks,
-                ticket.tokens_generated,
-                ticket.stops_early,
+                ticket.prompt_tokens, ticket.max_tokens, 0, ticket.tokens_generated, ticket.stops_early
             )
             ticket.state, ticket.preemptions = TicketState.QUEUED, ticket.preemptions + 1
             self._resume[ticket.id] = ticket
@@ -385,6 +375,42 @@ class AdmissionController:
                     )
                 )
                 self._effects.append(lambda: logger.info("admission: preempted ticket=%d %s", ticket.id, fields))
+
+    def unshare(self, ticket: Ticket) -> bool:
+        """Make a running ticket reserve the blocks it shared (after a device fault its replay computes
+        them itself): True when it now does (at once when it shared none); False, with nothing changed,
+        when too few blocks are available — the engine then preempts the most recent request."""
+        with self._critical:
+            self._check_owned(ticket)
+            if ticket.state is not TicketState.GRANTED:
+                raise ValueError(f"unshare() of ticket {ticket.id} in state {ticket.state.value}; it must be granted")
+            extra = ticket.shared_blocks
+            if extra > self._available():
+                return False
+            ticket.blocks_reserved += extra
+            self._reserved += extra
+            ticket.shared_blocks = ticket.hit_blocks = ticket.prompt_prefilled = 0
+            self._plan_drifted = True
+        return True
+
+    def reshare(self, ticket: Ticket) -> None:
+        """Measure a granted ticket's prefix hit again before its sequence starts: its pins are let go and
+        taken anew with its reservation, atomically. Blocks another sequence finished computing since the
+        grant are then shared instead of reserved (the engine holds back a request whose prompt a running
+        sequence is still prefilling, then calls this). What is available afterwards is served."""
+        with self._critical:
+            self._check_owned(ticket)
+            if ticket.state is not TicketState.GRANTED or ticket.blocks_allocated:
+                raise ValueError(f"reshare() of ticket {ticket.id}: only a granted ticket that has not started")
+            if self._sharing is None:
+                return
+            self._reserved -= ticket.blocks_reserved
+            self._sharing.let_go(ticket)
+            self._measure(ticket, lambda hit, shared: True)  # fits: blocks it held are reserved or available
+            self._reserved += ticket.blocks_reserved
+            self._plan_stale = True
+            self._pump(self._clock())
+            self._wake_due = True
 
     def queue_status(self, ticket: Ticket) -> tuple[int, float] | None:
         """`(place among the waiting requests from 1, estimated seconds until its grant)` while `ticket`
@@ -425,7 +451,7 @@ class AdmissionController:
             if (
                 not self._queue
                 and not self._resume
-                and blocks <= cap.num_blocks - self._reserved
+                and blocks <= self._available()
                 and len(self._running) < cfg.max_num_seqs
             ):
                 return 0.0
@@ -464,33 +490,41 @@ class AdmissionController:
 
     @property
     def blocks_reserved(self) -> int:
-        """Sum of live reservations."""
-        return self._reserved
+        """Sum of live reservations, plus the prefix cache's orphan blocks."""
+        with self._lock:
+            return self._reserved + self._orphans()
 
     @property
     def blocks_available(self) -> int:
-        """`blocks_total - blocks_reserved`: what the next grant may reserve."""
-        return self.capacity.num_blocks - self._reserved
+        """`blocks_total - blocks_reserved`: what the next grant may reserve (cached blocks included)."""
+        with self._lock:
+            return self._available()
 
     def snapshot(self) -> dict[str, Any]:
         """The `GET /v1/admission` numbers: pool, gates, queue, rejections, preemptions, counters, rates, basis.
 
-        `blocks_free + blocks_allocated + blocks_cached == blocks_total` in every snapshot: with a pool
-        attached all three come from one reading of the pool, never from progress reported a step ago.
+        `blocks_empty + blocks_cached + blocks_in_use == blocks_total` and `blocks_available ==
+        blocks_total - blocks_reserved` in every snapshot: the block states come from one reading of the
+        pool (never from progress reported a step ago), under the lock that orders every reservation.
+        `blocks_free` and `blocks_allocated` are the older names of `blocks_empty` and `blocks_in_use`.
         """
-        cached = self._blocks_cached() if self._blocks_cached is not None else 0
         cfg, total = self.config, self.capacity.num_blocks
         with self._lock:
-            free = self._blocks_free() if self._blocks_free is not None else total - self._allocated - cached
+            states = self._block_states()
+            orphans = self._orphans()
             lengths = self._lengths
             return {
                 "block_size": self.capacity.block_size,
                 "blocks_total": total,
-                "blocks_free": free,
-                "blocks_reserved": self._reserved,
-                "blocks_available": total - self._reserved,
-                "blocks_cached": cached,
-                "blocks_allocated": total - free - cached,
+                "blocks_empty": states.empty,
+                "blocks_cached": states.cached,
+                "blocks_in_use": states.in_use,
+                "blocks_retained": states.retained,
+                "blocks_reserved": self._reserved + orphans,
+                "blocks_available": total - self._reserved - orphans,
+                "blocks_orphaned": orphans,
+                "blocks_free": states.empty,
+                "blocks_allocated": states.in_use,
                 "in_flight": len(self._running),
                 "max_in_flight": cfg.max_num_seqs,
                 "queue_depth": len(self._queue) + len(self._resume),
@@ -513,10 +547,10 @@ class AdmissionController:
     def check_integrity(self) -> None:
         """Raise `AdmissionIntegrityError` (with the numbers) unless every invariant holds.
 
-        Sum of live reservations == `blocks_reserved` <= total; each ticket's allocated blocks <= its
-        reservation <= its bound, and their sum == the allocated count; in flight <= `max_num_seqs`;
-        queue depth <= `max_queue_depth`; every queued or preempted ticket is QUEUED and every running
-        one GRANTED, none in two places; preempted tickets wait in admission order.
+        Sum of live reservations (plus orphan blocks) == `blocks_reserved` <= total; each ticket's
+        allocated blocks <= its reservation <= its bound, and their sum == the allocated count; in
+        flight <= `max_num_seqs`; queue depth <= `max_queue_depth`; every queued or preempted ticket
+        is QUEUED and every running one GRANTED, none in two places; preempted tickets wait in admission order.
         """
         with self._lock:
             self._check_integrity_locked()
@@ -524,26 +558,33 @@ class AdmissionController:
     # ------------------------------------------------------------------ internals (lock held)
 
     def _submit_locked(
-        self, now: float, prompt: int, max_tokens: int | None, shared: int, stops_early: bool, payload: Any
+        self, now: float, prompt: int, max_tokens: int | None, stops_early: bool, payload: Any
     ) -> Ticket | AdmissionRejected:
         cfg, cap = self.config, self.capacity
         m = max_tokens if max_tokens is not None else max(1, min(cap.max_model_len - prompt, cfg.default_max_tokens))
-        bound = cap.blocks_for(prompt + m) - shared
+        bound = cap.blocks_for(prompt + m)
         if prompt >= cap.max_model_len or prompt + m > cap.max_model_len or bound > cap.num_blocks:
             message = why.unservable_message(prompt, m, bound, cap.block_size, cap.num_blocks, cap.max_model_len)
-            arith = self._arith(prompt, m, shared, bound, None, max_model_len=cap.max_model_len)
+            arith = self._arith(prompt, m, 0, bound, None, max_model_len=cap.max_model_len)
             return self._reject("kv_unservable", arith, None, message)
 
-        blocks = self._reservation(prompt, m, shared, 0, stops_early)
+        ticket = self._new_ticket(now, prompt, m, stops_early, payload)
         expected = self._lengths.expected_remaining(0, m) if stops_early else float(m)
-        run_seconds = self._rates.run_seconds(prompt - shared * cap.block_size, expected)
-        fits_now = blocks <= cap.num_blocks - self._reserved and len(self._running) < cfg.max_num_seqs
         waiting = bool(self._queue or self._resume)
-        if fits_now and (not waiting or cfg.policy == "backfill" and self._backfill_fits(now, run_seconds)):
-            ticket = self._new_ticket(now, prompt, m, shared, blocks, stops_early, payload)
-            ticket.backfilled = waiting
-            self._grant(ticket, now, from_queue=False)
-            return ticket
+        if not waiting or cfg.policy == "backfill":
+
+            def backfills(hit: int) -> bool:  # a request behind a blocked head must end by the head's start
+                run_seconds = self._rates.run_seconds(prompt - hit * cap.block_size, expected)
+                return not waiting or self._backfill_fits(now, run_seconds)
+
+            if self._try_grant(ticket, now, backfills):
+                self._next_id += 1
+                ticket.backfilled = waiting
+                self._note_grant(ticket, now, from_queue=False)
+                return ticket
+        else:
+            self._measure(ticket, lambda hit, shared: False)  # what it would reserve, for the plan
+        shared, blocks = ticket.shared_blocks, ticket.blocks_reserved
 
         depth = len(self._queue)
         if depth >= cfg.max_queue_depth:
@@ -561,15 +602,14 @@ class AdmissionController:
             return self._reject("queue_full", arith, retry_after_seconds(wait), message)
 
         plan = self._ensure_plan(now)
+        run_seconds = self._rates.run_seconds(ticket.prefill_tokens_left, expected)
         start, appended = plan.append_if_starts_by(blocks, run_seconds, now + cfg.max_wait_secs, expected)
         wait = max(0.0, start - now)
         if not appended:
-            message = why.too_long_message(
-                blocks, wait, cfg.max_wait_secs, cap.num_blocks - self._reserved, cap.num_blocks, depth
-            )
+            message = why.too_long_message(blocks, wait, cfg.max_wait_secs, self._available(), cap.num_blocks, depth)
             arith = self._arith(prompt, m, shared, blocks, wait, **self._basis(expected, plan.last_waited_on))
             return self._reject("kv_timeout", arith, retry_after_seconds(wait), message)
-        ticket = self._new_ticket(now, prompt, m, shared, blocks, stops_early, payload)
+        self._next_id += 1
         ticket.est_wait_at_arrival = wait
         ticket.est_start = max(start, now)
         self._queue[ticket.id] = ticket
@@ -579,24 +619,62 @@ class AdmissionController:
             self._effects.append(lambda: logger.debug("admission: queued ticket=%d %s", ticket.id, fields))
         return ticket
 
-    def _new_ticket(
-        self, now: float, prompt: int, m: int, shared: int, blocks: int, stops_early: bool, payload: Any
-    ) -> Ticket:
-        ticket = Ticket(
+    def _new_ticket(self, now: float, prompt: int, m: int, stops_early: bool, payload: Any) -> Ticket:
+        """A ticket with the next id (taken only once it is kept: `_next_id` moves on then), reserving its bound."""
+        return Ticket(
             id=self._next_id,
             prompt_tokens=prompt,
             max_tokens=m,
-            shared_blocks=shared,
-            blocks_reserved=blocks,
+            shared_blocks=0,
+            blocks_reserved=self.capacity.blocks_for(prompt + m),
             stops_early=stops_early,
             payload=payload,
             arrival=now,
             deadline=now + self.config.max_wait_secs,
             est_wait_at_arrival=0.0,
-            prompt_prefilled=shared * self.capacity.block_size,
         )
-        self._next_id += 1
-        return ticket
+
+    def _measure(self, ticket: Ticket, decide: Callable[[int, int], bool]) -> Share:
+        """Look up the ticket's prefix now and size its reservation for it; `decide(hit, shared)` says
+        whether to grant (the hit is pinned then). Sets shared/hit blocks, reservation and prefilled tokens."""
+        bs = self.capacity.block_size
+
+        def reserve(hit: int, shared: int) -> int:
+            ticket.shared_blocks, ticket.hit_blocks = shared, hit
+            ticket.prompt_prefilled = min(ticket.prompt_tokens, hit * bs)
+            ticket.blocks_reserved = self._reservation(
+                ticket.prompt_tokens, ticket.max_tokens, shared, ticket.tokens_generated, ticket.stops_early
+            )
+            return ticket.blocks_reserved
+
+        def decide_with(hit: int, shared: int) -> bool:
+            reserve(hit, shared)
+            return decide(hit, shared)
+
+        if self._sharing is None:
+            return Share(0, 0, decide_with(0, 0))
+        share = self._sharing.share(ticket, decide_with)
+        reserve(share.hit_blocks if share.pinned else 0, share.shared_blocks)
+        if not share.pinned:  # an estimate for the plan; re-measured when it is granted
+            ticket.prompt_prefilled = min(ticket.prompt_tokens, share.hit_blocks * bs)
+        return share
+
+    def _try_grant(self, ticket: Ticket, now: float, also: Callable[[int], bool] | None = None) -> bool:
+        """Measure the ticket's hit and grant it when both gates pass (and `also(hit_blocks)`): True if granted."""
+        seats = len(self._running) < self.config.max_num_seqs
+
+        def decide(hit: int, shared: int) -> bool:
+            fits = seats and ticket.blocks_reserved <= self._available()
+            return fits and (also is None or also(hit))
+
+        if not self._measure(ticket, decide).pinned:
+            return False
+        ticket.state, ticket.granted_at = TicketState.GRANTED, now
+        self._running[ticket.id] = ticket
+        self._reserved += ticket.blocks_reserved
+        self._new_grants.append(ticket)
+        self._plan_stale = True
+        return True
 
     def _arith(self, prompt: int, m: int, shared: int, blocks: int, wait: float | None, **extra: Any) -> dict[str, Any]:
         """The numbers behind a decision, in log-line order (`est_wait_s`/`deadline_s` when a wait was estimated)."""
@@ -645,18 +723,15 @@ class AdmissionController:
 
     def _pump(self, now: float) -> None:
         """Grant from the head while both gates pass: preempted tickets first (oldest first), then the queue
-        (strict FIFO, exact: no estimate involved)."""
+        (strict FIFO, exact: no estimate involved; each head's prefix hit is measured as it is tried)."""
         cfg, queue = self.config, self._queue
         for waiting in (self._resume, queue):
-            while waiting:
+            while waiting and len(self._running) < cfg.max_num_seqs:
                 head = next(iter(waiting.values()))
-                if (
-                    head.blocks_reserved > self.capacity.num_blocks - self._reserved
-                    or len(self._running) >= cfg.max_num_seqs
-                ):
+                if not self._try_grant(head, now):
                     break
                 waiting.popitem(last=False)
-                self._grant(head, now, from_queue=True)
+                self._note_grant(head, now, from_queue=True)
             if waiting:
                 break
         # Under "backfill", requests behind a blocked head are considered at the engine's next poll,
@@ -673,27 +748,23 @@ class AdmissionController:
         tickets = iter(queue.values())
         shadow = next(tickets).est_start  # the head's estimated start: a backfill must end by then
         rates, picked = self._rates, []
-        available = self.capacity.num_blocks - self._reserved
-        slots = cfg.max_num_seqs - len(self._running)
-        for t in tickets:
-            if slots == 0:
+        for t in list(tickets):
+            if len(self._running) >= cfg.max_num_seqs:
                 break
-            ends = now + rates.run_seconds(t.prefill_tokens_left, t.max_tokens)
-            if t.blocks_reserved <= available and ends <= shadow:
+
+            def ends_in_time(hit: int, t: Ticket = t) -> bool:
+                prefill = t.prompt_tokens - min(t.prompt_tokens, hit * self.capacity.block_size)
+                return now + rates.run_seconds(prefill, t.max_tokens) <= shadow
+
+            if self._try_grant(t, now, ends_in_time):
                 picked.append(t)
-                available -= t.blocks_reserved
-                slots -= 1
         for t in picked:
             del queue[t.id]
             t.backfilled = True
-            self._grant(t, now, from_queue=True)
+            self._note_grant(t, now, from_queue=True)
 
-    def _grant(self, ticket: Ticket, now: float, from_queue: bool) -> None:
-        ticket.state, ticket.granted_at = TicketState.GRANTED, now
-        self._running[ticket.id] = ticket
-        self._reserved += ticket.blocks_reserved
-        self._new_grants.append(ticket)
-        self._plan_stale = True
+    def _note_grant(self, ticket: Ticket, now: float, from_queue: bool) -> None:
+        """Count a grant `_try_grant` made and log it (admitted after a wait, or resumed after preemption)."""
         if ticket.preemptions:  # a preempted ticket resuming: admitted (and counted) once already
             if logger.isEnabledFor(logging.INFO):
                 fields = _Fields(self._ticket_arith(ticket, generated=ticket.tokens_generated))
@@ -721,6 +792,8 @@ class AdmissionController:
         del self._running[ticket.id]
         self._reserved -= ticket.blocks_reserved
         self._allocated -= ticket.blocks_allocated
+        if self._sharing is not None:  # its cache blocks go (orphans where sharers remain), atomically
+            self._sharing.let_go(ticket)
         ticket.state, ticket.ended_at = state, now
         if ticket in self._new_grants:  # granted (or, preempted, regranted) and never picked up
             self._new_grants.remove(ticket)
@@ -748,11 +821,25 @@ class AdmissionController:
             self._effects.append(lambda: logger.warning("admission: rejected %s %s", reason, fields))
         return error
 
-    def _gauges(self) -> dict[str, Any]:
+    def _orphans(self) -> int:
+        return self._sharing.orphan_blocks() if self._sharing is not None else 0
+
+    def _available(self) -> int:
+        """Blocks the next grant may reserve: total less live reservations and orphan blocks."""
+        return self.capacity.num_blocks - self._reserved - self._orphans()
+
+    def _block_states(self) -> BlockStates:
+        if self._sharing is not None:
+            return self._sharing.block_states()
         total = self.capacity.num_blocks
+        empty = self._blocks_free() if self._blocks_free is not None else total - self._allocated
+        return BlockStates(empty, 0, total - empty, 0)
+
+    def _gauges(self) -> dict[str, Any]:
+        total, orphans = self.capacity.num_blocks, self._orphans()
         return {
-            "blocks_available": total - self._reserved,
-            "blocks_reserved": self._reserved,
+            "blocks_available": total - self._reserved - orphans,
+            "blocks_reserved": self._reserved + orphans,
             "blocks_total": total,
             "in_flight": len(self._running),
             "max_num_seqs": self.config.max_num_seqs,
@@ -794,7 +881,7 @@ class AdmissionController:
         for t in self._running.values():
             left = 0.0 if t.cancel_requested else expect(t)
             releases.append((now + rates.run_seconds(t.prefill_tokens_left, left), t.blocks_reserved, left))
-        plan = FifoPlan(now, self.capacity.num_blocks - self._reserved, cfg.max_num_seqs - len(self._running), releases)
+        plan = FifoPlan(now, self._available(), cfg.max_num_seqs - len(self._running), releases)
         waiting = [*self._resume.values(), *self._queue.values()]
         decode, prefill = rates.decode_step_seconds, rates.prefill_token_seconds  # inline: 1,000s of tickets
         work = []
@@ -821,8 +908,12 @@ class AdmissionController:
         allocated = sum(t.blocks_allocated for t in self._running.values())
         if reserved != self._reserved:
             problems.append(f"sum of live reservations {reserved} != blocks_reserved {self._reserved}")
-        if not 0 <= self._reserved <= self.capacity.num_blocks:
-            problems.append(f"blocks_reserved {self._reserved} outside [0, blocks_total={self.capacity.num_blocks}]")
+        orphans = self._orphans()
+        if not 0 <= self._reserved + orphans <= self.capacity.num_blocks:
+            problems.append(
+                f"blocks_reserved {self._reserved} + orphaned {orphans} "
+                f"outside [0, blocks_total={self.capacity.num_blocks}]"
+            )
         if allocated != self._allocated:
             problems.append(f"sum of allocated blocks {allocated} != blocks_allocated {self._allocated}")
         if len(self._running) > cfg.max_num_seqs:

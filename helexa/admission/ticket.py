@@ -31,17 +31,19 @@ class Ticket:
     `max_tokens` is the output limit admission decided (the request's, or the default for a request
     that gave none): the one place it is decided, and where the engine stops the sequence.
     `blocks_reserved` is the reservation: under the `reserve` and `backfill` policies the worst case,
-    `ceil((prompt_tokens + max_tokens) / block_size) - shared_blocks`, fixed for the ticket's life;
+    `ceil((prompt_tokens + max_tokens) / block_size) - shared_blocks`, fixed while it runs;
     under `adaptive` the prompt plus a learned output allowance, grown a whole block at a time (`grow`)
     and given back when the ticket is preempted (`preemptions` counts those). `payload` is the submitter's
     own object (the engine's request), carried untouched. Progress fields are set through
-    `AdmissionController.progress`.
+    `AdmissionController.progress`. With a prefix cache, `hit_blocks` full blocks of its prefix were
+    pinned from the cache when it was granted, `shared_blocks` of them held by running sequences
+    (measured at grant; an estimate while it waits).
     """
 
     id: int
     prompt_tokens: int
     max_tokens: int
-    shared_blocks: int
+    shared_blocks: int  # blocks of its prefix other sequences hold: not part of its reservation
     blocks_reserved: int
     payload: Any
     arrival: float  # clock time of submit
@@ -53,6 +55,7 @@ class Ticket:
     backfilled: bool = False  # granted ahead of the queue's head under policy "backfill"
     stops_early: bool = True  # False: it ignores EOS with no stop condition, so it runs to max_tokens
     preemptions: int = 0  # times its blocks were taken back to let older requests grow (policy "adaptive")
+    hit_blocks: int = 0  # full blocks pinned from the prefix cache at grant: their tokens are not computed
     tokens_generated: int = 0
     prompt_prefilled: int = 0  # prompt tokens whose K/V is in the cache (shared ones included)
     blocks_allocated: int = 0  # physical blocks taken from the reservation so far

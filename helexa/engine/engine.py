@@ -19,8 +19,9 @@ from helexa.engine.output import append_token
 from helexa.engine.runner import ModelRunner, StepInputs
 from helexa.engine.scheduler import ScheduledChunk, schedule
 from helexa.engine.sequence import Request, Sequence
+from helexa.engine.sharing import CacheSharing
 from helexa.engine.stream import RequestStream, TokenEvent
-from helexa.kvcache import BlockPool, KVBudget
+from helexa.kvcache import BlockPool, BlockTable, KVBudget, PrefixCache, PrefixHit
 from helexa.model.config import ModelConfig
 from helexa.model.loader import resolve_dtype
 from helexa.model.sampling import SampleResult, SamplingParams, make_generator
@@ -73,7 +74,9 @@ class EngineCounters:
     model_seconds: float = 0.0
     device_faults: int = 0
     model_reloads: int = 0
-    prefix_cache_hit_tokens: int = 0
+    prefix_cache_query_tokens: int = 0  # prompt tokens looked up in the prefix cache (at each request's start)
+    prefix_cache_hit_tokens: int = 0  # of those, found cached: their K/V was not computed
+    prefix_cache_evictions: int = 0  # cached blocks evicted to make room (counted per step)
     preemptions: int = 0
     recomputed_tokens: int = 0  # tokens whose K/V a preemption dropped, computed again on resume
 
@@ -85,7 +88,8 @@ class Engine:
     request held returns to the pool when it ends (finish, abort, error); a running sequence never
     runs out of blocks (admission reserved them, or under `adaptive` grows them, preempting the
     newest request when the pool is short); a preempted request resumes by recomputation with its
-    stream uninterrupted; greedy and seeded output does not depend on what else runs in the batch.
+    stream uninterrupted; greedy and seeded output does not depend on what else runs in the batch,
+    nor on what the prefix cache held (a cached block holds exactly the K/V its tokens would give).
     `step()` may be driven directly (offline use) or by `start()`'s thread — not both.
     """
 
@@ -105,6 +109,13 @@ class Engine:
         self.health = ModelHealth()
         self.rates = self._calibrate(self.runner)
         self.counters = EngineCounters()
+        self._preempted: dict[int, Sequence] = {}  # by ticket id: blocks freed, waiting in admission to resume
+        self.sharing = (
+            CacheSharing(lambda: self.runner.cache if self.runner is not None else None, self._lookup_tokens,
+                         self.first_num_blocks)
+            if config.prefix_cache
+            else None
+        )  # fmt: skip
         self.admission = AdmissionController(
             config.admission,
             Capacity(config.block_size, self.first_num_blocks, self.max_model_len),
@@ -112,14 +123,17 @@ class Engine:
             wakeup=self._wake,
             reload_status=self.health.reload_seconds_left,
             blocks_free=lambda: self.runner.pool.num_free_blocks if self.runner is not None else 0,
+            sharing=self.sharing,
         )
         self._adaptive = config.admission.policy == "adaptive"
         self._faults = FaultInjector.from_env()
         self._last_end: float | None = None  # when the previous step that ran the model ended (None: idle since)
         self._step_no = 0  # steps that ran the model, counted from 1 (HELEXA_FAULT_INJECT counts these)
         self._consecutive_faults = 0
+        self._evictions_before = 0  # prefix-cache evictions of the caches reloads dropped
         self._running: list[Sequence] = []  # in admission order: the last is the most recently admitted
-        self._preempted: dict[int, Sequence] = {}  # by ticket id: blocks freed, waiting in admission to resume
+        # Granted, held back until a running sequence has computed more of their prompt (see `_hold_back`).
+        self._deferred: dict[int, tuple[Ticket, Sequence, int]] = {}  # ticket id -> (ticket, source, blocks)
         self._pending: dict[str, RequestHandle] = {}  # submitted, not ended; any thread, under _lock
         self._aborts: set[str] = set()  # abort requests for running sequences, under _lock
         self._ids = itertools.count(1)
@@ -168,6 +182,11 @@ class Engine:
         """The KV block pool (rebuilt with the same block count after a device fault)."""
         return self._live_runner().pool
 
+    def _lookup_tokens(self, ticket: Ticket) -> list[int]:
+        """The tokens a ticket's prefix lookup covers: a resuming sequence's prompt and output, else its prompt."""
+        seq = self._preempted.get(ticket.id)
+        return seq.token_ids if seq is not None else ticket.payload.prompt
+
     def _live_runner(self) -> ModelRunner:
         if self.runner is None:
             raise RuntimeError(f"the model is not loaded (state: {self.health.state})")
@@ -175,10 +194,20 @@ class Engine:
 
     # ------------------------------------------------------------------ requests (any thread)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        prompt_cache_key: str | None = None,
+    ) -> RequestHandle:
         """Queue a tokenised request for generation; thread-safe.
 
-        `params.max_tokens=None` lets admission reserve the node's default. Raises `AdmissionRejected`
+        `params.max_tokens=None` lets admission reserve the node's default. The prefix cache shares
+        blocks only between requests with the same `cache_salt` (or none); a `prompt_cache_key` names
+        an agent session whose blocks are retained when the request ends. Raises `AdmissionRejected`
         (never fits, queue full, wait beyond the deadline), `ValueError` (empty prompt, token ids
         outside the vocabulary, bad params), `DeviceFault` (the node gave up) or `EngineClosed`.
         """
@@ -186,6 +215,9 @@ class Engine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if not prompt_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
+        for name, value in (("cache_salt", cache_salt), ("prompt_cache_key", prompt_cache_key)):
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {type(value).__name__}")
         if len(prompt_ids) >= self.max_model_len:  # can never run: admission says so without a pass over the ids
             self.admission.submit(len(prompt_ids), params.max_tokens, stops_early=not params.runs_to_limit)
         prompt = [int(t) for t in prompt_ids]
@@ -206,7 +238,7 @@ class Engine:
                 len(prompt),
                 params.max_tokens,
                 stops_early=not params.runs_to_limit,
-                payload=Request(request_id, prompt, params, stream),
+                payload=Request(request_id, prompt, params, stream, cache_salt, prompt_cache_key),
             )
             handle = RequestHandle(request_id, stream, len(prompt), ticket.max_tokens, ticket)
             self._pending[request_id] = handle
@@ -244,6 +276,7 @@ class Engine:
         if self.health.fault_cause is not None or self.runner is None:
             return False
         self._take_admitted(self.runner)
+        self._release_deferred(self.runner)
         self._apply_aborts()
         chunks = schedule(self._running, self.config.max_num_batched_tokens)
         if self._adaptive:
@@ -264,6 +297,11 @@ class Engine:
             return True
         t2 = time.perf_counter()
         self._consecutive_faults = 0
+        if self.runner.cache is not None:
+            self.counters.prefix_cache_evictions = self._evictions_before + self.runner.cache.evictions
+        if self.sharing is not None:  # every block the step filled is now computed: offer it to the cache
+            for chunk in chunks:
+                self.sharing.offer(chunk.seq, self.runner.builder)
         self._postprocess(inputs, samples, failures)
         t3 = time.perf_counter()
         # The rate estimates are made from the loop's cadence: from the end of the previous working step
@@ -275,7 +313,8 @@ class Engine:
 
     def has_work(self) -> bool:
         """True while any request is running or waiting for admission."""
-        return bool(self._running) or bool(self._preempted) or self.admission.queue_depth > 0 or bool(self._pending)
+        busy = self._running or self._preempted or self._deferred or self._pending
+        return bool(busy) or self.admission.queue_depth > 0
 
     def start(self) -> None:
         """Run the loop on a daemon thread until `shutdown`."""
@@ -311,8 +350,11 @@ class Engine:
         self._thread = None
 
     def check_integrity(self) -> None:
-        """Engine-level invariants: pool and admission consistent; tables cover exactly the computed tokens;
-        preempted sequences hold no blocks and wait in admission (or were just regranted)."""
+        """Engine-level invariants: pool, prefix cache and admission consistent; tables cover exactly the
+        computed tokens, within their reservations; preempted sequences hold no blocks and wait in
+        admission (or were just regranted). With the prefix cache: every in-use block is charged to
+        exactly one reservation or is an orphan (so a granted request can never run out of blocks),
+        and each sequence holds through the cache exactly the blocks the cache counts for it."""
         runner = self._live_runner()
         runner.pool.check_integrity()
         runner.builder.check_integrity()
@@ -322,48 +364,139 @@ class Engine:
                 raise AssertionError(
                     f"{seq.request_id}: block table covers {seq.table.num_tokens} tokens, {seq.num_computed} computed"
                 )
-            if seq.table.num_blocks > seq.ticket.blocks_reserved:
+            if seq.table.num_blocks - seq.ticket.shared_blocks > seq.ticket.blocks_reserved:
                 raise AssertionError(
-                    f"{seq.request_id}: {seq.table.num_blocks} blocks over its reservation "
-                    f"of {seq.ticket.blocks_reserved}"
+                    f"{seq.request_id}: {seq.table.num_blocks} blocks ({seq.ticket.shared_blocks} shared) over its "
+                    f"reservation of {seq.ticket.blocks_reserved}"
                 )
+        if runner.cache is not None and self.sharing is not None:
+            self._check_sharing(runner.cache, self.sharing)
         for seq in self._preempted.values():
             if not seq.table.released or seq.num_computed or seq.ticket.state.ended:  # (granted: resumes next step)
                 raise AssertionError(f"{seq.request_id}: preempted but holds blocks or has ended")
 
+    def _check_sharing(self, cache: PrefixCache, sharing: CacheSharing) -> None:
+        cache.check_integrity()
+        counts = cache.counts()
+        pins = sharing.pinned_unattached()
+        charged = sum(s.table.num_blocks - s.ticket.shared_blocks for s in self._running)
+        charged += sum(len(hit.block_ids) - hit.shared for hit in pins.values())
+        if charged + cache.orphan_blocks != counts.in_use:
+            raise AssertionError(
+                f"prefix cache: {counts.in_use} blocks in use, but {charged} charged to running requests "
+                f"+ {cache.orphan_blocks} orphaned"
+            )
+        for seq in self._running:
+            if sorted(seq.table.cached_block_ids) != sorted(sharing.held(seq.ticket)):
+                raise AssertionError(f"{seq.request_id}: holds {sorted(seq.table.cached_block_ids)} through the cache, "
+                                     f"the cache counts {sorted(sharing.held(seq.ticket))}")  # fmt: skip
+            if seq.table.cached_block_ids and seq.ticket.id in pins:
+                raise AssertionError(f"{seq.request_id}: running, but its hit is still pinned unattached")
+
     # ------------------------------------------------------------------ step phases
 
     def _take_admitted(self, runner: ModelRunner) -> None:
-        """Turn newly granted tickets into running sequences; end expired and cancelled ones."""
+        """Turn newly granted tickets into running sequences (starting from their prefix-cache hit);
+        end expired and cancelled ones."""
         polled = self.admission.poll()
         for ticket in polled.expired:
             handle = self._pending.get(ticket.payload.request_id)
             if handle is not None:
                 self._end_unstarted(handle, TokenEvent(finish_reason="error", error=ticket.error))
         for ticket in polled.granted:
-            resumed = self._preempted.pop(ticket.id, None)
-            if resumed is not None:  # recompute its prompt and output so far; the stream never paused for it
-                resumed.table = runner.builder.new_table()
-                self._running.append(resumed)
-                continue
-            req: Request = ticket.payload
-            self._running.append(
-                Sequence(
-                    request_id=req.request_id,
-                    prompt_len=len(req.prompt),
-                    token_ids=list(req.prompt),
-                    params=req.params,
-                    ticket=ticket,
-                    stream=req.stream,
-                    detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt),
-                    stop_checker=StopChecker(req.params.stop),
-                    table=runner.builder.new_table(),
-                    generator=make_generator(req.params.seed, self.device) if req.params.seed is not None else None,
-                )
-            )
+            held_back = self._hold_back(ticket)
+            if held_back is not None:
+                self._deferred[ticket.id] = (ticket, *held_back)
+            else:
+                self._begin(ticket, runner)
         for ticket in polled.cancelled:
             with self._lock:
                 self._aborts.add(ticket.payload.request_id)
+
+    def _begin(self, ticket: Ticket, runner: ModelRunner) -> None:
+        """Start a granted ticket: a new sequence, or a preempted one resuming (recomputing what the cache no
+        longer holds), from a block table that begins with the hit pinned at its grant."""
+        hit = self.sharing.attach(ticket) if self.sharing is not None else None
+        table = runner.builder.new_table(cached_blocks=hit.block_ids if hit is not None else ())
+        seq = self._preempted.pop(ticket.id, None)
+        if seq is None:
+            req: Request = ticket.payload
+            seq = Sequence(
+                request_id=req.request_id,
+                prompt_len=len(req.prompt),
+                token_ids=list(req.prompt),
+                params=req.params,
+                ticket=ticket,
+                stream=req.stream,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt),
+                stop_checker=StopChecker(req.params.stop),
+                table=table,
+                generator=make_generator(req.params.seed, self.device) if req.params.seed is not None else None,
+                cache_salt=req.cache_salt,
+                session=req.session,
+            )
+        self._start(seq, table, hit)
+
+    def _hold_back(self, ticket: Ticket) -> tuple[Sequence, int] | None:
+        """`(source, blocks)` when a running sequence is prefilling more full blocks of this new request's prompt
+        than its hit holds (the choices of one `n > 1` request, or concurrent turns of one session): the
+        request then waits for `source` to compute `blocks` of them, and shares them instead of computing
+        them again. None: start now."""
+        if self.sharing is None or ticket.preemptions or ticket.id in self._deferred:
+            return None
+        req: Request = ticket.payload
+        bs = self.config.block_size
+        limit = (len(req.prompt) - 1) // bs
+        best: tuple[Sequence, int] | None = None
+        for seq in self._running:
+            if seq.cache_salt != req.cache_salt or not seq.offering or not seq.in_prefill:
+                continue
+            blocks = _common_blocks(seq.token_ids, seq.prompt_len, req.prompt, bs, limit)
+            if blocks > max(ticket.hit_blocks, seq.blocks_offered) and (best is None or blocks > best[1]):
+                best = (seq, blocks)
+        return best
+
+    def _release_deferred(self, runner: ModelRunner) -> None:
+        """Start held-back requests whose source has offered the blocks they wait for (or stopped running);
+        each measures its hit again first, so what it now shares is not reserved twice."""
+        for tid, (ticket, source, blocks) in list(self._deferred.items()):
+            waiting = source in self._running and source.offering and source.blocks_offered < blocks
+            if waiting or ticket.cancel_requested:  # (a cancelled one ends in `_apply_aborts`)
+                continue
+            del self._deferred[tid]
+            self.admission.reshare(ticket)
+            self._begin(ticket, runner)
+
+    def _start(self, seq: Sequence, table: BlockTable, hit: PrefixHit | None) -> None:
+        """Run a granted sequence from its new block table, which starts with the prefix-cache hit pinned at
+        its grant (those tokens are not computed again)."""
+        seq.table = table
+        seq.num_computed = hit.num_tokens if hit is not None else 0
+        seq.prefix_parent = hit.nodes[-1] if hit is not None and hit.nodes else None
+        seq.blocks_offered, seq.offering = len(hit.block_ids) if hit is not None else 0, True
+        self._running.append(seq)
+        if seq.ticket.preemptions:
+            self.counters.recomputed_tokens += max(0, seq.dropped_tokens - seq.num_computed)
+        elif self.sharing is not None:
+            seq.cached_tokens = seq.num_computed
+            self.counters.prefix_cache_query_tokens += seq.prompt_len
+            self.counters.prefix_cache_hit_tokens += seq.cached_tokens
+            logger.debug(
+                "engine: prefix cache request=%s prompt=%d hit_tokens=%d computed=%d shared_blocks=%d",
+                seq.request_id, seq.prompt_len, seq.cached_tokens, seq.prompt_len - seq.cached_tokens,
+                seq.ticket.shared_blocks,
+            )  # fmt: skip
+        if hit is None and seq.ticket.hit_blocks:  # its pinned hit was in a cache a reload dropped
+            self._unshare(seq)
+
+    def _unshare(self, seq: Sequence) -> None:
+        """Make a running sequence reserve the blocks it shared (its replay computes them), preempting the most
+        recently admitted sequences while the pool is short (possibly this one)."""
+        while seq.ticket.state is TicketState.GRANTED and not self.admission.unshare(seq.ticket):
+            victim = self._running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return
 
     def _apply_aborts(self) -> None:
         with self._lock:
@@ -372,6 +505,16 @@ class Engine:
             aborts, self._aborts = self._aborts, set()
         for seq in [s for s in [*self._running, *self._preempted.values()] if s.request_id in aborts]:
             self._finish(seq, _final(seq, "abort"))
+        for tid, (ticket, _, _) in list(self._deferred.items()):
+            if ticket.payload.request_id in aborts:  # held back, never started: its reservation and pins return
+                self._end_deferred(tid, TokenEvent(finish_reason="abort"))
+
+    def _end_deferred(self, ticket_id: int, final: TokenEvent) -> None:
+        ticket = self._deferred.pop(ticket_id)[0]
+        self.admission.release(ticket)
+        handle = self._pending.get(ticket.payload.request_id)
+        if handle is not None:
+            self._end_unstarted(handle, final)
 
     def _postprocess(self, inputs: StepInputs, samples: SampleResult | None, failures: dict[int, Exception]) -> None:
         """Stream each sampled token's event and finish what ended.
@@ -402,7 +545,7 @@ class Engine:
                     seq.ticket,
                     prompt_prefilled=min(seq.num_computed, seq.prompt_len),
                     tokens_generated=seq.num_output,
-                    blocks_allocated=seq.table.num_blocks,
+                    blocks_allocated=seq.table.num_blocks - seq.ticket.shared_blocks,
                 )
         for seq, event in finished:
             self._finish(seq, event)
@@ -431,9 +574,8 @@ class Engine:
         """Free a running sequence's blocks and hand its reservation back; it resumes when admission regrants it."""
         self._running.remove(seq)
         self.counters.preemptions += 1
-        self.counters.recomputed_tokens += seq.num_computed
         self._live_runner().builder.release(seq.table)
-        seq.num_computed = 0
+        seq.dropped_tokens, seq.num_computed = seq.num_computed, 0
         self._preempted[seq.ticket.id] = seq
         self.admission.preempt(seq.ticket)
 
@@ -500,6 +642,9 @@ class Engine:
         while True:
             time.sleep(min(backoff, 30.0))
             try:
+                if self.sharing is not None:
+                    self.sharing.reset()  # pins and holds were in the pool being dropped
+                self._evictions_before = self.counters.prefix_cache_evictions
                 self.runner = None  # drop the model and the pool, and give their device memory back
                 gc.collect()
                 if self.device.type == "cuda":
@@ -526,10 +671,15 @@ class Engine:
                 f"after device fault: {cause}"
             )
             return
-        for seq in self._running:  # replay: re-prefill prompt + tokens generated so far
-            seq.num_computed = 0
-            seq.table = self.runner.builder.new_table()
+        for seq in self._running:  # replay: re-prefill prompt + tokens generated so far, into an empty cache
+            seq.num_computed, seq.table = 0, self.runner.builder.new_table()
+            seq.prefix_parent, seq.blocks_offered, seq.offering = None, 0, True
             self.admission.progress(seq.ticket, prompt_prefilled=0, blocks_allocated=0)
+        for seq in list(self._running):  # blocks it shared are not there to share: it reserves them itself
+            if seq in self._running and seq.ticket.hit_blocks:
+                self._unshare(seq)
+        for tid in list(self._deferred):  # their pins were in the dropped cache: they start (and unshare) now
+            self._begin(self._deferred.pop(tid)[0], self.runner)
         self.counters.model_reloads += 1
         self.health.set("loaded")
         logger.warning(
@@ -545,6 +695,8 @@ class Engine:
             self.health.give_up(cause)
         for seq in list(self._running):
             self._finish(seq, _final(seq, "error", error))
+        for tid in list(self._deferred):
+            self._end_deferred(tid, TokenEvent(finish_reason="error", error=error))
         with self._lock:
             waiting = list(self._pending.values())  # queued, or granted and not yet running
         for handle in waiting:
@@ -579,6 +731,18 @@ class Engine:
                 if not self._woken and not self._stopping:
                     self._wakeup.wait(timeout)
                 self._woken = False
+
+
+def _common_blocks(tokens: list[int], prompt_len: int, prompt: list[int], block_size: int, limit: int) -> int:
+    """Full blocks (at most `limit`) at the start of `prompt` equal to those of `tokens[:prompt_len]`."""
+    lo, hi = 0, min(limit, prompt_len // block_size)
+    while lo < hi:  # the longest equal run of whole blocks, by bisection over C-speed slice compares
+        mid = (lo + hi + 1) // 2
+        if tokens[: mid * block_size] == prompt[: mid * block_size]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _final(seq: Sequence, reason: str, error: BaseException | None = None) -> TokenEvent:

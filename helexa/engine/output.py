@@ -53,5 +53,6 @@ def append_token(seq: Sequence, samples: SampleResult, row: int, eos_token_ids: 
         logprobs=logprobs,
         finish_reason=reason,
         num_prompt_tokens=seq.prompt_len,
+        num_cached_tokens=seq.cached_tokens,
         num_output_tokens=seq.num_output,
     )

@@ -17,7 +17,15 @@ import torch
 from helexa.config import EngineConfig
 from helexa.engine.scheduler import ScheduledChunk
 from helexa.engine.sequence import Sequence
-from helexa.kvcache import AttentionMetadata, BatchBuilder, BlockPool, BlockTable, estimate_activation_bytes, kv_budget
+from helexa.kvcache import (
+    AttentionMetadata,
+    BatchBuilder,
+    BlockPool,
+    BlockTable,
+    PrefixCache,
+    estimate_activation_bytes,
+    kv_budget,
+)
 from helexa.model.config import ModelConfig
 from helexa.model.loader import load_model
 from helexa.model.sampling import Sampler, SampleResult
@@ -39,10 +47,12 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model, its KV pool and batch builder, and the sampler; one `prepare` + `execute` per step.
+    """Owns the model, its KV pool, prefix cache and batch builder, and the sampler; one `prepare` +
+    `execute` per step.
 
     `prepare` extends each scheduled sequence's block table (allocating from the pool, which
-    admission has reserved for it, so it never runs out) and builds the step's tensors: token ids,
+    admission has reserved for it, so it never runs out: empty blocks first, then cached ones the
+    prefix cache evicts, least recently used first) and builds the step's tensors: token ids,
     positions and sampling rows travel in one host-to-device copy, the attention metadata in another
     (the batch builder's). `execute` runs the forward and samples with one host transfer.
     """
@@ -99,6 +109,11 @@ class ModelRunner:
         )
         self.model, self.budget, self.pool, self.device = model, budget, pool, device
         self.builder = BatchBuilder(pool, max_num_seqs, max_model_len)
+        self.cache = (
+            PrefixCache(pool.allocator, config.block_size, retention_secs=config.prefix_retention_secs)
+            if config.prefix_cache
+            else None
+        )
         # Checkpoints often pad the embedding past the tokenizer's vocabulary; those ids can never be
         # detokenised, so sampling only ever sees the tokenizer's columns.
         self.sample_vocab_size = min(tokenizer_vocab, mc.vocab_size)
@@ -167,7 +182,10 @@ class ModelRunner:
                 num_prefill += chunk.num_new
             else:
                 num_decode += chunk.num_new
-        attn = self.builder.build([(chunk.seq.table, chunk.num_new) for chunk in chunks])
+        batch = [(chunk.seq.table, chunk.num_new) for chunk in chunks]
+        if self.cache is not None:
+            self.cache.ensure_free(self.builder.blocks_needed(batch))
+        attn = self.builder.build(batch)
         packed = _to_device(ids + positions + sample_rows, self.device)  # (2T + S,): one transfer
         num_tokens = len(ids)
         return StepInputs(

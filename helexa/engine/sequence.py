@@ -8,7 +8,7 @@ import torch
 
 from helexa.admission import Ticket
 from helexa.engine.stream import RequestStream
-from helexa.kvcache import BlockTable
+from helexa.kvcache import BlockTable, CachedBlock
 from helexa.model.sampling import SamplingParams
 from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.text.stopping import StopChecker
@@ -22,6 +22,8 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     stream: RequestStream
+    cache_salt: str | None = None  # blocks are shared only between requests with the same salt
+    session: str | None = None  # the prompt_cache_key whose blocks are retained when it ends
 
 
 @dataclass(eq=False)
@@ -30,7 +32,8 @@ class Sequence:
 
     `token_ids` is prompt + output so far; `num_computed` counts the leading tokens whose K/V are in
     the cache (the next step computes from there). It stops at `ticket.max_tokens`, the output limit
-    admission sized its reservation for.
+    admission sized its reservation for. `prefix_parent` is the prefix-cache entry of its last full
+    block offered to the cache (`blocks_offered` of them); `cached_tokens` were found in the cache.
     """
 
     request_id: str
@@ -44,6 +47,13 @@ class Sequence:
     table: BlockTable
     generator: torch.Generator | None = None
     num_computed: int = 0
+    cache_salt: str | None = None
+    session: str | None = None
+    prefix_parent: CachedBlock | None = None
+    blocks_offered: int = 0
+    offering: bool = True  # False after a hash collision: its later blocks are not indexed
+    cached_tokens: int = 0
+    dropped_tokens: int = 0  # computed tokens a preemption dropped; those the cache no longer holds are recomputed
 
     @property
     def num_tokens(self) -> int:

@@ -26,7 +26,8 @@ class TokenEvent:
     carries a finish reason or an error); `text` is the newly completed text (may be empty while
     a multi-byte character or a possible stop string is held back). A final event has
     `finish_reason` set (`"stop"`, `"length"`, `"abort"` or `"error"`); an `"error"` event
-    carries `error` (the exception the consumer should surface).
+    carries `error` (the exception the consumer should surface). `num_cached_tokens`: prompt tokens
+    whose K/V came from the prefix cache instead of being computed.
     """
 
     token_ids: tuple[int, ...] = ()
@@ -36,6 +37,7 @@ class TokenEvent:
     error: BaseException | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

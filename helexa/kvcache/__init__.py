@@ -1,5 +1,6 @@
 """helexa.kvcache: the paged KV block pool (`BlockPool`), its device-side allocator (`BlockAllocator`),
-block tables and each step's `AttentionMetadata` (`BatchBuilder`), the KV budget (`kv_budget`).
+block tables and each step's `AttentionMetadata` (`BatchBuilder`), the prefix cache that shares full
+blocks between requests (`PrefixCache`), the KV budget (`kv_budget`).
 Importable without a model or a server."""
 
 from helexa.config import parse_size
@@ -8,16 +9,21 @@ from helexa.kvcache.batch import BatchBuilder, BlockTable
 from helexa.kvcache.budget import CPU_DEFAULT_CAP, KVBudget, estimate_activation_bytes, kv_budget, kv_bytes_per_block
 from helexa.kvcache.metadata import AttentionMetadata
 from helexa.kvcache.pool import BlockPool
+from helexa.kvcache.prefix import BlockCounts, CachedBlock, PrefixCache, PrefixHit
 
 __all__ = [
     "AttentionMetadata",
     "BatchBuilder",
     "BlockAllocator",
+    "BlockCounts",
     "BlockPool",
     "BlockTable",
     "CPU_DEFAULT_CAP",
+    "CachedBlock",
     "KVBudget",
     "OutOfBlocks",
+    "PrefixCache",
+    "PrefixHit",
     "estimate_activation_bytes",
     "kv_budget",
     "kv_bytes_per_block",

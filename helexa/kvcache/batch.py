@@ -5,6 +5,10 @@
     attn = builder.build([(table, 7), (other, 1)])     # every step: (table, new tokens) pairs
     builder.release(table)                             # when the sequence ends (or is preempted)
 
+Blocks a prefix cache indexes are held through the cache, not the allocator: a table starts with them
+(`new_table(cached_blocks=...)`) or hands one over once the cache indexed it (`hand_over`); `release`
+drops allocator references only for the blocks the table owns and returns the others.
+
 A step's device work is one host-to-device copy of 4B+1 int32s and one allocator launch; block ids
 come from the allocator's host mirror, so nothing waits for the device.
 """
@@ -27,6 +31,10 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _ids(block_ids: BlockIds) -> list[int]:
+    return block_ids.tolist() if isinstance(block_ids, torch.Tensor) else list(block_ids)
+
+
 class BlockTable:
     """One sequence's blocks, in order: token `i` lives in block `block_ids[i // block_size]`.
 
@@ -35,13 +43,16 @@ class BlockTable:
     row `row` of the builder's device tables.
     """
 
-    __slots__ = ("_builder", "row", "_block_ids", "num_tokens")
+    __slots__ = ("_builder", "row", "_block_ids", "num_tokens", "_cached")
 
-    def __init__(self, builder: BatchBuilder, row: int, block_ids: list[int], num_tokens: int) -> None:
+    def __init__(
+        self, builder: BatchBuilder, row: int, block_ids: list[int], num_tokens: int, cached: set[int]
+    ) -> None:
         self._builder = builder
         self.row = row
         self._block_ids = block_ids
         self.num_tokens = num_tokens
+        self._cached = cached  # block ids held through a prefix cache (no allocator reference of ours)
 
     @property
     def block_ids(self) -> tuple[int, ...]:
@@ -52,6 +63,11 @@ class BlockTable:
     def num_blocks(self) -> int:
         """Blocks held: `cdiv(num_tokens, block_size)`."""
         return len(self._block_ids)
+
+    @property
+    def cached_block_ids(self) -> frozenset[int]:
+        """The blocks held through a prefix cache rather than by an allocator reference of the table's."""
+        return frozenset(self._cached)
 
     @property
     def released(self) -> bool:
@@ -92,30 +108,49 @@ class BatchBuilder:
         """Tables created and not yet released."""
         return len(self._live)
 
-    def new_table(self, shared_blocks: BlockIds = ()) -> BlockTable:
-        """A table for a new sequence, starting with `shared_blocks` (full, allocated blocks, e.g. from a
-        prefix cache; each gains a reference). Raises `ValueError` when all rows are in use or a shared
-        block is invalid."""
+    def new_table(self, shared_blocks: BlockIds = (), *, cached_blocks: BlockIds = ()) -> BlockTable:
+        """A table for a new sequence, starting with full, allocated blocks: `shared_blocks` each gain an
+        allocator reference; `cached_blocks` (after them) are held through a prefix cache and gain none.
+        Raises `ValueError` when all rows are in use or a block is invalid (free, repeated)."""
         if not self._free_rows:
             raise ValueError(f"all {self.max_num_seqs} block-table rows are in use (max_num_seqs)")
-        ids = shared_blocks.tolist() if isinstance(shared_blocks, torch.Tensor) else list(shared_blocks)
+        shared, cached = (
+            b.tolist() if isinstance(b, torch.Tensor) else list(b) for b in (shared_blocks, cached_blocks)
+        )
+        ids = shared + cached
         if len(ids) > self.max_blocks_per_seq:
-            raise ValueError(f"{len(ids)} shared blocks exceed max_model_len {self.max_model_len}")
-        self.pool.incref(ids)  # validates before any change
+            raise ValueError(f"{len(ids)} starting blocks exceed max_model_len {self.max_model_len}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a table cannot start with the same block twice: {ids}")
+        for b in cached:
+            if not 0 <= b < self.pool.num_blocks or self.pool.refcount(b) == 0:
+                raise ValueError(f"cached block {b} is free or out of range; only allocated blocks can be shared")
+        self.pool.incref(shared)  # validates before any change
         row = self._free_rows.pop()
         if ids:
             self.tables[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32).to(self.pool.device, non_blocking=True)
-        table = BlockTable(self, row, ids, len(ids) * self.pool.block_size)
+        table = BlockTable(self, row, ids, len(ids) * self.pool.block_size, set(cached))
         self._live[row] = table
         return table
 
-    def release(self, table: BlockTable) -> None:
-        """Drop the table's reference to each of its blocks and free its row (no device sync); blocks no
-        one else holds return to the pool. Releasing a table twice raises `ValueError`."""
+    def hand_over(self, table: BlockTable, block_id: int) -> None:
+        """Record that a prefix cache took over the table's allocator reference to `block_id` (it indexed
+        the block): from now on the table holds it through the cache. Raises `ValueError` for a block
+        the table does not own."""
         self._check_live(table)
-        self.pool.decref(table._block_ids)
+        if block_id not in table._block_ids or block_id in table._cached:
+            raise ValueError(f"{table!r} does not own block {block_id}")
+        table._cached.add(block_id)
+
+    def release(self, table: BlockTable) -> list[int]:
+        """Drop the table's allocator reference to each block it owns and free its row (no device sync);
+        blocks no one else holds return to the pool. Returns the blocks it held through a prefix cache,
+        in position order, for the caller to release there. Releasing a table twice raises `ValueError`."""
+        self._check_live(table)
+        self.pool.decref([b for b in table._block_ids if b not in table._cached])
         del self._live[table.row]
         self._free_rows.append(table.row)
+        return [b for b in table._block_ids if b in table._cached]
 
     def blocks_needed(self, batch: Iterable[tuple[BlockTable, int]]) -> int:
         """Blocks `build(batch)` would allocate (the check half of check/commit)."""
@@ -190,6 +225,10 @@ class BatchBuilder:
             if rows[row][: len(table._block_ids)] != table._block_ids:
                 raise RuntimeError(f"{table!r}: device row {rows[row][: len(table._block_ids)]} differs")
             for b in table._block_ids:
+                if b in table._cached:  # held through a prefix cache, which checks its own references
+                    if self.pool.refcount(b) < 1:
+                        raise RuntimeError(f"{table!r}: cached block {b} is free")
+                    continue
                 holders[b] = holders.get(b, 0) + 1
         for b, count in holders.items():
             if self.pool.refcount(b) < count:

@@ -89,12 +89,17 @@ class ApiFormat:
     def event(self, choice: Choice, event: TokenEvent) -> Iterator[bytes]:
         raise NotImplementedError
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         """Token counts (the prompt counted once, even with several choices)."""
         prompt, completion = self.run.prompt_tokens, self.run.completion_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.run.cached_tokens},
+        }
 
-    def _object(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+    def _object(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": self.run.request_id,
             "object": kind,
@@ -221,7 +226,7 @@ class ResponsesFormat(ApiFormat):
         prompt, completion = self.run.prompt_tokens, self.run.completion_tokens
         usage = {
             "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": self.run.cached_tokens},
             "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion,

@@ -28,9 +28,11 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: BaseException | None = None
+    cached_tokens: int = 0  # prompt tokens its sequence found in the prefix cache
 
     def add(self, event: TokenEvent) -> None:
         """Fold one event in (text deltas are already detokenised and stop-trimmed by the engine)."""
+        self.cached_tokens = max(self.cached_tokens, event.num_cached_tokens)
         if event.text:
             self.text.append(event.text)
         self.token_ids.extend(event.token_ids)
@@ -117,7 +119,13 @@ class GenerationRun:
                 for i in range(n):
                     k = p * n + i
                     params = self.sampling_params(k)
-                    handle = self.engine.submit(ids, params, request_id=f"{self.request_id}-{k}")
+                    handle = self.engine.submit(
+                        ids,
+                        params,
+                        request_id=f"{self.request_id}-{k}",
+                        cache_salt=self.request.cache_salt,
+                        prompt_cache_key=self.request.prompt_cache_key,
+                    )
                     self.handles.append(handle)
                     self.choices.append(Choice(index=k, prompt_tokens=handle.prompt_tokens))
         except BaseException as exc:
@@ -142,6 +150,13 @@ class GenerationRun:
     def prompt_tokens(self) -> int:
         """Prompt tokens of the request, each prompt counted once (not once per choice)."""
         return sum(len(ids) for ids in self.prompt_ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, each prompt counted once (its least-cached choice)."""
+        n = self.request.n
+        groups = [self.choices[p * n : (p + 1) * n] for p in range(len(self.choices) // n)] if n else []
+        return sum(min(c.cached_tokens for c in group) for group in groups if group)
 
     @property
     def completion_tokens(self) -> int:

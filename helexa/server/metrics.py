@@ -18,11 +18,13 @@ from helexa.engine import MODEL_STATES, Engine
 # Every metric the server exports (counters with their `_total` sample suffix).
 METRIC_NAMES = (
     "helexa_kv_blocks_total", "helexa_kv_blocks_free", "helexa_kv_blocks_reserved", "helexa_kv_blocks_available",
-    "helexa_kv_blocks_cached", "helexa_requests_in_flight", "helexa_queue_depth", "helexa_model_state",
+    "helexa_kv_blocks_cached", "helexa_kv_blocks_in_use", "helexa_kv_blocks_retained",
+    "helexa_requests_in_flight", "helexa_queue_depth", "helexa_model_state",
     "helexa_kv_cache_usage_ratio",
     "helexa_admission_rejected_total", "helexa_requests_total", "helexa_prompt_tokens_total",
     "helexa_generation_tokens_total", "helexa_device_faults_total", "helexa_model_reloads_total",
-    "helexa_prefix_cache_hit_tokens_total", "helexa_preemptions_total", "helexa_recomputed_tokens_total",
+    "helexa_prefix_cache_hit_tokens_total", "helexa_prefix_cache_query_tokens_total",
+    "helexa_prefix_cache_evictions_total", "helexa_preemptions_total", "helexa_recomputed_tokens_total",
     "helexa_admission_wait_seconds", "helexa_time_to_first_token_seconds", "helexa_request_duration_seconds",
 )  # fmt: skip
 
@@ -38,10 +40,12 @@ _HISTOGRAMS = (
 # snapshot key -> (gauge name, help)
 _SNAPSHOT_GAUGES = (
     ("blocks_total", "helexa_kv_blocks_total", "KV blocks in the pool (fixed while loaded)."),
-    ("blocks_free", "helexa_kv_blocks_free", "KV blocks physically free in the pool."),
-    ("blocks_reserved", "helexa_kv_blocks_reserved", "KV blocks reserved by admitted requests."),
+    ("blocks_empty", "helexa_kv_blocks_free", "KV blocks empty (on the free list)."),
+    ("blocks_reserved", "helexa_kv_blocks_reserved", "KV blocks reserved (by admitted requests, and for sharers)."),
     ("blocks_available", "helexa_kv_blocks_available", "KV blocks the next admission may reserve (total - reserved)."),
-    ("blocks_cached", "helexa_kv_blocks_cached", "KV blocks held by the prefix cache."),
+    ("blocks_cached", "helexa_kv_blocks_cached", "KV blocks cached, held by no request (evictable)."),
+    ("blocks_in_use", "helexa_kv_blocks_in_use", "KV blocks held by running requests."),
+    ("blocks_retained", "helexa_kv_blocks_retained", "Cached KV blocks retained for agent sessions (evicted last)."),
     ("in_flight", "helexa_requests_in_flight", "Sequences holding a reservation."),
     ("queue_depth", "helexa_queue_depth", "Requests waiting for admission."),
 )
@@ -52,7 +56,9 @@ _ENGINE_COUNTERS = (
     ("generation_tokens", "helexa_generation_tokens", "Tokens generated."),
     ("device_faults", "helexa_device_faults", "Device faults the engine caught."),
     ("model_reloads", "helexa_model_reloads", "Model reloads after a device fault."),
+    ("prefix_cache_query_tokens", "helexa_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache."),
     ("prefix_cache_hit_tokens", "helexa_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache."),
+    ("prefix_cache_evictions", "helexa_prefix_cache_evictions", "Cached KV blocks evicted to make room."),
     ("preemptions", "helexa_preemptions", "Requests preempted to let older ones grow (policy adaptive)."),
     ("recomputed_tokens", "helexa_recomputed_tokens", "Tokens computed again after a preemption dropped their K/V."),
 )

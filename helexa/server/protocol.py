@@ -36,6 +36,8 @@ class GenerationRequest:
     - `seed`: choice i samples with `seed + i`, so choices differ but repeat.
     - `logprobs`: None, or how many top alternatives per token (0: the chosen token's logprob only).
     - `include_usage`: streaming only — a final chunk carries `usage` (`stream_options.include_usage`).
+    - `prompt_cache_key`: the agent session whose cached prefix is retained past this turn; `cache_salt`:
+      the tenant boundary — the prefix cache shares blocks only between requests with the same salt.
     """
 
     kind: str
@@ -52,6 +54,8 @@ class GenerationRequest:
     logprobs: int | None = None
     echo: bool = False
     model: str | None = None
+    prompt_cache_key: str | None = None
+    cache_salt: str | None = None
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:
@@ -136,6 +140,15 @@ def _bool(body: dict[str, Any], name: str) -> bool | None:
 
 def _str(body: dict[str, Any], name: str) -> str | None:
     return _get(body, name, lambda v: isinstance(v, str), "a string")
+
+
+MAX_CACHE_KEY = 1024  # characters of a prompt_cache_key or cache_salt
+
+
+def _cache_key(body: dict[str, Any], name: str) -> str | None:
+    """`prompt_cache_key` or `cache_salt`: an optional non-empty string of at most `MAX_CACHE_KEY` characters."""
+    ok = lambda v: isinstance(v, str) and 0 < len(v) <= MAX_CACHE_KEY  # noqa: E731
+    return _get(body, name, ok, f"a non-empty string of at most {MAX_CACHE_KEY} characters")
 
 
 def _stop(body: dict[str, Any], name: str) -> tuple[str, ...] | None:
@@ -237,6 +250,8 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
         include_usage=include_usage,
         logprobs=(top or 0) if want_logprobs else None,
         model=_str(body, "model"),
+        prompt_cache_key=_cache_key(body, "prompt_cache_key"),
+        cache_salt=_cache_key(body, "cache_salt"),
     )
 
 
@@ -284,6 +299,8 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
         logprobs=logprobs,
         echo=echo,
         model=_str(body, "model"),
+        prompt_cache_key=_cache_key(body, "prompt_cache_key"),
+        cache_salt=_cache_key(body, "cache_salt"),
     )
 
 
@@ -343,4 +360,6 @@ def parse_response(body: dict[str, Any]) -> GenerationRequest:
         max_tokens=_int(body, "max_output_tokens", 1),
         stream=bool(_bool(body, "stream")),
         model=_str(body, "model"),
+        prompt_cache_key=_cache_key(body, "prompt_cache_key"),
+        cache_salt=_cache_key(body, "cache_salt"),
     )

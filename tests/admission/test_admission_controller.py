@@ -20,7 +20,7 @@ from helexa.admission import (
 )
 from helexa.engine.faults import ModelHealth
 from helexa.server.errors import from_admission
-from tests.support.admission import FakeClock, FakeEngine, controller
+from tests.support.admission import FakeClock, FakeEngine, FixedSharing, controller
 
 EXACT = EngineRates(decode_step_seconds=0.5, prefill_token_seconds=0.0)
 
@@ -124,12 +124,21 @@ def test_unservable_rejected_at_once_without_touching_the_queue(caplog: pytest.L
 
 
 def test_shared_blocks_reduce_the_reservation() -> None:
-    c = make()
-    # 1700 tokens = 107 blocks; 10 of the prompt's blocks shared from the prefix cache -> 97 fit
-    t = c.submit(1500, 200, shared_blocks=10)
-    assert t.blocks_reserved == 97 and t.prompt_prefilled == 160 and t.state is TicketState.GRANTED
-    with pytest.raises(ValueError, match="full blocks"):
-        c.submit(33, 5, shared_blocks=3)
+    sharing = FixedSharing(16, 100)
+    c = make(sharing=sharing)
+    # 1500 tokens = 94 blocks; 10 of the prompt's blocks held by running sequences -> 84 reserved
+    t = c.submit(1300, 200, payload={"shared": 10})
+    assert (t.blocks_reserved, t.shared_blocks, t.hit_blocks) == (84, 10, 10)
+    assert t.prompt_prefilled == 160 and t.state is TicketState.GRANTED and sharing.pinned == {t.id: 10}
+    # a 32-token prompt fills 2 blocks, but its last token is always computed: only the first is shared
+    u = c.submit(32, 5, payload={"shared": 3})
+    assert (u.hit_blocks, u.blocks_reserved) == (1, 2)
+    # a request that does not fit pins nothing; measured again (and pinned) when it is granted
+    v = c.submit(1300, 200, payload={"shared": 10})
+    assert v.state is TicketState.QUEUED and v.blocks_reserved == 84 and v.id not in sharing.pinned
+    c.release(t)
+    assert sharing.released == [t.id] and v.state is TicketState.GRANTED and sharing.pinned[v.id] == 10
+    c.check_integrity()
 
 
 def test_default_max_tokens() -> None:
@@ -141,7 +150,7 @@ def test_default_max_tokens() -> None:
 
 def test_bad_input_raises_value_error() -> None:
     c = make()
-    for args, kwargs in [((0,), {}), ((True,), {}), ((10, 0), {}), ((10, 2.5), {}), ((10,), {"shared_blocks": -1})]:
+    for args, kwargs in [((0,), {}), ((True,), {}), ((10, 0), {}), ((10, 2.5), {}), ((10,), {"max_tokens": -1})]:
         with pytest.raises(ValueError):
             c.submit(*args, **kwargs)
     with pytest.raises(ValueError):

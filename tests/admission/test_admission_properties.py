@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from helexa.admission import AdmissionRejected, EngineRates, TicketState, retry_after_seconds
-from tests.support.admission import FakeClock, FakeEngine, SeqWork, controller, estimate_starts
+from tests.support.admission import FakeClock, FakeEngine, FixedSharing, SeqWork, controller, estimate_starts
 
 BS, NB, MML, SEQS, QD, WAIT, DEFAULT_MAX = 4, 24, 64, 3, 3, 30.0, 16
 RATES = EngineRates(decode_step_seconds=1.0, prefill_token_seconds=0.25)
@@ -54,6 +54,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             replan_interval_secs=0.0,
             clock=self.clock,
             rates=RATES,
+            sharing=FixedSharing(BS, NB),
             debug=True,
         )
         self.tickets = {}  # id -> Ticket
@@ -102,7 +103,7 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     @rule(prompt=st.integers(1, 70), max_tokens=st.one_of(st.none(), st.integers(1, 24)), shared=st.integers(0, 2))
     def submit(self, prompt: int, max_tokens: int | None, shared: int) -> None:
-        shared = min(shared, prompt // BS)
+        shared = min(shared, (prompt - 1) // BS)
         now = self.clock.t
         m = max_tokens if max_tokens is not None else max(1, min(MML - prompt, DEFAULT_MAX))
         blocks = -(-(prompt + m) // BS) - shared
@@ -119,7 +120,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             if wait > WAIT:
                 expect, retry = "kv_timeout", retry_after_seconds(wait)
         try:
-            ticket = self.c.submit(prompt, max_tokens, shared_blocks=shared)
+            ticket = self.c.submit(prompt, max_tokens, payload={"shared": shared})
         except AdmissionRejected as e:
             assert (e.reason, e.retry_after) == (expect, retry), (e.arithmetic, expect, retry)
             event(f"submit {expect}")

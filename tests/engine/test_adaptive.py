@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from helexa.engine.engine import Engine
 from helexa.model.sampling import SamplingParams
-from tests.support.engines import assert_released, cpu_config, drive, tokens
+from tests.support.engines import assert_released, cpu_config, drive, run_streams, tokens
 
 BLOCK = 4
 
@@ -40,24 +40,7 @@ def _engine(model_dir, policy: str, num_blocks: int, teach: int | None = None) -
 def _run(engine: Engine, requests, aborts: dict[int, int] | None = None, max_steps: int = 3000) -> list[list[int]]:
     """Submit every request, step until all end (aborting request i at step aborts[i]); invariants every step."""
     handles = [engine.submit(prompt, params) for prompt, params in requests]
-    aborts = dict(aborts or {})
-    events: dict[str, list] = {h.request_id: [] for h in handles}
-    for step in range(max_steps):
-        for i, at in list(aborts.items()):
-            if step >= at:
-                engine.abort(handles[i].request_id)
-                del aborts[i]
-        engine.step()
-        engine.check_integrity()
-        for h in handles:
-            while (e := h.stream.get(timeout=0)) is not None:
-                events[h.request_id].append(e)
-        if all(ev and ev[-1].finished for ev in events.values()):
-            break
-    else:
-        raise AssertionError("requests did not finish")
-    for ev in events.values():
-        assert sum(e.finished for e in ev) == 1  # exactly one final event per stream
+    events = run_streams(engine, handles, aborts, max_steps)
     return [tokens(events[h.request_id]) for h in handles]
 
 

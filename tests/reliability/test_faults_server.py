@@ -75,7 +75,7 @@ def test_faulted_streams_equal_unfaulted(tiny_model_dir: Path) -> None:
         assert wait_for(lambda: httpx.get(f"{faulty.url}/v1/admission", timeout=10).json()["blocks_reserved"] == 0, 5)
         after = httpx.get(f"{faulty.url}/v1/admission", timeout=10).json()
         assert after["blocks_total"] == before["blocks_total"] == 128
-        assert after["blocks_free"] == 128 and after["model_state"] == "loaded"
+        assert after["blocks_in_use"] == 0 and after["model_state"] == "loaded"
         assert httpx.get(f"{faulty.url}/health", timeout=10).json()["status"] == "ok"
         faulty.engine.check_integrity()
 

@@ -199,7 +199,7 @@ def _assert_nothing_leaked(server: RunningServer) -> None:
 
     assert wait_for(idle, 10)
     snap = httpx.get(f"{server.url}/v1/admission", timeout=10).json()
-    assert snap["blocks_free"] == snap["blocks_total"], snap
+    assert snap["blocks_in_use"] == 0 and snap["blocks_empty"] + snap["blocks_cached"] == snap["blocks_total"], snap
     server.engine.check_integrity()
 
 

@@ -264,8 +264,8 @@ def test_soak(tiny_model_dir: Path) -> None:
         # Nothing leaked: every reservation and block returned, every invariant holds.
         assert wait_for(lambda: engine.snapshot()["in_flight"] == 0 and engine.snapshot()["queue_depth"] == 0, 10)
         snap = engine.snapshot()
-        assert snap["blocks_reserved"] == 0 and snap["blocks_free"] == snap["blocks_total"] == 256, snap
-        assert engine.pool.num_free_blocks == 256
+        assert snap["blocks_reserved"] == 0 and snap["blocks_in_use"] == 0 and snap["blocks_total"] == 256, snap
+        assert engine.pool.num_free_blocks + snap["blocks_cached"] == 256
         engine.check_integrity()
         text = httpx.get(f"{url}/metrics", timeout=10).text
         assert metric(text, "helexa_kv_blocks_reserved") == 0 and metric(text, "helexa_device_faults_total") == 2

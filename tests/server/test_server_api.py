@@ -33,6 +33,9 @@ def test_models_health_admission(server: RunningServer, client: openai.OpenAI) -
         "blocks_reserved",
         "blocks_available",
         "blocks_cached",
+        "blocks_empty",
+        "blocks_in_use",
+        "blocks_retained",
         "in_flight",
         "max_in_flight",
         "queue_depth",
@@ -42,6 +45,7 @@ def test_models_health_admission(server: RunningServer, client: openai.OpenAI) -
     ):
         assert key in snap, key
     assert set(snap["rejected"]) >= {"queue_full", "kv_timeout", "kv_unservable"}
+    assert snap["blocks_empty"] + snap["blocks_cached"] + snap["blocks_in_use"] == snap["blocks_total"]
     assert (snap["blocks_total"], snap["block_size"], snap["model_state"]) == (256, 16, "loaded")
 
 
@@ -280,7 +284,7 @@ def test_disconnects_release_every_block(server: RunningServer) -> None:
             sock.close()  # leave mid-stream
     assert wait_for(lambda: _admission(server)["blocks_reserved"] == 0, 1.0), _admission(server)
     snap = _admission(server)
-    assert snap["in_flight"] == 0 and snap["blocks_free"] == snap["blocks_total"]
+    assert snap["in_flight"] == 0 and snap["blocks_in_use"] == 0
 
 
 def test_metrics_parse_and_cover_spec(server: RunningServer, client: openai.OpenAI) -> None:

@@ -15,7 +15,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from helexa.admission import AdmissionConfig, AdmissionController, Capacity, EngineRates, FifoPlan, Ticket
+from helexa.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    BlockStates,
+    Capacity,
+    EngineRates,
+    FifoPlan,
+    Share,
+    Ticket,
+)
 from helexa.admission.lengths import AnswerLengths
 
 
@@ -28,6 +37,7 @@ def controller(
     rates: Any = None,
     wakeup: Any = None,
     blocks_free: Any = None,
+    sharing: Any = None,
     reload_status: Any = None,
     lengths: AnswerLengths | None = None,
     debug: bool | None = None,
@@ -45,11 +55,42 @@ def controller(
         rates=rates,
         wakeup=wakeup,
         blocks_free=blocks_free,
+        sharing=sharing,
         reload_status=reload_status,
         lengths=lengths if lengths is not None else AnswerLengths(prior_mean=math.inf),
         debug=debug,
         **kwargs,
     )
+
+
+class FixedSharing:
+    """A stand-in prefix cache for admission tests: a ticket whose payload is `{"shared": n}` finds `n` full
+    blocks of its prefix cached and held by running sequences (at most all but its last token's);
+    nothing is ever orphaned or cached. Records what it pinned and let go."""
+
+    def __init__(self, block_size: int, num_blocks: int) -> None:
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.pinned: dict[int, int] = {}  # ticket id -> blocks pinned
+        self.released: list[int] = []  # ticket ids let go, in order
+        self.in_use = 0  # blocks allocated, as the test reports them
+
+    def share(self, ticket: Ticket, decide: Any) -> Share:
+        want = ticket.payload.get("shared", 0) if isinstance(ticket.payload, dict) else 0
+        n = min(want, (ticket.prompt_tokens + ticket.tokens_generated - 1) // self.block_size)
+        if not decide(n, n):
+            return Share(n, n, False)
+        self.pinned[ticket.id] = n
+        return Share(n, n, True)
+
+    def let_go(self, ticket: Ticket) -> None:
+        if self.pinned.pop(ticket.id, None) is not None:
+            self.released.append(ticket.id)
+
+    def orphan_blocks(self) -> int:
+        return 0
+
+    def block_states(self) -> BlockStates:
+        return BlockStates(self.num_blocks - self.in_use, 0, self.in_use, 0)
 
 
 class SeqWork(NamedTuple):

@@ -44,6 +44,33 @@ def drive(engine: Engine, handles, max_steps: int = 2000) -> dict[str, list]:
     raise AssertionError(f"requests {sorted(open_ids)} did not finish in {max_steps} steps")
 
 
+def run_streams(engine: Engine, handles, aborts: dict[int, int] | None = None, max_steps: int = 3000,
+                after_step=None) -> dict[str, list]:  # fmt: skip
+    """Step until every handle's stream has ended, aborting handle i at step `aborts[i]`; check every invariant
+    (and `after_step(engine)`) after each step; each stream ends with exactly one final event."""
+    aborts = dict(aborts or {})
+    events: dict[str, list] = {h.request_id: [] for h in handles}
+    for step in range(max_steps):
+        for i, at in list(aborts.items()):
+            if step >= at:
+                engine.abort(handles[i].request_id)
+                del aborts[i]
+        engine.step()
+        engine.check_integrity()
+        if after_step is not None:
+            after_step(engine)
+        for h in handles:
+            while (e := h.stream.get(timeout=0)) is not None:
+                events[h.request_id].append(e)
+        if all(ev and ev[-1].finished for ev in events.values()):
+            break
+    else:
+        raise AssertionError("requests did not finish")
+    for ev in events.values():
+        assert sum(e.finished for e in ev) == 1  # exactly one final event per stream
+    return events
+
+
 def _tokens(events) -> list[int]:
     return [t for e in events for t in e.token_ids]
 
@@ -63,6 +90,9 @@ def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def assert_released(engine: Engine) -> None:
+    """Every request has ended: nothing reserved, and every block is empty or cached (none in use)."""
     snap = engine.snapshot()
     assert snap["blocks_reserved"] == 0 and snap["in_flight"] == 0 and snap["queue_depth"] == 0
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    cached = engine.runner.cache.num_cached if engine.runner and engine.runner.cache else 0
+    assert snap["blocks_in_use"] == 0 and snap["blocks_cached"] == cached
+    assert engine.pool.num_free_blocks + cached == engine.pool.num_blocks

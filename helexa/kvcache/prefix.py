@@ -1,0 +1,390 @@
+"""The prefix cache: full KV blocks found again by a chained hash of their tokens, shared by reference.
+
+    >>> from helexa.kvcache import BlockAllocator, PrefixCache
+    >>> allocator = BlockAllocator(8, "cpu")
+    >>> cache = PrefixCache(allocator, block_size=4)
+    >>> prompt = list(range(10))                       # two full blocks and two tokens more
+    >>> ids = allocator.allocate(3).tolist()           # a sequence computes its prompt into 3 blocks...
+    >>> ids
+    [0, 1, 2]
+    >>> parent = None
+    >>> for i in range(2):                             # ...and offers each full block to the cache
+    ...     parent = cache.insert(ids[i], prompt[4 * i : 4 * i + 4], parent, owner="a")
+    >>> allocator.free(ids[2:])                        # the partial block stays the sequence's own
+    >>> cache.release(ids[:2], owner="a")              # it ends: its full blocks stay cached
+    >>> cache.counts()
+    BlockCounts(empty=6, cached=2, in_use=0, retained=0)
+    >>> hit = cache.acquire(prompt + [99], owner="b")  # the next turn starts with the same 10 tokens
+    >>> hit.block_ids, hit.num_tokens, hit.shared      # blocks 0 and 1, charged to "b" now
+    ((0, 1), 8, 0)
+    >>> cache.counts()
+    BlockCounts(empty=6, cached=0, in_use=2, retained=0)
+
+Block states (`counts()`): *empty* (on the allocator's free stack), *cached* (full, hashed, held by
+no sequence: evictable, and counted as available by admission) and *in use* (held by at least one
+sequence, or by a pin taken at admission). The cache owns exactly one allocator reference to every
+block it indexes; sequences hold cached blocks through `holders`, so sharing costs no device work.
+
+Charges: every in-use block a sequence holds is counted against exactly one reservation. A block a
+request computed or took from the cached set is charged to it (`owner`); a block it found held by
+another sequence is *shared* and charged to that one. When the charged owner releases a block others
+still hold, the block becomes an *orphan*: still in use, charged to no request, and reserved on the
+sharers' behalf (`orphan_blocks`) until the last of them lets go.
+
+Eviction takes cached blocks in this order, O(1) each: retained blocks whose retention ran out, then
+the least recently used un-retained blocks, then retained blocks, oldest first. A request with a
+`session` (an agent's `prompt_cache_key`) retains its blocks for `retention_secs` when it ends.
+A lookup compares a candidate's tokens and its parent node, not only the hash, so a hash collision
+can never share the wrong KV. Thread-safe: one lock guards the index (admission pins blocks from
+request threads while the engine inserts and evicts).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from helexa.config import check_int
+from helexa.kvcache.allocator import BlockAllocator, OutOfBlocks
+
+__all__ = ["BlockCounts", "CachedBlock", "PrefixCache", "PrefixHit"]
+
+_ORPHAN = object()  # the charge of an in-use block whose owner released it while others share it
+
+
+class BlockCounts(NamedTuple):
+    """One consistent reading of the pool: `empty + cached + in_use == total`; `retained <= cached`."""
+
+    empty: int
+    cached: int
+    in_use: int
+    retained: int
+
+
+@dataclass(eq=False)
+class CachedBlock:
+    """One indexed block: its id, the token ids it holds, its chain hash and parent node.
+
+    `holders` counts the sequences (and pins) using it; at 0 it is cached (evictable).
+    """
+
+    block_id: int
+    tokens: tuple[int, ...]
+    hash: int
+    parent: CachedBlock | None
+    salt: str | None
+    node: int  # unique per insertion: a re-inserted block id is a different node
+    holders: int = 0
+    charge: object = None  # owner key, _ORPHAN, or None while cached
+    retain_until: float = 0.0
+    session: Hashable | None = None
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Blocks a lookup pinned for a request, in position order.
+
+    `shared` of them were in use by other sequences (charged to them: the request does not reserve
+    them); the rest were cached and are now charged to the request. `num_tokens` is what they hold.
+    """
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    shared: int
+    nodes: tuple[CachedBlock, ...]
+
+
+def _root_hash(salt: str | None) -> int:
+    return hash(("helexa-prefix-root", salt))
+
+
+class PrefixCache:
+    """Index of full KV blocks by chained hash over one `BlockAllocator`; see the module docstring.
+
+    Guarantees (checked by `check_integrity`): every indexed block holds exactly one allocator
+    reference (the cache's); a block with holders 0 is in exactly one eviction list; `orphan_blocks`
+    equals the in-use blocks charged to no owner; `counts()` sums to the pool's total.
+    """
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        *,
+        retention_secs: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.allocator = allocator
+        self.block_size = check_int(block_size, "block_size")
+        if retention_secs < 0:
+            raise ValueError(f"retention_secs must be >= 0, got {retention_secs}")
+        self.retention_secs = float(retention_secs)
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._by_hash: dict[int, CachedBlock] = {}
+        self._by_block: dict[int, CachedBlock] = {}
+        self._lru: OrderedDict[int, CachedBlock] = OrderedDict()  # cached, not retained: oldest first
+        self._retained: OrderedDict[int, CachedBlock] = OrderedDict()  # cached, retained: earliest expiry first
+        self._sessions: dict[Hashable, set[int]] = {}  # session -> block ids it retains
+        self._nodes = itertools.count(1)
+        self._orphans = 0
+        self.evictions = 0  # blocks evicted since start
+
+    # ------------------------------------------------------------------ reading
+
+    def counts(self) -> BlockCounts:
+        """Empty, cached, in-use and retained blocks, from one reading under the lock."""
+        with self._lock:
+            empty = self.allocator.num_free_blocks
+            cached = len(self._lru) + len(self._retained)
+            return BlockCounts(empty, cached, self.allocator.num_blocks - empty - cached, len(self._retained))
+
+    @property
+    def num_cached(self) -> int:
+        """Cached (evictable) blocks."""
+        return len(self._lru) + len(self._retained)
+
+    @property
+    def num_indexed(self) -> int:
+        """Blocks in the index: cached ones and in-use ones that are hashed."""
+        return len(self._by_block)
+
+    @property
+    def orphan_blocks(self) -> int:
+        """In-use blocks whose charged owner released them while other sequences still share them."""
+        return self._orphans
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The cache's lock (re-entrant): hold it to read several numbers as one."""
+        return self._lock
+
+    def match(self, tokens: Sequence[int], salt: str | None = None, max_blocks: int | None = None) -> list[CachedBlock]:
+        """The longest run of indexed blocks that equals `tokens`' full blocks from the start (at most
+        `max_blocks`), verified token for token and parent by parent. Pins nothing."""
+        with self._lock:
+            return self._match(tokens, salt, max_blocks)
+
+    def holders(self, block_id: int) -> int:
+        """Sequences (and pins) holding an indexed block; 0 for a cached one. Raises `KeyError` if not indexed."""
+        return self._by_block[block_id].holders
+
+    def node_of(self, block_id: int) -> CachedBlock | None:
+        """The index entry of a block, or None when the block is not indexed."""
+        return self._by_block.get(block_id)
+
+    # ------------------------------------------------------------------ sharing
+
+    def acquire(
+        self,
+        tokens: Sequence[int],
+        owner: Hashable,
+        *,
+        salt: str | None = None,
+        max_blocks: int | None = None,
+        decide: Callable[[int, int], bool] | None = None,
+        session: Hashable | None = None,
+    ) -> PrefixHit | None:
+        """Pin the longest cached prefix of `tokens` for `owner`, leaving at least the last token to compute.
+
+        At most `(len(tokens) - 1) // block_size` blocks (and `max_blocks`) are taken.
+        `decide(hit, shared)`, called under the lock with the number of hit blocks and how many of them
+        are already in use, may refuse: then nothing is pinned and None is returned. On success every
+        hit block gains a holder; a cached one leaves the evictable set and is charged to `owner`.
+        With a `session`, that session's previously retained blocks that this prompt no longer matches
+        lose their retention.
+        """
+        limit = (len(tokens) - 1) // self.block_size if tokens else 0
+        if max_blocks is not None:
+            limit = min(limit, max_blocks)
+        with self._lock:
+            hits = self._match(tokens, salt, limit)
+            shared = sum(1 for node in hits if node.holders > 0)
+            if decide is not None and not decide(len(hits), shared):
+                return None
+            for node in hits:
+                if node.holders == 0:
+                    self._unlist(node)
+                    node.charge = owner
+                node.holders += 1
+            if session is not None:
+                self._forget_session(session, keep={node.block_id for node in hits})
+            ids = tuple(node.block_id for node in hits)
+            return PrefixHit(ids, len(ids) * self.block_size, shared, tuple(hits))
+
+    def insert(
+        self,
+        block_id: int,
+        tokens: Sequence[int],
+        parent: CachedBlock | None,
+        owner: Hashable,
+        *,
+        salt: str | None = None,
+    ) -> CachedBlock | None:
+        """Offer a full, computed block (`block_size` tokens, after `parent`'s) to the index.
+
+        When its content is new, the cache takes over the caller's allocator reference to `block_id`
+        (the caller keeps holding the block through the cache, charged to `owner`) and returns the new
+        entry. When equal content is already indexed, the caller keeps its own block and reference and
+        gets the existing entry (to chain the next block from). None on a hash collision with other
+        content (the caller keeps its block; its later blocks are not indexed).
+        """
+        tokens = tuple(tokens)
+        if len(tokens) != self.block_size:
+            raise ValueError(f"insert: a block holds {self.block_size} tokens, got {len(tokens)}")
+        with self._lock:
+            if block_id in self._by_block:
+                raise ValueError(f"insert: block {block_id} is already indexed")
+            if self.allocator.refcount_of(block_id) != 1:
+                raise ValueError(f"insert: block {block_id} must be held once by its caller")
+            h = hash((parent.hash if parent is not None else _root_hash(salt), tokens))
+            existing = self._by_hash.get(h)
+            if existing is not None:
+                same = existing.tokens == tokens and existing.parent is parent and existing.salt == salt
+                return existing if same else None
+            node = CachedBlock(block_id, tokens, h, parent, salt, next(self._nodes), holders=1, charge=owner)
+            self._by_hash[h] = node
+            self._by_block[block_id] = node
+            return node
+
+    def release(self, block_ids: Iterable[int], owner: Hashable, *, session: Hashable | None = None) -> None:
+        """Drop one holder from each indexed block (a sequence ending or preempted, or a pin let go).
+
+        Blocks charged to `owner` that others still hold become orphans. A block left with no holder
+        becomes cached: retained until `now + retention_secs` when a `session` is given (the session
+        then remembers it), else at the most-recently-used end of the LRU list. Raises `ValueError`,
+        changing nothing, for a block that is not indexed or has no holder.
+        """
+        nodes = [self._by_block.get(b) for b in block_ids]
+        with self._lock:
+            for b, node in zip(block_ids, nodes):
+                if node is None or self._by_block.get(b) is not node or node.holders == 0:
+                    raise ValueError(f"release: block {b} is not an indexed block in use")
+            now = self._clock()
+            if session is not None:
+                retained = self._sessions.setdefault(session, set())
+            for node in nodes:
+                assert node is not None
+                node.holders -= 1
+                if session is not None and self.retention_secs > 0:
+                    node.retain_until, node.session = now + self.retention_secs, session
+                    retained.add(node.block_id)
+                if node.holders > 0:
+                    if node.charge is not _ORPHAN and node.charge == owner:
+                        node.charge = _ORPHAN
+                        self._orphans += 1
+                    continue
+                if node.charge is _ORPHAN:
+                    self._orphans -= 1
+                node.charge = None
+                if node.retain_until > now:
+                    self._retained[node.block_id] = node
+                    self._retained.move_to_end(node.block_id)
+                else:
+                    self._lru[node.block_id] = node
+
+    # ------------------------------------------------------------------ eviction
+
+    def ensure_free(self, n: int) -> int:
+        """Evict cached blocks until the allocator has `n` free ones; returns how many were evicted.
+
+        Raises `OutOfBlocks` (evicting nothing) when even every cached block would not make room.
+        """
+        check_int(n, "n", 0)
+        with self._lock:
+            short = n - self.allocator.num_free_blocks
+            if short <= 0:
+                return 0
+            if short > self.num_cached:
+                raise OutOfBlocks(n, self.allocator.num_free_blocks + self.num_cached, self.allocator.num_blocks)
+            victims = [self._pop_victim() for _ in range(short)]
+            for node in victims:
+                del self._by_hash[node.hash]
+                del self._by_block[node.block_id]
+                if node.session is not None:
+                    self._sessions.get(node.session, set()).discard(node.block_id)
+            self.allocator.free([node.block_id for node in victims])
+            self.evictions += short
+            return short
+
+    def clear(self) -> int:
+        """Evict every cached block (in-use blocks stay indexed); returns how many were evicted."""
+        with self._lock:
+            return self.ensure_free(self.allocator.num_free_blocks + self.num_cached)
+
+    # ------------------------------------------------------------------ integrity
+
+    def check_integrity(self) -> None:
+        """Raise `RuntimeError` unless the index, the eviction lists, the charges and the allocator agree."""
+        with self._lock:
+            problems = []
+            orphans = 0
+            for b, node in self._by_block.items():
+                if self._by_hash.get(node.hash) is not node or node.block_id != b:
+                    problems.append(f"block {b}: index entries disagree")
+                if self.allocator.refcount_of(b) != 1:
+                    problems.append(f"block {b}: allocator refcount {self.allocator.refcount_of(b)}, expected 1")
+                listed = (b in self._lru) + (b in self._retained)
+                if node.holders < 0 or (node.holders == 0) != (listed == 1) or listed > 1:
+                    problems.append(f"block {b}: holders {node.holders}, in {listed} eviction lists")
+                if node.holders == 0 and node.charge is not None:
+                    problems.append(f"block {b}: cached but charged")
+                if node.holders > 0 and node.charge is None:
+                    problems.append(f"block {b}: in use but charged to nobody")
+                orphans += node.charge is _ORPHAN
+            if orphans != self._orphans:
+                problems.append(f"orphan count {self._orphans} != orphaned blocks {orphans}")
+            if len(self._by_hash) != len(self._by_block):
+                problems.append("hash and block indexes differ in size")
+            for b in (*self._lru, *self._retained):
+                if b not in self._by_block:
+                    problems.append(f"block {b} listed for eviction but not indexed")
+            if problems:
+                raise RuntimeError("prefix cache: " + "; ".join(problems[:8]))
+
+    # ------------------------------------------------------------------ internals (lock held)
+
+    def _match(self, tokens: Sequence[int], salt: str | None, max_blocks: int | None) -> list[CachedBlock]:
+        bs = self.block_size
+        limit = len(tokens) // bs if max_blocks is None else min(max_blocks, len(tokens) // bs)
+        hits: list[CachedBlock] = []
+        parent: CachedBlock | None = None
+        h = _root_hash(salt)
+        for i in range(limit):
+            block = tuple(tokens[i * bs : (i + 1) * bs])
+            h = hash((h, block))
+            node = self._by_hash.get(h)
+            if node is None or node.tokens != block or node.parent is not parent or node.salt != salt:
+                break
+            hits.append(node)
+            parent = node
+        return hits
+
+    def _unlist(self, node: CachedBlock) -> None:
+        if self._lru.pop(node.block_id, None) is None:
+            del self._retained[node.block_id]
+
+    def _pop_victim(self) -> CachedBlock:
+        """The next block to evict: an expired retained one, else the LRU one, else the oldest retained one."""
+        if self._retained:
+            first = next(iter(self._retained.values()))
+            if first.retain_until <= self._clock() or not self._lru:
+                return self._retained.popitem(last=False)[1]
+        return self._lru.popitem(last=False)[1]
+
+    def _forget_session(self, session: Hashable, keep: set[int]) -> None:
+        """The session's retained blocks outside `keep` lose their retention (cached ones become first to go)."""
+        for b in self._sessions.get(session, set()) - keep:
+            node = self._by_block.get(b)
+            if node is None:
+                continue
+            node.retain_until, node.session = 0.0, None
+            if self._retained.pop(b, None) is not None:
+                self._lru[b] = node
+                self._lru.move_to_end(b, last=False)
+        self._sessions[session] = set(keep) & self._sessions.get(session, set())
