@@ -89,6 +89,17 @@ def paged_attention(
             )  # (1, H, L, D)
             out[q_start:q_end] = o[0].transpose(0, 1).to(out.dtype)
             continue
+        if compute_dtype != torch.float64:  # a chunk after a cached prefix (extend): fused attention, masked
+            for c0 in range(0, q_len, chunk):
+                c1 = min(q_len, c0 + chunk)
+                qs = q[q_start + c0 : q_start + c1].to(compute_dtype).transpose(0, 1)[None]  # (1, H, L, D)
+                query_pos = seq_len - q_len + torch.arange(c0, c1, device=q.device)  # (L,)
+                visible = key_pos[None, :] <= query_pos[:, None]  # (L, N)
+                o = F.scaled_dot_product_attention(
+                    qs, k[None], v[None], attn_mask=visible, scale=scale, enable_gqa=True
+                )  # (1, H, L, D)
+                out[q_start + c0 : q_start + c1] = o[0].transpose(0, 1).to(out.dtype)
+            continue
         for c0 in range(0, q_len, chunk):
             c1 = min(q_len, c0 + chunk)
             qs = q[q_start + c0 : q_start + c1].to(compute_dtype)  # (L, H, D)
