@@ -11,7 +11,7 @@ TRITON_PIN ?= triton==3.6.0
 TRITON_NEXT ?= triton==3.9.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup lint test test-triton-next serve bench bench-serve bench-admission soak pull clean
+.PHONY: setup lint test test-triton-next serve bench bench-serve bench-admission bench-agent soak pull clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,9 @@ bench: setup
 
 bench-serve: setup
 	$(PY) bench/serve.py $(ARGS)
+
+bench-agent: setup
+	$(PY) bench/agent.py $(ARGS)
 
 bench-admission: setup
 	$(PY) bench/admission_accuracy.py $(ARGS)

@@ -104,6 +104,12 @@ def test_property_shared_prefixes_stay_exact_and_nothing_leaks(tiny_model_dir, s
     assert_released(shared_engine)
 
 
+def test_the_property_examples_shared_and_evicted(shared_engine) -> None:
+    """The examples above ran on one small pool: they did share blocks, and did force eviction."""
+    counters = shared_engine.counters
+    assert counters.prefix_cache_hit_tokens > 0 and counters.prefix_cache_evictions > 0, counters
+
+
 def test_a_turn_that_resends_its_conversation_computes_only_the_new_tokens(tiny_model_dir) -> None:
     engine = _engine(tiny_model_dir)
     rng = random.Random(3)

@@ -1,4 +1,5 @@
-"""README's "## Serving" examples, run as written (only the address changed) against the test server."""
+"""README's "## Serving" and "## Admission" examples, run as written (only the address changed) against the
+test server."""
 
 from __future__ import annotations
 
@@ -18,10 +19,15 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 ADDRESS = "http://127.0.0.1:8000"
 
 
-def _serving_blocks(language: str) -> list[str]:
+def _blocks(heading: str, language: str) -> list[str]:
     text = README.read_text(encoding="utf-8")
-    section = text[text.index("\n## Serving\n") :]
+    section = text[text.index(f"\n## {heading}\n") + 1 :]
+    section = section[: section.find("\n## ") if "\n## " in section else len(section)]
     return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
+
+
+def _serving_blocks(language: str) -> list[str]:
+    return _blocks("Serving", language)
 
 
 def _curl_commands() -> list[str]:
@@ -78,3 +84,13 @@ def test_readme_python_example(server: RunningServer) -> None:
     with contextlib.redirect_stdout(printed):
         exec(compile(python.replace(ADDRESS, server.url), "README.md", "exec"), {})  # noqa: S102 — our own README
     assert "completed" in printed.getvalue() or "incomplete" in printed.getvalue()
+
+
+def test_readme_prefix_cache_example(server: RunningServer) -> None:
+    (python,) = _blocks("Admission", "python")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(python.replace(ADDRESS, server.url), "README.md", "exec"), {})  # noqa: S102 — our own README
+    rows = [[int(x) for x in line.split()] for line in printed.getvalue().splitlines()]
+    assert [r[0] for r in rows] == [0, 1, 2] and rows[0][2] == 0
+    assert rows[1][2] > 0 and rows[2][2] > rows[1][2]  # each turn finds more of its conversation cached
