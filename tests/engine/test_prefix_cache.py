@@ -233,3 +233,49 @@ def test_a_held_back_request_can_be_aborted(tiny_model_dir) -> None:
     events = drive(engine, [first, second])
     assert events[second.request_id][-1].finish_reason == "abort" and not engine._deferred
     assert_released(engine)
+
+
+def test_threads_sharing_prefixes_through_a_running_engine_leak_nothing(tiny_model_dir) -> None:
+    """Grants (and their pins) happen on the submitting threads while the engine thread inserts and evicts:
+    4 threads x 8 requests over 3 prefixes on a 40-block pool, some aborted mid-way. Every stream ends
+    once, greedy ones equal their uncached runs, and afterwards every invariant holds with nothing in use."""
+    import threading
+    import time
+
+    rng = random.Random(21)
+    prefixes = [[rng.randrange(3, 400) for _ in range(n)] for n in (13, 22, 17)]
+    plans = [
+        [(prefixes[rng.randrange(3)] + [rng.randrange(3, 400) for _ in range(rng.randrange(6))],
+          SamplingParams(max_tokens=rng.randint(1, 6), **GREEDY), rng.random() < 0.25) for _ in range(8)]
+        for _ in range(4)
+    ]  # fmt: skip
+    engine = _engine(tiny_model_dir, num_blocks=40, max_num_seqs=4)
+    engine.start()
+    results: list[tuple[list[int], list[int], bool, str]] = []
+    errors: list[BaseException] = []
+
+    def client(plan) -> None:
+        try:
+            for prompt, params, abort in plan:
+                handle = engine.submit(prompt, params, prompt_cache_key="shared-agent")
+                if abort:
+                    time.sleep(0.002)
+                    engine.abort(handle.request_id)
+                events = list(handle.stream)
+                results.append((prompt, tokens(events), abort, events[-1].finish_reason))
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(plan,)) for plan in plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    engine.shutdown()
+    assert not errors and len(results) == 32 and not any(t.is_alive() for t in threads)
+    engine.check_integrity()
+    assert_released(engine)
+    for prompt, out, aborted, reason in results:
+        ref = _reference(tiny_model_dir, [(prompt, SamplingParams(max_tokens=6, **GREEDY))])[0]
+        assert out == ref[: len(out)]
+        assert aborted or reason in ("stop", "length")
