@@ -25,6 +25,7 @@ from helexa.kvcache import BlockPool, BlockTable, KVBudget, PrefixCache, PrefixH
 from helexa.model.config import ModelConfig
 from helexa.model.loader import resolve_dtype
 from helexa.model.sampling import SampleResult, SamplingParams, make_generator
+from helexa.model.sampling.grammar import GrammarTokenizer
 from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.text.stopping import StopChecker
 from helexa.model.text.tokenizer import Tokenizer
@@ -104,6 +105,9 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.dtype)
         self.max_model_len = _max_model_len(config, self.model_config)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        self.grammar_tokenizer = GrammarTokenizer(
+            self.tokenizer.backend.to_str(), tuple(sorted(self.tokenizer.eos_token_ids))
+        )
         self.runner: ModelRunner | None = self._load_runner()
         self.first_num_blocks = self.runner.budget.num_blocks
         self.health = ModelHealth()
@@ -220,6 +224,7 @@ class Engine:
                 raise ValueError(f"{name} must be a string, got {type(value).__name__}")
         if len(prompt_ids) >= self.max_model_len:  # can never run: admission says so without a pass over the ids
             self.admission.submit(len(prompt_ids), params.max_tokens, stops_early=not params.runs_to_limit)
+        constraint = self.grammar_tokenizer.constraint(params.grammar) if params.grammar is not None else None
         prompt = [int(t) for t in prompt_ids]
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
@@ -238,7 +243,7 @@ class Engine:
                 len(prompt),
                 params.max_tokens,
                 stops_early=not params.runs_to_limit,
-                payload=Request(request_id, prompt, params, stream, cache_salt, prompt_cache_key),
+                payload=Request(request_id, prompt, params, stream, cache_salt, prompt_cache_key, constraint),
             )
             handle = RequestHandle(request_id, stream, len(prompt), ticket.max_tokens, ticket)
             self._pending[request_id] = handle
@@ -434,6 +439,7 @@ class Engine:
                 generator=make_generator(req.params.seed, self.device) if req.params.seed is not None else None,
                 cache_salt=req.cache_salt,
                 session=req.session,
+                constraint=req.constraint,
             )
         self._start(seq, table, hit)
 
@@ -532,6 +538,8 @@ class Engine:
                     logger.warning("engine: request %s failed in sampling: %s", seq.request_id, error)
                     finished.append((seq, _final(seq, "error", error)))
                     continue
+                if seq.constraint is not None:  # the mask allowed it: the grammar moves on
+                    seq.constraint.accept(samples.token_ids[row])
                 event = append_token(seq, samples, row, self.tokenizer.eos_token_ids)
                 self.counters.generation_tokens += 1
                 if event.finished:

@@ -29,6 +29,7 @@ from helexa.kvcache import (
 from helexa.model.config import ModelConfig
 from helexa.model.loader import load_model
 from helexa.model.sampling import Sampler, SampleResult
+from helexa.model.sampling.grammar import allocate_bitmask, apply_masks
 
 logger = logging.getLogger("helexa.engine")
 
@@ -214,6 +215,15 @@ class ModelRunner:
         if self.sample_vocab_size is not None and self.sample_vocab_size < logits.shape[1]:
             logits = logits[:, : self.sample_vocab_size]  # (S, V_tokenizer)
         seqs = inputs.sampled
+        constrained = [row for row, seq in enumerate(seqs) if seq.constraint is not None]
+        if constrained:  # structured output: forbidden tokens to -inf, in those rows only
+            width = max([logits.shape[1]] + [seqs[row].constraint.vocab_size for row in constrained])  # type: ignore[union-attr]
+            bitmask = allocate_bitmask(len(constrained), width)  # (R, ceil(width / 32)) int32
+            for i, row in enumerate(constrained):
+                constraint = seqs[row].constraint
+                assert constraint is not None
+                constraint.fill(bitmask, i)
+            apply_masks(logits, bitmask, constrained)
         try:
             return self._sample(logits, seqs, generators), {}
         except Exception:  # find the rows that cause it; the others keep their one vectorised call

@@ -10,6 +10,7 @@ from helexa.admission import Ticket
 from helexa.engine.stream import RequestStream
 from helexa.kvcache import BlockTable, CachedBlock
 from helexa.model.sampling import SamplingParams
+from helexa.model.sampling.grammar import TokenConstraint
 from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.text.stopping import StopChecker
 
@@ -24,6 +25,7 @@ class Request:
     stream: RequestStream
     cache_salt: str | None = None  # blocks are shared only between requests with the same salt
     session: str | None = None  # the prompt_cache_key whose blocks are retained when it ends
+    constraint: TokenConstraint | None = None  # structured output: the grammar its tokens must follow
 
 
 @dataclass(eq=False)
@@ -53,6 +55,7 @@ class Sequence:
     blocks_offered: int = 0
     offering: bool = True  # False after a hash collision: its later blocks are not indexed
     cached_tokens: int = 0
+    constraint: TokenConstraint | None = None
     dropped_tokens: int = 0  # computed tokens a preemption dropped; those the cache no longer holds are recomputed
 
     @property

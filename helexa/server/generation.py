@@ -106,7 +106,9 @@ class GenerationRun:
         req = self.request
         seed = None if req.seed is None else req.seed + choice % req.n
         try:
-            return SamplingParams(max_tokens=req.max_tokens, seed=seed, logprobs=req.logprobs, **req.sampling)
+            return SamplingParams(
+                max_tokens=req.max_tokens, seed=seed, logprobs=req.logprobs, grammar=req.grammar, **req.sampling
+            )
         except ValueError as exc:
             raise APIError("invalid_request", str(exc), param=str(exc).split(" ", 1)[0]) from None
 

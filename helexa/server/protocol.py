@@ -16,6 +16,7 @@ from typing import Any
 
 from helexa.config import is_int
 from helexa.model.sampling import MAX_LOGPROBS
+from helexa.model.sampling.grammar import GrammarError, json_schema_grammar
 from helexa.model.text.chat_template import validate_messages
 from helexa.server.errors import APIError
 
@@ -36,6 +37,8 @@ class GenerationRequest:
     - `seed`: choice i samples with `seed + i`, so choices differ but repeat.
     - `logprobs`: None, or how many top alternatives per token (0: the chosen token's logprob only).
     - `include_usage`: streaming only — a final chunk carries `usage` (`stream_options.include_usage`).
+    - `grammar`: structured output — the output must be JSON valid under the request's
+      `response_format` (chat) or `text.format` (responses) schema; None for free text.
     - `prompt_cache_key`: the agent session whose cached prefix is retained past this turn; `cache_salt`:
       the tenant boundary — the prefix cache shares blocks only between requests with the same salt.
     """
@@ -56,6 +59,7 @@ class GenerationRequest:
     model: str | None = None
     prompt_cache_key: str | None = None
     cache_salt: str | None = None
+    grammar: str | None = None
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:
@@ -151,6 +155,49 @@ def _cache_key(body: dict[str, Any], name: str) -> str | None:
     return _get(body, name, ok, f"a non-empty string of at most {MAX_CACHE_KEY} characters")
 
 
+def _json_format(value: Any, param: str, schema_at: str | None) -> str | None:
+    """The grammar of an OpenAI JSON output format: `{"type": "text"}` (none), `{"type": "json_object"}`
+    (any JSON object) or `{"type": "json_schema", ...}` with its schema at `value[schema_at]["schema"]`
+    (chat) or `value["schema"]` (responses, `schema_at` None). 400 naming `param` for anything else,
+    including a schema that cannot be compiled."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        holder = value.get(schema_at) if schema_at is not None else value
+        if not isinstance(holder, dict) or not isinstance(holder.get("schema", {}), (dict, bool)):
+            where = f"{schema_at}.schema" if schema_at else "schema"
+            raise _bad(param, f"an object whose '{where}' is a JSON schema object", value)
+        schema = holder.get("schema", {})
+    else:
+        raise _bad(param, "an object with 'type' 'text', 'json_object' or 'json_schema'", value)
+    try:
+        return json_schema_grammar(schema)
+    except GrammarError as exc:
+        raise APIError("invalid_request", str(exc), param=param) from None
+
+
+def _tool_choice(body: dict[str, Any]) -> None:
+    """`tool_choice`: "auto" and "none" are served (the chat template decides how tools are shown);
+    "required" and a named function need a forced tool call, which this server does not make yet: 400,
+    rather than an answer that ignores them."""
+    choice = body.get("tool_choice")
+    if choice is None or choice in ("auto", "none"):
+        return
+    if choice == "required" or isinstance(choice, dict):
+        raise APIError(
+            "invalid_request",
+            "tool_choice 'required' or a named function is not supported yet: helexa does not force tool "
+            "calls; use 'auto' (or response_format json_schema for a guaranteed JSON answer)",
+            param="tool_choice",
+        )
+    raise _bad("tool_choice", "'auto', 'none', 'required' or a function object", choice)
+
+
 def _stop(body: dict[str, Any], name: str) -> tuple[str, ...] | None:
     value = body.get(name)
     stops = [value] if isinstance(value, str) else [] if value is None else value
@@ -238,6 +285,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
     if top is not None and not want_logprobs:
         raise APIError("invalid_request", "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     stream, include_usage = _stream(body)
+    _tool_choice(body)
     return GenerationRequest(
         kind="chat",
         messages=messages,
@@ -250,6 +298,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
         include_usage=include_usage,
         logprobs=(top or 0) if want_logprobs else None,
         model=_str(body, "model"),
+        grammar=_json_format(body.get("response_format"), "response_format", "json_schema"),
         prompt_cache_key=_cache_key(body, "prompt_cache_key"),
         cache_salt=_cache_key(body, "cache_salt"),
     )
@@ -337,6 +386,16 @@ def _response_input(value: Any) -> list[dict[str, Any]]:
     return _messages(messages, "input")
 
 
+def _text_format(body: dict[str, Any]) -> str | None:
+    """The Responses API's `text.format` (its `response_format`)."""
+    text = body.get("text")
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise _bad("text", "an object", text)
+    return _json_format(text.get("format"), "text.format", None)
+
+
 def parse_response(body: dict[str, Any]) -> GenerationRequest:
     """`POST /v1/responses`: `input` (required), `instructions`, `max_output_tokens`, `temperature`, `top_p`,
     `stream`."""
@@ -349,6 +408,7 @@ def parse_response(body: dict[str, Any]) -> GenerationRequest:
             param="previous_response_id",
         )
     messages = _response_input(body["input"])
+    _tool_choice(body)
     instructions = _str(body, "instructions")
     if instructions:
         messages = [{"role": "system", "content": instructions}, *messages]
@@ -360,6 +420,7 @@ def parse_response(body: dict[str, Any]) -> GenerationRequest:
         max_tokens=_int(body, "max_output_tokens", 1),
         stream=bool(_bool(body, "stream")),
         model=_str(body, "model"),
+        grammar=_text_format(body),
         prompt_cache_key=_cache_key(body, "prompt_cache_key"),
         cache_salt=_cache_key(body, "cache_salt"),
     )

@@ -23,6 +23,8 @@ class SamplingParams:
     left of the context after the prompt, at most the node's `default_max_tokens`). `top_k` of -1 or 0 disables
     it. `stop` accepts a string or a list and is stored as a tuple; `stop_token_ids` likewise.
     `logprobs`: None for none, 0 for the chosen token's logprob only, n ≤ 20 for it plus the top n.
+    `grammar`: an llguidance grammar the output must follow (`grammar.json_schema_grammar(schema)`
+    makes one from a JSON schema); None for free text.
     Every field is checked in `__post_init__`; a bad value raises ValueError naming the field.
     """
 
@@ -40,6 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, expected: str) -> ValueError:
@@ -77,6 +80,8 @@ class SamplingParams:
             raise bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
         if not is_int(self.n) or self.n < 1:
             raise bad("n", "an integer >= 1")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
+            raise bad("grammar", "None or a non-empty grammar string")
 
     @property
     def is_greedy(self) -> bool:  # temperature 0 (below 1e-5): the argmax, no randomness

@@ -1,0 +1,137 @@
+"""Structured output: a JSON schema compiled into a token-level grammar that masks each sampling step.
+
+Built on llguidance (a maintained grammar engine: JSON schema → grammar → per-step token masks in
+tens of microseconds). `json_schema_grammar(schema)` checks and compiles a schema without a model, so
+the server can refuse a bad one with a 400 before anything runs; `GrammarTokenizer(tokenizer_json,
+eos_token_ids)` is built once per model; `TokenConstraint` is one request's state: `fill(bitmask,
+row)` before sampling, `accept(token)` after.
+
+A constrained request's output always parses and validates under its schema when it ends by itself
+(`stop`); cut at `max_tokens` (`length`) it is a valid prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["GrammarError", "GrammarTokenizer", "TokenConstraint", "apply_masks", "json_schema_grammar"]
+
+
+class GrammarError(ValueError):
+    """A schema llguidance cannot compile; the message says why."""
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError as exc:  # a dependency of the package; missing only in a broken install
+        raise GrammarError(f"structured output needs the llguidance package: {exc}") from None
+    return llguidance
+
+
+def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
+    """The grammar of JSON values valid under `schema` (`{"type": "object"}` for any JSON object),
+    compact (no whitespace between tokens). Raises `GrammarError` for a schema it cannot compile."""
+    llg = _llguidance()
+    schema = dict(schema) if isinstance(schema, dict) else schema
+    if isinstance(schema, dict):
+        schema.setdefault("x-guidance", {"whitespace_flexible": False})
+    try:
+        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+    except Exception as exc:  # llguidance raises ValueError/RuntimeError with the reason
+        raise GrammarError(f"invalid JSON schema: {exc}") from None
+    ok, problem = _validate(llg, grammar, None)
+    if not ok:
+        raise GrammarError(f"invalid JSON schema: {problem}")
+    return grammar
+
+
+def _validate(llg: Any, grammar: str, tokenizer: Any) -> tuple[bool, str]:
+    problem = llg.LLMatcher.validate_grammar(grammar, tokenizer)
+    return (not problem, problem)
+
+
+class GrammarTokenizer:
+    """The model's vocabulary as llguidance sees it, from the model's `tokenizer.json` (built on first use,
+    ~0.5 s for a 49k vocabulary; thread-safe). `vocab_size` is the mask's width in tokens."""
+
+    def __init__(self, tokenizer_json: str, eos_token_ids: tuple[int, ...]) -> None:
+        self._json, self._eos = tokenizer_json, eos_token_ids
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def llg(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                llg = _llguidance()
+                eos = self._eos[0] if self._eos else None
+                self._tokenizer = llg.LLTokenizer(self._json, eos_token=eos)
+            return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.llg.vocab_size)
+
+    def constraint(self, grammar: str) -> TokenConstraint:
+        """A fresh constraint for one request. Raises `GrammarError` when the grammar does not fit this vocabulary."""
+        llg = _llguidance()
+        ok, problem = _validate(llg, grammar, self.llg)
+        if not ok:
+            raise GrammarError(f"invalid JSON schema for this model: {problem}")
+        return TokenConstraint(llg.LLMatcher(self.llg, grammar), self.vocab_size)
+
+
+class TokenConstraint:
+    """One request's grammar state: which tokens may come next, advanced by each sampled token.
+    `vocab_size`: the tokens its mask covers."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher, self.vocab_size = matcher, vocab_size
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into row `row` of a host int32 bitmask (`allocate_bitmask`, at
+        least `vocab_size` bits wide): bit `t % 32` of word `t // 32` is set when token t may come next."""
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+            raise ValueError("fill needs a contiguous int32 bitmask on the host")
+        words = -(-self.vocab_size // 32)
+        if bitmask.shape[1] < words:
+            raise ValueError(f"bitmask rows of {bitmask.shape[1]} words cannot hold {self.vocab_size} tokens")
+        target = bitmask[row, :words]  # (words,) contiguous: a row of a contiguous 2-D tensor
+        self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), words * 4)
+
+    def accept(self, token_id: int) -> None:
+        """Advance past a sampled token (one the mask allowed)."""
+        self._matcher.consume_token(int(token_id))
+
+    @property
+    def done(self) -> bool:
+        """True once the grammar is complete and allows nothing but the end."""
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        """The matcher's error, when a token it did not allow was forced on it."""
+        return self._matcher.get_error() if self._matcher.is_error() else None
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """An int32 bitmask of `rows` rows for `vocab_size` tokens (32 tokens per word), every token allowed."""
+    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
+
+
+def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, the logits of tokens the bitmask forbids, in `rows` only (logits (S, V);
+    bitmask (len(rows), W) int32 on the host, W >= ceil(V / 32)). Rows outside `rows` are not touched.
+    One host-to-device copy of the bitmask; the bits are unpacked on the logits' device."""
+    vocab = logits.shape[1]
+    words = bitmask[:, : -(-vocab // 32)].to(logits.device, non_blocking=True)  # (R, ceil(V / 32))
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # (32,)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # (R, V)
+    index = torch.tensor(rows, device=logits.device)  # (R,)
+    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))  # (R, V)
+    logits.index_copy_(0, index, masked)
