@@ -32,7 +32,7 @@ from helexa.server.middleware import (
     mark_client_gone,
     request_id_of,
 )
-from helexa.server.protocol import GenerationRequest, decode_json
+from helexa.server.protocol import GenerationRequest, decode_json, parse_detokenize, parse_tokenize
 from helexa.server.settings import ServerSettings
 from helexa.server.sse import EventStreamResponse, race_disconnect, sse
 
@@ -129,10 +129,7 @@ async def generate(request: Request) -> Response | EventStreamResponse:
     if state.draining:
         raise APIError("shutting_down", "the server is shutting down and admits no new requests")
     parse, fmt_type = FORMATS[request.url.path]
-    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if media_type != "application/json":  # a browser page can send the others without a CORS preflight
-        shown = media_type or "none"
-        raise APIError("unsupported_media_type", f"Content-Type must be application/json, got {shown}")
+    _json_body_type(request)
     req = parse(decode_json(await request.body()))
     prompt_ids = await run_in_threadpool(_prompt_ids, state, req)
     run = GenerationRun(state.engine, f"{fmt_type.id_prefix}{uuid.uuid4().hex}", prompt_ids, req)
@@ -235,6 +232,45 @@ async def _stream(
         _observe(state, fmt.run)
 
 
+def _json_body_type(request: Request) -> None:
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":  # a browser page can send the others without a CORS preflight
+        raise APIError("unsupported_media_type", f"Content-Type must be application/json, got {media_type or 'none'}")
+
+
+async def tokenize(request: Request) -> Response:
+    """`POST /tokenize` (vLLM's shape): the token ids of a prompt, or of chat messages as the template renders
+    them, with their count and the node's `max_model_len`."""
+    state = _state(request)
+    _json_body_type(request)
+    req = parse_tokenize(decode_json(await request.body()))
+    tokenizer = state.engine.tokenizer
+
+    def ids() -> list[int]:
+        if req.messages is not None:
+            try:
+                return tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
+            except ValueError as exc:  # ChatTemplateError is a ValueError
+                raise APIError("invalid_request", f"chat template: {exc}", param="messages") from None
+        assert req.prompt is not None
+        return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+
+    tokens = await run_in_threadpool(ids)
+    return JSONResponse({"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens})
+
+
+async def detokenize(request: Request) -> Response:
+    """`POST /detokenize` (vLLM's shape): the text of a list of token ids."""
+    state = _state(request)
+    _json_body_type(request)
+    tokens = parse_detokenize(decode_json(await request.body()))
+    vocab = state.engine.tokenizer.vocab_size
+    bad = next((t for t in tokens if t >= vocab), None)
+    if bad is not None:
+        raise APIError("invalid_request", f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+    return JSONResponse({"prompt": state.engine.tokenizer.decode(tokens)})
+
+
 async def models(request: Request) -> Response:
     """`GET /v1/models`: the one model this server serves."""
     state = _state(request)
@@ -301,6 +337,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
     routes = [
         *(Route(path, generate, methods=["POST"]) for path in FORMATS),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/admission", admission, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -77,15 +77,17 @@ class RequestContextMiddleware:
 
 
 class AuthMiddleware:
-    """With an API key, `/v1/*` needs `Authorization: Bearer <key>` (compared in constant time), else 401;
-    `/health` and `/metrics` stay open, and everything is open without a key."""
+    """With an API key, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer <key>` (compared in
+    constant time), else 401; `/health` and `/metrics` stay open, and everything is open without a key."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self._key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._key is None or scope["type"] != "http" or not scope.get("path", "").startswith("/v1/"):
+        path = scope.get("path", "")
+        guarded = path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        if self._key is None or scope["type"] != "http" or not guarded:
             await self.app(scope, receive, send)
             return
         scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")

@@ -424,3 +424,35 @@ def parse_response(body: dict[str, Any]) -> GenerationRequest:
         prompt_cache_key=_cache_key(body, "prompt_cache_key"),
         cache_salt=_cache_key(body, "cache_salt"),
     )
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """`POST /tokenize` (vLLM's shape): a `prompt` string, or chat `messages` rendered by the chat template."""
+
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+
+
+def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
+    """`prompt` (a string) or `messages` (as chat), not both; `add_special_tokens` (default: true for a prompt,
+    false for messages, whose template writes its own); `add_generation_prompt` (messages; default true)."""
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise APIError("invalid_request", "give exactly one of 'prompt' and 'messages'", param="prompt")
+    prompt = _str(body, "prompt")
+    messages = _messages(body["messages"], "messages") if has_messages else None
+    special = _bool(body, "add_special_tokens")
+    generation = _bool(body, "add_generation_prompt")
+    return TokenizeRequest(
+        prompt, messages, has_prompt if special is None else special, True if generation is None else generation
+    )
+
+
+def parse_detokenize(body: dict[str, Any]) -> list[int]:
+    """`POST /detokenize`: `tokens`, a list of token ids (required)."""
+    if body.get("tokens") is None:
+        raise APIError("invalid_request", "'tokens' is required", param="tokens")
+    return list(_token_ids(body, "tokens") or ())

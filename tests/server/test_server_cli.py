@@ -185,6 +185,8 @@ def test_api_key(cli_server: tuple[_Process, str]) -> None:
         assert response.status_code == 401 and "retry-after" not in response.headers
         assert response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}, timeout=10).status_code == 401
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}, headers=_auth(), timeout=10).status_code == 200
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # open
     assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200  # open
     ok = httpx.post(f"{url}/v1/completions", json=body, headers=_auth(), timeout=30)

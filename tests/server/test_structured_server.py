@@ -71,3 +71,23 @@ def test_unsupported_or_invalid_formats_are_400(server: RunningServer, path: str
     body.update({"input": "hi"} if path == "/v1/responses" else {"messages": [{"role": "user", "content": "hi"}]})
     r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_tokenize_and_detokenize(server: RunningServer) -> None:
+    tok = server.engine.tokenizer
+    r = httpx.post(f"{server.url}/tokenize", json={"model": "m", "prompt": "hello world"}, timeout=30).json()
+    assert r["tokens"] == tok.encode("hello world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == server.engine.max_model_len
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30).json()
+    assert chat["tokens"] == tok.apply_chat_template(messages, add_generation_prompt=True)
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": r["tokens"]}, timeout=30).json()
+    assert back == {"prompt": tok.decode(r["tokens"])}
+    for path, body, param in [
+        ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {}, "tokens"),
+    ]:
+        bad = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
