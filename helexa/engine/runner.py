@@ -215,15 +215,13 @@ class ModelRunner:
         if self.sample_vocab_size is not None and self.sample_vocab_size < logits.shape[1]:
             logits = logits[:, : self.sample_vocab_size]  # (S, V_tokenizer)
         seqs = inputs.sampled
-        constrained = [row for row, seq in enumerate(seqs) if seq.constraint is not None]
-        if constrained:  # structured output: forbidden tokens to -inf, in those rows only
-            width = max([logits.shape[1]] + [seqs[row].constraint.vocab_size for row in constrained])  # type: ignore[union-attr]
-            bitmask = allocate_bitmask(len(constrained), width)  # (R, ceil(width / 32)) int32
-            for i, row in enumerate(constrained):
-                constraint = seqs[row].constraint
-                assert constraint is not None
+        constraints = [(row, seq.constraint) for row, seq in enumerate(seqs) if seq.constraint is not None]
+        if constraints:  # structured output: forbidden tokens to -inf, in those rows only
+            width = max(logits.shape[1], *(c.vocab_size for _, c in constraints))
+            bitmask = allocate_bitmask(len(constraints), width)  # (R, ceil(width / 32)) int32, on the host
+            for i, (_, constraint) in enumerate(constraints):
                 constraint.fill(bitmask, i)
-            apply_masks(logits, bitmask, constrained)
+            apply_masks(logits, bitmask, [row for row, _ in constraints])
         try:
             return self._sample(logits, seqs, generators), {}
         except Exception:  # find the rows that cause it; the others keep their one vectorised call
