@@ -577,13 +577,16 @@ class AdmissionController:
                 run_seconds = self._rates.run_seconds(prompt - hit * cap.block_size, expected)
                 return not waiting or self._backfill_fits(now, run_seconds)
 
-            if self._try_grant(ticket, now, backfills):
+            share = self._try_grant(ticket, now, backfills)
+            if share is not None and share.pinned:
                 self._next_id += 1
                 ticket.backfilled = waiting
                 self._note_grant(ticket, now, from_queue=False)
                 return ticket
         else:
-            self._measure(ticket, lambda hit, shared: False)  # what it would reserve, for the plan
+            share = None
+        if share is None:  # not looked up yet: what it would reserve, for the plan
+            self._measure(ticket, lambda hit, shared: False)
         shared, blocks = ticket.shared_blocks, ticket.blocks_reserved
 
         depth = len(self._queue)
@@ -659,22 +662,31 @@ class AdmissionController:
             ticket.prompt_prefilled = min(ticket.prompt_tokens, share.hit_blocks * bs)
         return share
 
-    def _try_grant(self, ticket: Ticket, now: float, also: Callable[[int], bool] | None = None) -> bool:
-        """Measure the ticket's hit and grant it when both gates pass (and `also(hit_blocks)`): True if granted."""
-        seats = len(self._running) < self.config.max_num_seqs
+    def _try_grant(self, ticket: Ticket, now: float, also: Callable[[int], bool] | None = None) -> Share | None:
+        """Measure the ticket's hit and grant it when both gates pass (and `also(hit_blocks)`); the lookup's
+        `Share` (`pinned`: granted). None, with no lookup, when no seat is free or it could not fit even
+        with every full block of its prefix shared (a blocked head costs no lookup per release)."""
+        if len(self._running) >= self.config.max_num_seqs:
+            return None
+        if self._sharing is not None:
+            shareable = (ticket.prompt_tokens + ticket.tokens_generated - 1) // self.capacity.block_size
+            least = self._reservation(
+                ticket.prompt_tokens, ticket.max_tokens, shareable, ticket.tokens_generated, ticket.stops_early
+            )
+            if least > self._available():
+                return None
 
         def decide(hit: int, shared: int) -> bool:
-            fits = seats and ticket.blocks_reserved <= self._available()
-            return fits and (also is None or also(hit))
+            return ticket.blocks_reserved <= self._available() and (also is None or also(hit))
 
-        if not self._measure(ticket, decide).pinned:
-            return False
-        ticket.state, ticket.granted_at = TicketState.GRANTED, now
-        self._running[ticket.id] = ticket
-        self._reserved += ticket.blocks_reserved
-        self._new_grants.append(ticket)
-        self._plan_stale = True
-        return True
+        share = self._measure(ticket, decide)
+        if share.pinned:
+            ticket.state, ticket.granted_at = TicketState.GRANTED, now
+            self._running[ticket.id] = ticket
+            self._reserved += ticket.blocks_reserved
+            self._new_grants.append(ticket)
+            self._plan_stale = True
+        return share
 
     def _arith(self, prompt: int, m: int, shared: int, blocks: int, wait: float | None, **extra: Any) -> dict[str, Any]:
         """The numbers behind a decision, in log-line order (`est_wait_s`/`deadline_s` when a wait was estimated)."""
@@ -728,7 +740,8 @@ class AdmissionController:
         for waiting in (self._resume, queue):
             while waiting and len(self._running) < cfg.max_num_seqs:
                 head = next(iter(waiting.values()))
-                if not self._try_grant(head, now):
+                share = self._try_grant(head, now)
+                if share is None or not share.pinned:
                     break
                 waiting.popitem(last=False)
                 self._note_grant(head, now, from_queue=True)
@@ -756,7 +769,8 @@ class AdmissionController:
                 prefill = t.prompt_tokens - min(t.prompt_tokens, hit * self.capacity.block_size)
                 return now + rates.run_seconds(prefill, t.max_tokens) <= shadow
 
-            if self._try_grant(t, now, ends_in_time):
+            share = self._try_grant(t, now, ends_in_time)
+            if share is not None and share.pinned:
                 picked.append(t)
         for t in picked:
             del queue[t.id]

@@ -260,8 +260,9 @@ class PrefixCache:
         then remembers it), else at the most-recently-used end of the LRU list. Raises `ValueError`,
         changing nothing, for a block that is not indexed or has no holder.
         """
-        nodes = [self._by_block.get(b) for b in block_ids]
+        block_ids = list(block_ids)
         with self._lock:
+            nodes = [self._by_block.get(b) for b in block_ids]
             for b, node in zip(block_ids, nodes):
                 if node is None or self._by_block.get(b) is not node or node.holders == 0:
                     raise ValueError(f"release: block {b} is not an indexed block in use")

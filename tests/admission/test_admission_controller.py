@@ -141,6 +141,21 @@ def test_shared_blocks_reduce_the_reservation() -> None:
     c.check_integrity()
 
 
+def test_a_head_that_cannot_fit_even_fully_shared_costs_no_lookup() -> None:
+    sharing = FixedSharing(16, 100)
+    c = make(sharing=sharing)
+    a = c.submit(1300, 200)  # 94 blocks
+    small = c.submit(40, 40)  # 5 blocks: 1 available
+    big = c.submit(800, 700, payload={"shared": 2})  # 94 blocks, at best 94 - 49 = 45 with its prefix shared
+    assert big.state is TicketState.QUEUED and big.blocks_reserved == 92  # measured once, for the plan
+    lookups = sharing.lookups
+    c.release(small)  # 6 available: far below its best case, so the queue's head is not looked up
+    assert sharing.lookups == lookups and big.state is TicketState.QUEUED
+    c.release(a)  # 100 available: looked up, granted with its 2 shared blocks
+    assert sharing.lookups == lookups + 1 and big.state is TicketState.GRANTED and big.blocks_reserved == 92
+    c.check_integrity()
+
+
 def test_default_max_tokens() -> None:
     c = make(default_max_tokens=100, max_model_len=1000)
     assert c.submit(50).max_tokens == 100

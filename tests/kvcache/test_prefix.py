@@ -52,7 +52,7 @@ def test_a_hit_is_the_longest_verified_run_and_leaves_the_last_token() -> None:
     prompt = list(range(100, 112))  # exactly 3 full blocks
     held = _compute(allocator, cache, prompt, "a")
     assert held == [0, 1, 2] and cache.counts() == (13, 0, 3, 0)
-    cache.release(held, "a")
+    cache.release(iter(held), "a")  # any iterable of ids
     assert cache.counts() == (13, 3, 0, 0)
     # the same 12 tokens again: the last one must be computed, so only 2 blocks are taken
     hit = cache.acquire(prompt, "b")

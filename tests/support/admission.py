@@ -73,8 +73,10 @@ class FixedSharing:
         self.pinned: dict[int, int] = {}  # ticket id -> blocks pinned
         self.released: list[int] = []  # ticket ids let go, in order
         self.in_use = 0  # blocks allocated, as the test reports them
+        self.lookups = 0  # share() calls
 
     def share(self, ticket: Ticket, decide: Any) -> Share:
+        self.lookups += 1
         want = ticket.payload.get("shared", 0) if isinstance(ticket.payload, dict) else 0
         n = min(want, (ticket.prompt_tokens + ticket.tokens_generated - 1) // self.block_size)
         if not decide(n, n):
