@@ -122,7 +122,10 @@ def convert_gguf(
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise ValueError(f"GGUF file not found: {gguf_path}")
-    reader = gguf.GGUFReader(gguf_path)
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except (ValueError, IndexError, EOFError) as exc:  # bad magic, truncated or malformed header
+        raise ValueError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
     meta = _Metadata(reader)
     arch_name = meta.get("general.architecture")
     if arch_name not in _ARCHITECTURES:
@@ -314,10 +317,28 @@ def _tokenizer_config(meta: _Metadata, config: dict[str, Any], tokens: list[str]
     return out
 
 
+# GGUF `general.sampling.*` metadata (the author's recommended sampling) -> generation_config keys.
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+}
+
+
 def _generation_config(meta: _Metadata, config: dict[str, Any]) -> dict[str, Any]:
-    """bos/eos/pad ids; eos becomes a list when the file names a distinct end-of-turn token."""
-    out = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    """bos/eos/pad ids; eos becomes a list when the file names a distinct end-of-turn token; the
+    recommended sampling (`temperature`, `top_k`, `top_p`, `min_p`) where the file carries it."""
+    out: dict[str, Any] = {
+        k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None
+    }
     eot = meta.get("tokenizer.ggml.eot_token_id")
     if eot is not None and out.get("eos_token_id") not in (None, eot):
         out["eos_token_id"] = [out["eos_token_id"], int(eot)]
+    for key, name in _SAMPLING_KEYS.items():
+        value = meta.get(key)
+        if name == "top_k" and value is not None:
+            out[name] = int(value)
+        elif value is not None:  # stored as float32: 0.2 reads back as 0.20000000298...
+            out[name] = round(float(value), 6)
     return out
