@@ -116,6 +116,8 @@ FRACTION = Rule("a fraction in (0, 1]", lambda v: is_number(v) and 0 < v <= 1, f
 SIZE = Rule("a size of at least 1 byte (e.g. 512MiB, 2GiB)", lambda v: is_int(v) and v >= 1, parse_size, metavar="SIZE")
 POWER_OF_TWO = Rule("a power of two in [1, 128]", lambda v: is_int(v) and 1 <= v <= 128 and not v & (v - 1), int)
 TEXT = Rule("a non-empty string", lambda v: isinstance(v, str) and bool(v.strip()))
+# Whether the folder exists and holds the file is checked when the engine reads it.
+SAMPLING_SOURCE = Rule("auto, none, or a folder holding a generation_config.json", TEXT.test)
 SWITCH = Rule("true or false", lambda v: isinstance(v, bool), bool)  # a flag without a value: it flips the default
 
 # Flag groups of `python -m helexa.server --help`, in order, with their descriptions.
@@ -126,6 +128,7 @@ GROUPS: dict[str, str | None] = {
     "device faults": "after a fault the engine reloads the model and replays in-flight requests; past the "
     "retries it stays poisoned and answers 500 device_fault",
     "HTTP server": None,
+    "API": None,
 }
 
 
@@ -212,12 +215,15 @@ class EngineConfig:
     (CUDA); with none the budget's default for the device applies. `max_model_len=None` is the
     model's `max_position_embeddings`. After `max_fault_retries` consecutive device faults the
     engine stays poisoned; the n-th consecutive reload waits `fault_backoff_secs × 2^(n−1)`.
+    `generation_config` ("auto", "none" or a folder) says where the sampling defaults of requests
+    come from (`helexa.model.generation_defaults`); the folder is checked when the engine loads.
     Build one from flat names with `EngineConfig.of(max_num_seqs=8, num_blocks=64, ...)`.
     """
 
     model: str | None = _placement(
         None,
-        "a Hugging Face style directory or a known model name (default: smollm2-135m-instruct)",
+        "a Hugging Face style directory, a .gguf file, a Hugging Face repo id (org/name[@revision]) "
+        "or a known model name (default: smollm2-135m-instruct)",
         TEXT,
         metavar="PATH|NAME",
     )
@@ -229,6 +235,14 @@ class EngineConfig:
     )
     attention_backend: str = _placement(
         "auto", "kernel implementation (auto: Triton on CUDA, torch on CPU)", Rule.one_of("auto", "triton", "torch")
+    )
+    generation_config: str = _placement(
+        "auto",
+        "sampling defaults for the fields a request omits (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens): auto: the model directory's generation_config.json; none: helexa's own defaults; "
+        "or a folder holding a generation_config.json",
+        SAMPLING_SOURCE,
+        metavar="auto|none|FOLDER",
     )
     block_size: int = _budget(16, "tokens per KV block", POWER_OF_TWO)
     num_blocks: int | None = _budget(None, "an exact KV block count", Rule.at_least(1), exclusive="budget")

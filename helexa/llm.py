@@ -48,13 +48,24 @@ class LLM:
     `model`: a model directory or known name (None: the default model); `engine_args`: any
     `EngineConfig` field (e.g. `num_blocks=512`, `dtype="bfloat16"`, `max_num_seqs=16`).
     `generate` submits every prompt (those that do not fit yet wait for blocks, FIFO) and drives the
-    engine on the calling thread until all are done.
+    engine on the calling thread until all are done. `generate` without `sampling_params` samples with
+    `get_default_sampling_params()`: the model's generation_config.json defaults (see
+    `generation_config` in `EngineConfig`: "auto", "none" or a folder).
     """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         engine_args.setdefault("max_queue_depth", 1 << 20)
         self.engine = Engine(EngineConfig.of(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The `SamplingParams` `generate` uses when given none, as vLLM's method of this name.
+
+        The fields the model's generation config sets (temperature, top_p, top_k, min_p,
+        repetition_penalty; max_new_tokens as max_tokens), `SamplingParams`' defaults for the rest
+        (max_tokens 16). With `generation_config="none"`, or no such file: `SamplingParams()`.
+        """
+        return self.engine.sampling_defaults.params()
 
     def generate(
         self,
@@ -64,12 +75,17 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, or token ids); results in prompt order.
 
+        `sampling_params`: one for every prompt, or one per prompt, used as given; None:
+        `get_default_sampling_params()`.
+
         Raises `AdmissionRejected` when a prompt can never fit this engine (its arithmetic in the
         message) before anything runs; `ValueError` for bad prompts or params.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[assignment]  # one prompt (text or token ids): a list of one
-        params_list = _params_per_prompt(sampling_params, len(prompts))
+        params_list = _params_per_prompt(
+            self.get_default_sampling_params() if sampling_params is None else sampling_params, len(prompts)
+        )
         encoded = [self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
         submitted: list[tuple[RequestHandle, float]] = []
         try:
@@ -143,9 +159,7 @@ class _Collector:
         )
 
 
-def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
+def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

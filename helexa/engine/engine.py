@@ -23,6 +23,7 @@ from helexa.engine.sharing import CacheSharing
 from helexa.engine.stream import RequestStream, TokenEvent
 from helexa.kvcache import BlockPool, BlockTable, KVBudget, PrefixCache, PrefixHit
 from helexa.model.config import ModelConfig
+from helexa.model.generation_defaults import SamplingDefaults, resolve_sampling_defaults
 from helexa.model.loader import resolve_dtype
 from helexa.model.sampling import SampleResult, SamplingParams, make_generator
 from helexa.model.sampling.grammar import GrammarTokenizer
@@ -105,6 +106,9 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.dtype)
         self.max_model_len = _max_model_len(config, self.model_config)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        # Defaults for the sampling fields a request omits (`--generation-config`); read once, before the weights.
+        self.sampling_defaults: SamplingDefaults = resolve_sampling_defaults(config.generation_config, self.model_dir)
+        logger.info(f"engine: {self.sampling_defaults.describe()}")
         self.grammar_tokenizer = GrammarTokenizer(
             self.tokenizer.backend.to_str(), tuple(sorted(self.tokenizer.eos_token_ids))
         )
@@ -433,7 +437,7 @@ class Engine:
                 params=req.params,
                 ticket=ticket,
                 stream=req.stream,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt, req.params.skip_special_tokens),
                 stop_checker=StopChecker(req.params.stop),
                 table=table,
                 generator=make_generator(req.params.seed, self.device) if req.params.seed is not None else None,

@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Any
 
 from helexa.admission import AdmissionRejected
 from helexa.engine import Engine, EngineClosed, EngineError, RequestFailed, RequestHandle, TokenEvent, TokenLogprob
@@ -98,19 +99,41 @@ class GenerationRun:
         self._done: set[int] = set()  # choices whose final event arrived
         self._seen: set[int] = set()  # choices that produced any event
 
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields in effect (`SamplingParams` keyword arguments): those the client sent, over
+        the engine's `sampling_defaults` (the model's generation config) for those it omitted. A field in
+        neither is absent: `SamplingParams`' default applies."""
+        return {**self.engine.sampling_defaults.sampling(), **self.request.sampling}
+
     def sampling_params(self, choice: int) -> SamplingParams:
         """The `SamplingParams` of choice `choice` (its seed is the request's + choice number).
 
-        `max_tokens` is the client's, or None: admission then reserves the node's default.
+        Its sampling fields are `sampling`'s (the client's, over the model's generation config defaults).
+        `max_tokens` is the client's; else `_default_max_tokens`.
         """
         req = self.request
         seed = None if req.seed is None else req.seed + choice % req.n
+        max_tokens = req.max_tokens if req.max_tokens is not None else self._default_max_tokens(choice)
         try:
             return SamplingParams(
-                max_tokens=req.max_tokens, seed=seed, logprobs=req.logprobs, grammar=req.grammar, **req.sampling
+                max_tokens=max_tokens, seed=seed, logprobs=req.logprobs, grammar=req.grammar, **self.sampling
             )
         except ValueError as exc:
             raise APIError("invalid_request", str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+    def _default_max_tokens(self, choice: int) -> int | None:
+        """The output limit of a choice whose request gives none: None lets admission reserve the node's
+        default (`min(context left after the prompt, --default-max-tokens)`). A generation config's
+        `max_new_tokens` below `--default-max-tokens` lowers that default, still capped by the context
+        left (at least 1: a prompt that fills the context is refused by admission as before), so it
+        never makes a request unservable that would otherwise be served.
+        """
+        file_limit = self.engine.sampling_defaults.max_tokens
+        if file_limit is None or file_limit >= self.engine.config.admission.default_max_tokens:
+            return None
+        room = self.engine.max_model_len - len(self.prompt_ids[choice // self.request.n])
+        return max(1, min(file_limit, room))
 
     def submit(self) -> None:
         """Submit every choice, or none: on any failure abort those submitted and raise (`APIError` as
