@@ -35,6 +35,7 @@ from helexa.server.middleware import (
 from helexa.server.protocol import GenerationRequest, decode_json, parse_detokenize, parse_tokenize
 from helexa.server.settings import ServerSettings
 from helexa.server.sse import EventStreamResponse, race_disconnect, sse
+from helexa.server.tools import ToolCalling
 
 logger = logging.getLogger("helexa.server")
 
@@ -48,6 +49,7 @@ class ServerState:
     metrics: ServerMetrics
     logprobs: LogprobFormatter
     connections: ConnectionLimit
+    tools: ToolCalling
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
 
@@ -64,10 +66,9 @@ def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[list[int]]:
     try:
         if req.messages is not None:
             try:
+                messages, tools = state.tools.conversation(req)
                 return [
-                    tokenizer.apply_chat_template(
-                        req.messages, add_generation_prompt=True, tools=req.tools, max_length=limit
-                    )
+                    tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, max_length=limit)
                 ]
             except TooManyTokens:
                 raise
@@ -130,11 +131,11 @@ async def generate(request: Request) -> Response | EventStreamResponse:
         raise APIError("shutting_down", "the server is shutting down and admits no new requests")
     parse, fmt_type = FORMATS[request.url.path]
     _json_body_type(request)
-    req = parse(decode_json(await request.body()))
+    req = state.tools.constrain(parse(decode_json(await request.body())))
     prompt_ids = await run_in_threadpool(_prompt_ids, state, req)
     run = GenerationRun(state.engine, f"{fmt_type.id_prefix}{uuid.uuid4().hex}", prompt_ids, req)
     run.submit()
-    fmt = fmt_type(req, run, state.engine.model_name, state.logprobs)
+    fmt = fmt_type(req, run, state.engine.model_name, state.logprobs, lambda: state.tools.parser_for(req))
     if req.stream:
         events = run.events()
         first = asyncio.ensure_future(anext(events))
@@ -333,6 +334,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
         metrics=ServerMetrics(engine),
         logprobs=LogprobFormatter(engine.tokenizer),
         connections=ConnectionLimit(settings.max_connections),
+        tools=ToolCalling(engine.tokenizer, settings.tool_call_parser),
     )
     routes = [
         *(Route(path, generate, methods=["POST"]) for path in FORMATS),

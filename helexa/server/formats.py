@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from helexa.engine.stream import TokenEvent, TokenLogprob
 from helexa.model.text.tokenizer import Tokenizer
+from helexa.model.tools import Item, ToolCall, ToolCallParser, parse_all
 from helexa.server.generation import Choice, GenerationRun
 from helexa.server.protocol import GenerationRequest, parse_chat, parse_completion, parse_response
 from helexa.server.sse import DONE, sse
@@ -76,9 +77,39 @@ class ApiFormat:
     body_object: ClassVar[str]
     chunk_object: ClassVar[str]
 
-    def __init__(self, req: GenerationRequest, run: GenerationRun, model: str, logprobs: LogprobFormatter) -> None:
+    def __init__(
+        self,
+        req: GenerationRequest,
+        run: GenerationRun,
+        model: str,
+        logprobs: LogprobFormatter,
+        parsers: Callable[[], ToolCallParser | None] = lambda: None,
+    ) -> None:
         self.req, self.run, self.model, self.logprobs = req, run, model, logprobs
         self.created = int(time.time())
+        self._new_parser = parsers  # a fresh tool-call parser per choice (None: the output is plain text)
+        self._parsers: dict[int, ToolCallParser | None] = {}
+
+    def _items(self, choice: Choice, event: TokenEvent) -> list[Item]:
+        """The output items `event` completes for `choice`: its text, or (with tools) text and calls."""
+        if choice.index not in self._parsers:
+            self._parsers[choice.index] = self._new_parser()
+        parser = self._parsers[choice.index]
+        if parser is None:
+            return [event.text] if event.text else []
+        return [*parser.feed(event.text), *(parser.finish() if event.finished else ())]
+
+    def _whole(self, choice: Choice) -> tuple[str | None, list[ToolCall]]:
+        """A finished choice's (content, calls); content None only when there are calls and no text."""
+        parser = self._new_parser()
+        if parser is None:
+            return choice.output_text, []
+        content, calls = parse_all(parser, choice.output_text)
+        return (content if content is not None or calls else ""), calls
+
+    @staticmethod
+    def _finish_reason(choice: Choice, made_call: bool) -> str | None:
+        return "tool_calls" if made_call and choice.finish_reason == "stop" else choice.finish_reason
 
     def body(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -129,19 +160,31 @@ class ChatFormat(ApiFormat):
 
     id_prefix, body_object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._calls: dict[int, int] = {}  # tool calls streamed so far, per choice
+
     def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         return None if self.req.logprobs is None else {"content": self.logprobs.chat(logprobs), "refusal": None}
 
     def body(self) -> dict[str, Any]:
-        choices: list[dict[str, Any]] = [
-            {
-                "index": c.index,
-                "finish_reason": c.finish_reason,
-                "logprobs": self._logprobs(c.logprobs),
-                "message": {"role": "assistant", "content": c.output_text, "refusal": None, "tool_calls": []},
+        choices: list[dict[str, Any]] = []
+        for c in self.run.choices:
+            content, calls = self._whole(c)
+            message = {
+                "role": "assistant",
+                "content": content,
+                "refusal": None,
+                "tool_calls": [t.openai() for t in calls],
             }
-            for c in self.run.choices
-        ]
+            choices.append(
+                {
+                    "index": c.index,
+                    "finish_reason": self._finish_reason(c, bool(calls)),
+                    "logprobs": self._logprobs(c.logprobs),
+                    "message": message,
+                }
+            )
         return self._object(self.body_object, choices, self._usage())
 
     def start(self) -> Iterator[bytes]:
@@ -149,9 +192,19 @@ class ChatFormat(ApiFormat):
             yield self._chunk(choice.index, delta={"role": "assistant", "content": ""})
 
     def event(self, choice: Choice, event: TokenEvent) -> Iterator[bytes]:
-        if event.text or event.finished or event.logprobs:
-            delta = {"content": event.text} if event.text else {}
-            yield self._chunk(choice.index, self._logprobs(event.logprobs), event.finish_reason, delta=delta)
+        logprobs = self._logprobs(event.logprobs) if event.logprobs else None
+        calls = self._calls.setdefault(choice.index, 0)
+        for item in self._items(choice, event):
+            if isinstance(item, str):
+                delta: dict[str, Any] = {"content": item}
+            else:
+                delta, calls = {"tool_calls": [item.openai(index=calls)]}, calls + 1
+            yield self._chunk(choice.index, logprobs, delta=delta)
+            logprobs = None  # sent with the first chunk of this event
+        self._calls[choice.index] = calls
+        if event.finished or logprobs is not None:
+            reason = self._finish_reason(choice, calls > 0) if event.finished else None
+            yield self._chunk(choice.index, logprobs, reason, delta={})
 
 
 class CompletionFormat(ApiFormat):
@@ -159,9 +212,9 @@ class CompletionFormat(ApiFormat):
 
     id_prefix, body_object, chunk_object = "cmpl-", "text_completion", "text_completion"
 
-    def __init__(self, req: GenerationRequest, run: GenerationRun, model: str, logprobs: LogprobFormatter) -> None:
-        super().__init__(req, run, model, logprobs)
-        self._offsets = {c.index: 0 for c in run.choices}  # text offset of each choice's next token
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._offsets = {c.index: 0 for c in self.run.choices}  # text offset of each choice's next token
 
     def _echo(self, choice: Choice) -> str:
         if not self.req.echo:
@@ -202,23 +255,22 @@ class CompletionFormat(ApiFormat):
 
 
 class ResponsesFormat(ApiFormat):
-    """`POST /v1/responses`: one output message; streamed as numbered events (`sequence_number`)."""
+    """`POST /v1/responses`: output items (messages, and function calls when tools are on), streamed as
+    numbered events (`sequence_number`). A message item opens with the first text after a call or at the
+    start, so a text-only answer is one message, as before; an answer with no text at all still has one
+    (empty) message unless it made calls."""
 
     id_prefix = "resp_"
 
-    def __init__(self, req: GenerationRequest, run: GenerationRun, model: str, logprobs: LogprobFormatter) -> None:
-        super().__init__(req, run, model, logprobs)
-        self.message_id = f"msg_{uuid.uuid4().hex}"
-        self._where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._seq = 0
+        self._output: list[dict[str, Any]] = []  # the output items so far
+        self._open: dict[str, Any] | None = None  # the message item text is going into
 
     @staticmethod
     def _part(text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-    def _message(self, text: str | None, status: str) -> dict[str, Any]:
-        content = [] if text is None else [self._part(text)]
-        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
     def _response(self, choice: Choice | None) -> dict[str, Any]:
         """The `response` object: in progress (`choice` None), completed, or incomplete (cut at the limit)."""
@@ -231,6 +283,9 @@ class ResponsesFormat(ApiFormat):
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion,
         }
+        choice_shown: Any = self.req.tool_choice
+        if self.req.tool_name is not None:
+            choice_shown = {"type": "function", "name": self.req.tool_name}
         return {
             "id": self.run.request_id,
             "object": "response",
@@ -241,16 +296,16 @@ class ResponsesFormat(ApiFormat):
             "instructions": self.req.instructions,
             "max_output_tokens": self.req.max_tokens,
             "model": self.model,
-            "output": [] if choice is None else [self._message(choice.output_text, status)],
-            "parallel_tool_calls": False,
+            "output": [] if choice is None else self._output,
+            "parallel_tool_calls": self.req.parallel_tool_calls,
             "previous_response_id": None,
             "reasoning": None,
             "store": False,
-            "temperature": self.req.sampling.get("temperature", 1.0),
-            "top_p": self.req.sampling.get("top_p", 1.0),
+            "temperature": self.run.sampling.get("temperature", 1.0),
+            "top_p": self.run.sampling.get("top_p", 1.0),
             "text": {"format": {"type": "text"}},
-            "tool_choice": "auto",
-            "tools": [],
+            "tool_choice": choice_shown,
+            "tools": [{"type": "function", **t["function"]} for t in self.req.tools or ()],
             "truncation": "disabled",
             "usage": None if choice is None else usage,
             "user": None,
@@ -261,28 +316,91 @@ class ResponsesFormat(ApiFormat):
         self._seq += 1
         return sse({"type": kind, "sequence_number": self._seq - 1, **fields}, event=kind)
 
+    def _open_message(self) -> Iterator[bytes]:
+        self._open = {
+            "type": "message",
+            "id": f"msg_{uuid.uuid4().hex}",
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
+        self._output.append(self._open)
+        where = {"item_id": self._open["id"], "output_index": len(self._output) - 1}
+        yield self._event("response.output_item.added", output_index=where["output_index"], item=dict(self._open))
+        yield self._event("response.content_part.added", **where, content_index=0, part=self._part(""))
+        self._open["content"] = [self._part("")]
+
+    def _close_message(self, status: str) -> Iterator[bytes]:
+        message, self._open = self._open, None
+        if message is None:
+            return
+        index = self._output.index(message)
+        part, where = message["content"][0], {"item_id": message["id"], "output_index": index, "content_index": 0}
+        message["status"] = status
+        yield self._event("response.output_text.done", **where, text=part["text"], logprobs=[])
+        yield self._event("response.content_part.done", **where, part=part)
+        yield self._event("response.output_item.done", output_index=index, item=message)
+
+    def _add(self, item: Item) -> Iterator[bytes]:
+        """Fold one output item in, yielding the events that announce it."""
+        if isinstance(item, str):
+            if self._open is None:
+                yield from self._open_message()
+            assert self._open is not None
+            self._open["content"][0]["text"] += item
+            where = {"item_id": self._open["id"], "output_index": len(self._output) - 1, "content_index": 0}
+            yield self._event("response.output_text.delta", **where, delta=item, logprobs=[])
+            return
+        yield from self._close_message("completed")
+        call = {
+            "type": "function_call",
+            "id": f"fc_{uuid.uuid4().hex}",
+            "call_id": item.id,
+            "name": item.name,
+            "arguments": "",
+            "status": "in_progress",
+        }
+        index = len(self._output)
+        self._output.append(call)
+        yield self._event("response.output_item.added", output_index=index, item=dict(call))
+        where = {"item_id": call["id"], "output_index": index}
+        yield self._event("response.function_call_arguments.delta", **where, delta=item.arguments)
+        call.update(arguments=item.arguments, status="completed")
+        yield self._event("response.function_call_arguments.done", **where, name=item.name, arguments=item.arguments)
+        yield self._event("response.output_item.done", output_index=index, item=call)
+
+    def _end(self, choice: Choice) -> Iterator[bytes]:
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        if not self._output:  # no text and no call: one empty message, as a text answer would have
+            yield from self._open_message()
+        yield from self._close_message(status)
+
     def body(self) -> dict[str, Any]:
         (choice,) = self.run.choices
+        parser = self._new_parser()
+        items = [choice.output_text] if parser is None else [*parser.feed(choice.output_text), *parser.finish()]
+        for item in items:
+            for _ in self._add(item):
+                pass
+        for _ in self._end(choice):
+            pass
         return self._response(choice)
 
     def start(self) -> Iterator[bytes]:
         response = self._response(None)
         yield self._event("response.created", response=response)
         yield self._event("response.in_progress", response=response)
-        yield self._event("response.output_item.added", output_index=0, item=self._message(None, "in_progress"))
-        yield self._event("response.content_part.added", **self._where, part=self._part(""))
+        if self._new_parser() is None:  # plain text: the message opens at once, as OpenAI's does
+            yield from self._open_message()
 
     def event(self, choice: Choice, event: TokenEvent) -> Iterator[bytes]:
-        if event.text:
-            yield self._event("response.output_text.delta", **self._where, delta=event.text, logprobs=[])
+        for item in self._items(choice, event):
+            yield from self._add(item)
         if event.finished:
             # The last event is `response.completed` even when the text was cut at `max_output_tokens`
             # (the response's status is then "incomplete"): the official client's stream helper requires it.
-            text, response = choice.output_text, self._response(choice)
-            yield self._event("response.output_text.done", **self._where, text=text, logprobs=[])
-            yield self._event("response.content_part.done", **self._where, part=self._part(text))
-            yield self._event("response.output_item.done", output_index=0, item=response["output"][0])
-            yield self._event("response.completed", response=response)
+            yield from self._end(choice)
+            yield self._event("response.completed", response=self._response(choice))
 
     def end(self, failed: bool) -> Iterator[bytes]:
         return iter(())

@@ -18,6 +18,7 @@ from helexa.config import is_int
 from helexa.model.sampling import MAX_LOGPROBS
 from helexa.model.sampling.grammar import GrammarError, json_schema_grammar
 from helexa.model.text.chat_template import validate_messages
+from helexa.model.tools import ToolSpecError, read_tools, tool_names
 from helexa.server.errors import APIError
 
 MAX_N = 128  # most choices one request may ask for
@@ -30,7 +31,11 @@ MAX_TOP_K = 2**31 - 1  # any k over the vocabulary filters nothing; larger ones 
 class GenerationRequest:
     """One validated generation request; `kind` ("chat", "completion" or "response") names its route.
 
-    - `messages` (chat, responses) passed `validate_messages`; `tools` (chat) pass through to the chat template.
+    - `messages` (chat, responses) passed `validate_messages`.
+    - `tools`: chat-shaped function tools (`read_tools`), None without; `tool_choice`: "none" (tools are
+      neither shown nor parsed), "auto" (shown; calls in the output are parsed), "required" (the output
+      must be calls); `tool_name`: with "required", the one function it must call;
+      `parallel_tool_calls`: whether a forced output may hold more than one call.
     - `prompts` (completions): each a string or a list of token ids; one choice group per prompt.
     - `max_tokens`: the client's output limit, or None for the engine's default.
     - `sampling`: `SamplingParams` keyword arguments other than `max_tokens`, `seed` and `n`.
@@ -46,6 +51,9 @@ class GenerationRequest:
     kind: str
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str = "none"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
     prompts: list[str | list[int]] = field(default_factory=list)
     instructions: str | None = None
     max_tokens: int | None = None
@@ -181,21 +189,47 @@ def _json_format(value: Any, param: str, schema_at: str | None) -> str | None:
         raise APIError("invalid_request", str(exc), param=param) from None
 
 
-def _tool_choice(body: dict[str, Any]) -> None:
-    """`tool_choice`: "auto" and "none" are served (the chat template decides how tools are shown);
-    "required" and a named function need a forced tool call, which this server does not make yet: 400,
-    rather than an answer that ignores them."""
-    choice = body.get("tool_choice")
-    if choice is None or choice in ("auto", "none"):
-        return
-    if choice == "required" or isinstance(choice, dict):
+@dataclass(frozen=True)
+class _Tools:
+    tools: list[dict[str, Any]] | None
+    choice: str
+    name: str | None
+    parallel: bool
+
+
+def _tools(body: dict[str, Any]) -> _Tools:
+    """`tools`, `tool_choice` and `parallel_tool_calls`, as OpenAI defines them (chat's nested function
+    objects, or the Responses API's flat ones). `tool_choice` defaults to "auto" with tools, "none" without;
+    "required" or a named function without tools is a 400."""
+    try:
+        tools = read_tools(body["tools"]) if body.get("tools") is not None else None
+    except ToolSpecError as exc:
+        raise APIError("invalid_request", str(exc), param=exc.param) from None
+    tools = tools or None
+    choice: Any = body.get("tool_choice")
+    name = None
+    if isinstance(choice, dict):
+        function = choice.get("function", choice) if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise _bad(
+                "tool_choice", "'auto', 'none', 'required' or {'type': 'function', 'function': {'name'}}", choice
+            )
+        choice = "required"
+    elif choice is None:
+        choice = "auto" if tools else "none"
+    elif choice not in ("auto", "none", "required"):
+        raise _bad("tool_choice", "'auto', 'none', 'required' or a function object", choice)
+    if choice == "required" and not tools:
+        raise APIError("invalid_request", "tool_choice requires 'tools' to declare the functions", param="tool_choice")
+    if name is not None and name not in tool_names(tools):
         raise APIError(
             "invalid_request",
-            "tool_choice 'required' or a named function is not supported yet: helexa does not force tool "
-            "calls; use 'auto' (or response_format json_schema for a guaranteed JSON answer)",
+            f"tool_choice names the function {name!r}, which 'tools' does not declare",
             param="tool_choice",
         )
-    raise _bad("tool_choice", "'auto', 'none', 'required' or a function object", choice)
+    parallel = _bool(body, "parallel_tool_calls")
+    return _Tools(tools, choice if tools else "none", name, True if parallel is None else parallel)
 
 
 def _stop(body: dict[str, Any], name: str) -> tuple[str, ...] | None:
@@ -226,6 +260,7 @@ _SAMPLING: dict[str, Callable[[dict[str, Any], str], Any]] = {
     "ignore_eos": _bool,
     "stop": _stop,
     "stop_token_ids": _token_ids,
+    "skip_special_tokens": _bool,
 }
 
 
@@ -268,6 +303,16 @@ def _messages(value: Any, param: str) -> list[dict[str, Any]]:
     return messages
 
 
+def _one_constraint(grammar: str | None, tools: _Tools, param: str) -> None:
+    """A forced tool call and a JSON output format cannot both shape one output: 400 naming `param`."""
+    if grammar is not None and tools.choice == "required":
+        raise APIError(
+            "invalid_request",
+            f"'{param}' cannot be combined with tool_choice 'required' or a named function: the output is the call",
+            param=param,
+        )
+
+
 # --------------------------------------------------------------------------- the three routes
 
 
@@ -276,20 +321,22 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
     if "messages" not in body:
         raise APIError("invalid_request", "'messages' is required", param="messages")
     messages = _messages(body["messages"], "messages")
-    tools = _get(
-        body, "tools", lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v), "a list of tool objects"
-    )
     max_tokens = _int(body, "max_completion_tokens", 1) or _int(body, "max_tokens", 1)  # the newer name wins
     want_logprobs = bool(_bool(body, "logprobs"))
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not want_logprobs:
         raise APIError("invalid_request", "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     stream, include_usage = _stream(body)
-    _tool_choice(body)
+    tools = _tools(body)
+    grammar = _json_format(body.get("response_format"), "response_format", "json_schema")
+    _one_constraint(grammar, tools, "response_format")
     return GenerationRequest(
         kind="chat",
         messages=messages,
-        tools=tools or None,
+        tools=tools.tools,
+        tool_choice=tools.choice,
+        tool_name=tools.name,
+        parallel_tool_calls=tools.parallel,
         max_tokens=max_tokens,
         sampling=_sampling(body),
         seed=_seed(body),
@@ -298,7 +345,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
         include_usage=include_usage,
         logprobs=(top or 0) if want_logprobs else None,
         model=_str(body, "model"),
-        grammar=_json_format(body.get("response_format"), "response_format", "json_schema"),
+        grammar=grammar,
         prompt_cache_key=_cache_key(body, "prompt_cache_key"),
         cache_salt=_cache_key(body, "cache_salt"),
     )
@@ -353,37 +400,62 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
     )
 
 
+def _response_item(item: Any, where: str, messages: list[dict[str, Any]]) -> None:
+    """Append the chat message(s) one Responses API `input` item stands for: a message, a
+    `function_call` the model made (joined to the assistant turn before it), or a `function_call_output`
+    (a `tool` message)."""
+    kind = item.get("type", "message") if isinstance(item, dict) else None
+    if kind == "function_call":
+        call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+        if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, str)):
+            raise _bad(where, "a function_call item with string 'call_id', 'name' and 'arguments'", item)
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        last = messages[-1] if messages else None
+        if last is not None and last.get("role") == "assistant" and last.get("_open"):
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call], "_open": True})
+        return
+    if kind == "function_call_output":
+        call_id, output = item.get("call_id"), item.get("output")
+        if not (isinstance(call_id, str) and isinstance(output, str)):
+            raise _bad(where, "a function_call_output item with string 'call_id' and 'output'", item)
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        return
+    if kind != "message":
+        raise APIError(
+            "invalid_request",
+            f"{where} must be a message, function_call or function_call_output item; other item types are not "
+            "supported",
+            param=where,
+        )
+    content = item.get("content")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not (
+                isinstance(part, dict)
+                and part.get("type") in ("input_text", "output_text", "text")
+                and isinstance(part.get("text"), str)
+            ):
+                raise APIError(
+                    "invalid_request",
+                    f"{where}.content[{j}] must be a text part ({{'type': 'input_text', 'text': ...}})",
+                    param=f"{where}.content",
+                )
+        content = "".join(part["text"] for part in content)
+    messages.append({"role": item.get("role"), "content": content, "_open": item.get("role") == "assistant"})
+
+
 def _response_input(value: Any) -> list[dict[str, Any]]:
-    """The Responses API's `input`: a string (one user message) or a list of message items."""
+    """The Responses API's `input`: a string (one user message) or a list of items (`_response_item`)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise _bad("input", "a string or a non-empty list of message items", value)
-    messages = []
+    messages: list[dict[str, Any]] = []
     for i, item in enumerate(value):
-        where = f"input[{i}]"
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            raise APIError(
-                "invalid_request",
-                f"{where} must be a message item ({{'role', 'content'}}); other item types are not supported",
-                param=where,
-            )
-        content = item.get("content")
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if not (
-                    isinstance(part, dict)
-                    and part.get("type") in ("input_text", "output_text", "text")
-                    and isinstance(part.get("text"), str)
-                ):
-                    raise APIError(
-                        "invalid_request",
-                        f"{where}.content[{j}] must be a text part ({{'type': 'input_text', 'text': ...}})",
-                        param=f"{where}.content",
-                    )
-            content = "".join(part["text"] for part in content)
-        messages.append({"role": item.get("role"), "content": content})
-    return _messages(messages, "input")
+        _response_item(item, f"input[{i}]", messages)
+    return _messages([{k: v for k, v in m.items() if k != "_open"} for m in messages], "input")
 
 
 def _text_format(body: dict[str, Any]) -> str | None:
@@ -408,19 +480,25 @@ def parse_response(body: dict[str, Any]) -> GenerationRequest:
             param="previous_response_id",
         )
     messages = _response_input(body["input"])
-    _tool_choice(body)
+    tools = _tools(body)
+    grammar = _text_format(body)
+    _one_constraint(grammar, tools, "text.format")
     instructions = _str(body, "instructions")
     if instructions:
         messages = [{"role": "system", "content": instructions}, *messages]
     return GenerationRequest(
         kind="response",
         messages=messages,
+        tools=tools.tools,
+        tool_choice=tools.choice,
+        tool_name=tools.name,
+        parallel_tool_calls=tools.parallel,
         instructions=instructions,
         sampling=_sampling(body, ("temperature", "top_p")),
         max_tokens=_int(body, "max_output_tokens", 1),
         stream=bool(_bool(body, "stream")),
         model=_str(body, "model"),
-        grammar=_text_format(body),
+        grammar=grammar,
         prompt_cache_key=_cache_key(body, "prompt_cache_key"),
         cache_salt=_cache_key(body, "cache_salt"),
     )

@@ -7,10 +7,12 @@ import ipaddress
 from dataclasses import dataclass
 
 from helexa.config import SIZE, TEXT, Rule, option, validate
+from helexa.model.tools.parsers import PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 PORT = Rule("a port in [0, 65535]", lambda v: isinstance(v, int) and 0 <= v <= 65535, int, metavar="N")
 _http = functools.partial(option, group="HTTP server")
+_api = functools.partial(option, group="API")
 
 
 def is_loopback(host: str) -> bool:
@@ -49,6 +51,12 @@ class ServerSettings:
         2048,
         "open connections beyond which requests get a fast 503 (/health and /metrics still answer)",
         Rule.at_least(1),
+    )
+    tool_call_parser: str | None = _api(
+        None,
+        "how the model writes tool calls (default: read from its chat template; hermes for templates "
+        "without tool support)",
+        Rule.one_of(*PARSERS),
     )
     # A queued stream's headers go out at once, then a comment with its place and estimated start this
     # often, so proxies in front never see an idle connection.

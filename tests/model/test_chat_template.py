@@ -191,8 +191,10 @@ def test_message_validation(messages, problem: str) -> None:
 
 
 def test_validation_copies_and_drops_none() -> None:
-    original = [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}], "name": None}]
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": [1]}'}}
+    original = [{"role": "assistant", "content": None, "tool_calls": [call], "name": None}]
     copied = validate_messages(original)
-    assert copied == [{"role": "assistant", "tool_calls": [{"id": "1"}]}]
+    decoded = {**call, "function": {"name": "f", "arguments": {"x": [1]}}}  # JSON text -> object, for templates
+    assert copied == [{"role": "assistant", "tool_calls": [decoded]}]
     copied[0]["tool_calls"][0]["id"] = "2"
-    assert original[0]["tool_calls"][0]["id"] == "1"
+    assert original[0]["tool_calls"][0]["id"] == "1" and original[0]["tool_calls"][0]["function"] == call["function"]

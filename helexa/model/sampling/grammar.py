@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GrammarError", "GrammarTokenizer", "TokenConstraint", "apply_masks", "json_schema_grammar"]
+__all__ = ["GrammarError", "GrammarTokenizer", "TokenConstraint", "apply_masks", "json_schema_grammar", "lark_grammar"]
 
 
 class GrammarError(ValueError):
@@ -36,17 +36,28 @@ def _llguidance() -> Any:
 def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
     """The grammar of JSON values valid under `schema` (`{"type": "object"}` for any JSON object),
     compact (no whitespace between tokens). Raises `GrammarError` for a schema it cannot compile."""
-    llg = _llguidance()
     schema = dict(schema) if isinstance(schema, dict) else schema
     if isinstance(schema, dict):
         schema.setdefault("x-guidance", {"whitespace_flexible": False})
+    return _compiled("grammar_from_json_schema", json.dumps(schema), "invalid JSON schema")
+
+
+def lark_grammar(source: str) -> str:
+    """The grammar of a Lark text in llguidance's dialect (`%json {schema}` items allowed). Raises
+    `GrammarError` when it does not compile."""
+    return _compiled("grammar_from_lark", source, "invalid grammar")
+
+
+def _compiled(builder: str, source: str, what: str) -> str:
+    """`source` through llguidance's `LLMatcher.<builder>`, validated; `GrammarError` saying `what` failed."""
+    llg = _llguidance()
     try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        grammar = getattr(llg.LLMatcher, builder)(source)
     except Exception as exc:  # llguidance raises ValueError/RuntimeError with the reason
-        raise GrammarError(f"invalid JSON schema: {exc}") from None
+        raise GrammarError(f"{what}: {exc}") from None
     ok, problem = _validate(llg, grammar, None)
     if not ok:
-        raise GrammarError(f"invalid JSON schema: {problem}")
+        raise GrammarError(f"{what}: {problem}")
     return grammar
 
 

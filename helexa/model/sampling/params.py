@@ -24,7 +24,8 @@ class SamplingParams:
     it. `stop` accepts a string or a list and is stored as a tuple; `stop_token_ids` likewise.
     `logprobs`: None for none, 0 for the chosen token's logprob only, n ≤ 20 for it plus the top n.
     `grammar`: an llguidance grammar the output must follow (`grammar.json_schema_grammar(schema)`
-    makes one from a JSON schema); None for free text.
+    makes one from a JSON schema); None for free text. `skip_special_tokens`: whether the output text
+    leaves out special tokens (as vLLM; a tool-call format whose marker is one needs them kept).
     Every field is checked in `__post_init__`; a bad value raises ValueError naming the field.
     """
 
@@ -43,6 +44,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     grammar: str | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         def bad(field: str, expected: str) -> ValueError:
@@ -82,6 +84,8 @@ class SamplingParams:
             raise bad("n", "an integer >= 1")
         if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
             raise bad("grammar", "None or a non-empty grammar string")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise bad("skip_special_tokens", "a boolean")
 
     @property
     def is_greedy(self) -> bool:  # temperature 0 (below 1e-5): the argmax, no randomness

@@ -20,6 +20,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
@@ -52,8 +53,9 @@ def _plain(value: Any, where: str) -> Any:
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """A plain-data copy of an OpenAI-style message list, keys whose value is None dropped (as
     transformers does). Each message needs a non-empty string `role` and a `content` that is a string
-    or a list of `{"type": "text", "text": str}` parts (absent only with `tool_calls`); `ValueError`
-    names the first offending message and field."""
+    or a list of `{"type": "text", "text": str}` parts (absent only with `tool_calls`, whose
+    `function.arguments` come back as objects, decoded from JSON text); `ValueError` names the first
+    offending message and field."""
     if not isinstance(messages, (list, tuple)):
         raise ValueError(f"messages must be a list of message objects, got {type(messages).__name__}")
     if len(messages) == 0:
@@ -78,8 +80,31 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                     raise ValueError(f"{where}.content[{j}].text must be a string")
         elif "content" in message and not isinstance(content, str):
             raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
+        if "tool_calls" in message:
+            message["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
         out.append(message)
     return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's `tool_calls`, each `function.arguments` decoded to an object (the OpenAI API
+    sends it as JSON text; chat templates, as transformers documents, take the object)."""
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} must be a list of tool calls")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{where}[{j}] must be {{'function': {{'name': ..., 'arguments': ...}}}}")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                arguments = None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"{where}[{j}].function.arguments must be the JSON text of an object")
+        function["arguments"] = arguments
+    return calls
 
 
 # (deadline on the monotonic clock, seconds allowed) of the render in progress in this context
@@ -247,6 +272,8 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template does not compile: {type(exc).__name__}: {exc}") from exc
         # Templates that loop over `message.content` get the parts list; the rest get a string.
         self.content_format: str = "parts" if _iterates_content(ast) else "string"
+        # Whether the template shows tools itself (reads the `tools` variable).
+        self.uses_tools: bool = "tools" in jinja2.meta.find_undeclared_variables(ast)
 
     def __repr__(self) -> str:
         return f"ChatTemplate({len(self.source)} chars, content_format={self.content_format!r})"
@@ -262,6 +289,8 @@ class ChatTemplate:
         the template loops over `content`. `ValueError` for malformed messages or tools, its subclass
         `ChatTemplateError` for anything that goes wrong inside the template."""
         messages = validate_messages(messages)
+        for message in messages:  # a turn with only tool calls has no content: templates get an empty one
+            message.setdefault("content", [] if self.content_format == "parts" else "")
         if self.content_format == "string":
             for message in messages:
                 if isinstance(message.get("content"), list):

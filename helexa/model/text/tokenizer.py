@@ -150,6 +150,11 @@ class Tokenizer:
         """The default chat template, or None when the model ships none."""
         return self.chat_templates.get("default")
 
+    def template_for(self, tools: bool) -> ChatTemplate | None:
+        """The template a conversation renders with: with tools, one named "tool_use" if the model ships
+        it, else the default; None when the model has no chat template."""
+        return (self.chat_templates.get("tool_use") if tools else None) or self.chat_template
+
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -159,7 +164,7 @@ class Tokenizer:
     ) -> str:
         """The prompt text of a conversation (with `tools`, a template named "tool_use" is preferred).
         ValueError without a chat template or for malformed messages; ChatTemplateError if it fails."""
-        template = (self.chat_templates.get("tool_use") if tools else None) or self.chat_template
+        template = self.template_for(bool(tools))
         if template is None:
             raise ValueError("this model has no chat template; use a completion prompt instead")
         return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)

@@ -1,0 +1,67 @@
+"""Function calling for one served model: which format it writes calls in, how a request's conversation
+and tools reach its chat template, and the constraints a forced call adds."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from helexa.model.text.tokenizer import Tokenizer
+from helexa.model.tools import PARSERS, ToolCallParser, ToolSpecError, detect_format, forced_call_grammar, tool_names
+from helexa.model.tools.prompting import prepare_conversation
+from helexa.server.errors import APIError
+from helexa.server.protocol import GenerationRequest
+
+logger = logging.getLogger("helexa.server")
+
+
+class ToolCalling:
+    """The model's tool-call format (`parser`: `--tool-call-parser`, else detected from its chat template)."""
+
+    def __init__(self, tokenizer: Tokenizer, parser_name: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        template = tokenizer.template_for(tools=True)
+        detected = detect_format(template.source if template is not None else None)
+        self.parser: type[ToolCallParser] = PARSERS[parser_name or detected]
+        self.native = template is not None and template.uses_tools  # the template shows tools itself
+        marker = self.parser.marker
+        marker_id = tokenizer.token_to_id(marker) if marker is not None else None
+        self.marker_token = marker_id if marker_id in tokenizer.special_token_ids else None
+        how = "by its chat template" if self.native else "by helexa in the system prompt (its template has no tools)"
+        logger.info(
+            "tool calls: %s format (%s); tools are shown %s",
+            self.parser.name,
+            "set by --tool-call-parser" if parser_name else "detected",
+            how,
+        )
+
+    def conversation(self, req: GenerationRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and tools `req`'s prompt renders (tools hidden when `tool_choice` is "none")."""
+        assert req.messages is not None
+        tools = req.tools if req.tool_choice != "none" else None
+        return prepare_conversation(req.messages, tools, self.tokenizer.template_for(bool(tools)), self.parser)
+
+    def constrain(self, req: GenerationRequest) -> GenerationRequest:
+        """`req` with what its tools need of decoding: the forced-call grammar for `tool_choice` "required"
+        or a named function, and special tokens kept in the text when the format's marker is one. 400
+        naming the tool whose schema cannot be compiled."""
+        if req.tool_choice == "none" or req.tools is None:
+            return req
+        changes: dict[str, Any] = {}
+        if self.parser.keeps_special_tokens and "skip_special_tokens" not in req.sampling:
+            changes["sampling"] = {**req.sampling, "skip_special_tokens": False}
+        if req.tool_choice == "required":
+            try:
+                changes["grammar"] = forced_call_grammar(
+                    req.tools, self.parser, req.tool_name, req.parallel_tool_calls, self.marker_token
+                )
+            except ToolSpecError as exc:
+                raise APIError("invalid_request", str(exc), param=exc.param) from None
+        return dataclasses.replace(req, **changes) if changes else req
+
+    def parser_for(self, req: GenerationRequest) -> ToolCallParser | None:
+        """A fresh parser for one choice of `req`, or None when its output is plain text."""
+        if req.tool_choice == "none" or req.tools is None:
+            return None
+        return self.parser(tool_names(req.tools))
