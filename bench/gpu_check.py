@@ -9,7 +9,12 @@ Run by `bench/gpu_check.sh` on a CUDA machine (torch 2.11 / triton 3.6, no netwo
 3. timings with `triton.testing.do_bench` (median; it flushes L2 before every repetition) of
    decode, prefill and write_kv at the issue's shapes (bf16, head_dim 128, 32 query / 8 KV heads),
    each next to SDPA on a gathered contiguous copy, and each output compared with SDPA's;
-4. the allocator kernels of `helexa/kernels/block_alloc.py`.
+4. the allocator kernels of `helexa/kernels/block_alloc.py`;
+5. the weight-only quantized matmuls of `helexa/kernels/quant_matmul.py` (int8 per-channel and
+   group-wise, int4 group-wise): checks against the fp64 dequantize-then-matmul reference (bf16
+   activations, decode M=1/16/64 and prefill M=512, N x K = 4096 x 4096 and 14336 x 4096, G=32/128),
+   then timings next to `torch.matmul` on the dequantized bf16 weight, as GB/s of weight bytes read
+   (the decode roofline, compared with the copy bandwidth) and TFLOP/s, plus a small config sweep.
 
 Prints one table (also written to bench/out/gpu_check.md) and exits non-zero if any check failed.
 `--dry-run` runs the same logic on CPU through the Triton interpreter with tiny shapes.
@@ -30,6 +35,10 @@ _ARGS = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 _ARGS.add_argument("--dry-run", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny shapes")
 _ARGS.add_argument("--budget-s", type=float, default=450.0, help="skip remaining timings after this many seconds")
 _ARGS.add_argument("--out", default=str(Path(__file__).parent / "out" / "gpu_check.md"))
+_ARGS.add_argument(
+    "--only", choices=("all", "attention", "quant"), default="all", help="run only the attention/KV/allocator "
+    "sections (1-4) or only the quantized matmul section (5); the copy bandwidth is always measured"
+)  # fmt: skip
 ARGS = _ARGS.parse_args()
 if ARGS.dry_run:  # must precede the first triton import: @triton.jit decides at decoration time
     os.environ["TRITON_INTERPRET"] = "1"
@@ -41,9 +50,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from kernel_problems import Problem, gathered_sdpa, make_problem  # noqa: E402
 
-from helexa.kernels import block_alloc, reference  # noqa: E402
+from helexa.kernels import block_alloc, quant_reference, reference  # noqa: E402
 from helexa.kernels.attention import choose_num_splits, paged_attention_triton  # noqa: E402
 from helexa.kernels.kv_write import write_kv_triton  # noqa: E402
+from helexa.kernels.quant_matmul import QuantMatmulConfig, choose_config, int4_matmul_triton, int8_matmul_triton  # noqa: E402
 from helexa.kvcache import BlockAllocator  # noqa: E402
 
 DRY = ARGS.dry_run
@@ -330,21 +340,176 @@ def time_allocator() -> None:
         emit(f"| allocator | {name} | - | - | {t * 1e6:9.1f} | - | - | - | - | - |")
 
 
-def main() -> int:
-    dev = "CPU (dry run, Triton interpreter)" if DRY else torch.cuda.get_device_name()
-    emit(f"# helexa gpu_check — {dev}; torch {torch.__version__}, triton {triton.__version__}")
-    emit()
-    os.environ["HELEXA_DEBUG"] = "1"  # value checks on while verifying
-    try:
-        run_checks()
-    except Exception:
-        FAILURES.append("checks raised")
-        emit("```\n" + traceback.format_exc() + "```")
-    emit(f"checks done at {elapsed():.0f} s: {len(FAILURES)} failure(s)")
-    emit()
-    os.environ["HELEXA_DEBUG"] = "0"  # no host syncs while timing
+# ---------------------------------------------------------------------------------------------
+# 5. weight-only quantized matmuls (helexa/kernels/quant_matmul.py)
+# ---------------------------------------------------------------------------------------------
+QUANT_MS = [1, 5, 20] if DRY else [1, 16, 64, 512]
+QUANT_NK = [(48, 128), (80, 256)] if DRY else [(4096, 4096), (14336, 4096)]
+QUANT_GROUPS = [32, 64] if DRY else [32, 128]
+# (label, bits, group, scale dtype): per-channel int8 with fp32 scales; G=32 (GGUF-like) fp16 scales;
+# the larger group bf16 scales.
+QUANT_KINDS = [("int8 per-channel", 8, 0, torch.float32)] + [
+    (f"{name} G{g}", bits, g, torch.float16 if g == 32 else torch.bfloat16)
+    for bits, name in ((8, "int8"), (4, "int4"))
+    for g in QUANT_GROUPS
+]
 
-    copy_bw = copy_bandwidth()
+
+class QuantWeight:
+    """A random quantized weight (N, K) of one kind on DEVICE, with its matmul and its bytes."""
+
+    def __init__(self, bits: int, group: int, scale_dtype: torch.dtype, n: int, k: int, seed: int) -> None:
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        self.bits, self.group, self.n, self.k = bits, group, n, k
+        groups = k // group if group else 0
+        s_shape = (n, groups) if group else (n,)
+        sign = torch.randint(0, 2, s_shape, generator=gen, device=DEVICE) * 2 - 1
+        self.scales = ((torch.rand(s_shape, generator=gen, device=DEVICE) + 0.5) * sign / 256).to(scale_dtype)
+        self.zeros: torch.Tensor | None = None
+        if bits == 8:
+            self.qweight = torch.randint(-128, 128, (n, k), generator=gen, device=DEVICE, dtype=torch.int8)
+        else:
+            codes = torch.randint(0, 16, (n, k), generator=gen, device=DEVICE, dtype=torch.uint8)
+            self.qweight = quant_reference.pack_int4(codes)
+            self.scales = self.scales * 16  # 4-bit steps: keep |W| in the int8 weight's range
+            self.zeros = (torch.randn((n, groups), generator=gen, device=DEVICE) / 64).to(scale_dtype)
+        self.bytes = sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros) if t is not None)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.zeros is None:
+            return quant_reference.dequantize_int8(self.qweight, self.scales, dtype=dtype)
+        return quant_reference.dequantize_int4(self.qweight, self.scales, self.zeros, dtype=dtype)
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None, config: QuantMatmulConfig | None = None):
+        if self.zeros is None:
+            return int8_matmul_triton(x, self.qweight, self.scales, out=out, config=config)
+        return int4_matmul_triton(x, self.qweight, self.scales, self.zeros, out=out, config=config)
+
+
+def _quant_config(m: int, w: QuantWeight, dtype: torch.dtype = torch.bfloat16) -> QuantMatmulConfig:
+    """The config the wrappers choose by default for this problem here (4 SMs assumed in a dry run)."""
+    sms = 4 if DRY else torch.cuda.get_device_properties(0).multi_processor_count
+    return choose_config(m, w.n, w.k, w.group, sms, dtype)
+
+
+def _cfg_text(cfg: QuantMatmulConfig) -> str:
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}"
+
+
+def run_quant_checks() -> None:
+    emit("## quantized matmul checks against the fp64 reference (max |err| / max |ref|, NaN-poisoned output)")
+    emit()
+    emit("| kernel | M | N x K | x dtype | scales | config | error | result |")
+    emit("|---|---:|---|---|---|---|---:|---|")
+    for n, k in QUANT_NK:
+        for i, (label, bits, group, scale_dtype) in enumerate(QUANT_KINDS):
+            w = QuantWeight(bits, group, scale_dtype, n, k, seed=100 + i)
+            w64 = w.dequantized(torch.float64)  # (N, K)
+            gen = torch.Generator(device=DEVICE).manual_seed(k + i)
+            cases = [(m, torch.bfloat16) for m in QUANT_MS]
+            cases += [(QUANT_MS[0], torch.float16), (QUANT_MS[-1], torch.float16)]
+            cases += [(QUANT_MS[1], torch.float32), (QUANT_MS[-1], torch.float32)]
+            for m, dtype in cases:
+                x = torch.randn((m, k), generator=gen, device=DEVICE).to(dtype)
+                out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+                w.matmul(x, out=out)
+                err = rel_err(out, x.double() @ w64.T)
+                ok = err < TOLERANCE[dtype]  # NaN fails
+                if not ok:
+                    FAILURES.append(f"{label} M{m} {n}x{k} {dtype}: rel err {err:.2e}")
+                cfg = _cfg_text(_quant_config(m, w, dtype))
+                emit(
+                    f"| {label} | {m} | {n} x {k} | {str(dtype).removeprefix('torch.')} "
+                    f"| {str(scale_dtype).removeprefix('torch.')} | {cfg} | {err:.2e} | {'ok' if ok else 'FAIL'} |"
+                )
+            del w, w64
+            if not DRY:
+                torch.cuda.empty_cache()
+    emit()
+
+
+def time_quant(copy_bw: float) -> None:
+    """Each kernel's median time against torch.matmul on the bf16 dequantized weight (same x),
+    as weight GB/s (quantized bytes incl. scales/zeros for ours, bf16 bytes for torch) and TFLOP/s."""
+    emit(
+        f"## quantized matmul timings (bf16 x; GB/s = weight bytes read / time; device copy bandwidth "
+        f"{copy_bw / 1e9:.0f} GB/s)"
+    )
+    emit()
+    emit(
+        "| kernel | M | N x K | config | helexa µs | weight GB/s | of copy BW | TFLOP/s "
+        "| torch.matmul bf16 µs | its GB/s | its TFLOP/s | speed-up |"
+    )
+    emit("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, k in QUANT_NK:
+        _time_quant_shape(n, k, copy_bw)
+        if not DRY:
+            torch.cuda.empty_cache()
+    emit()
+
+
+def _time_quant_shape(n: int, k: int, copy_bw: float) -> None:
+    weights = [(label, QuantWeight(bits, g, sd, n, k, seed=7)) for label, bits, g, sd in QUANT_KINDS]
+    w_bf16 = weights[0][1].dequantized(torch.bfloat16)  # (N, K): a dense baseline of the same size
+    dense_bytes = w_bf16.numel() * w_bf16.element_size()
+    for m in QUANT_MS:
+        if elapsed() > ARGS.budget_s:
+            emit(f"| quant | {m} | {n} x {k} | skipped: over the {ARGS.budget_s:.0f} s budget | | | | | | | | |")
+            continue
+        x = torch.randn((m, k), device=DEVICE).to(torch.bfloat16)  # (M, K)
+        t_torch = median_seconds(functools.partial(torch.matmul, x, w_bf16.T))
+        flops = 2.0 * m * n * k
+        for label, w in weights:
+            out = torch.empty((m, n), dtype=torch.bfloat16, device=DEVICE)
+            t = median_seconds(functools.partial(w.matmul, x, out=out))
+            emit(
+                f"| {label} | {m} | {n} x {k} | {_cfg_text(_quant_config(m, w))} | {t * 1e6:9.1f} "
+                f"| {w.bytes / t / 1e9:8.1f} | {w.bytes / t / copy_bw:6.1%} | {flops / t / 1e12:6.1f} "
+                f"| {t_torch * 1e6:9.1f} | {dense_bytes / t_torch / 1e9:8.1f} | {flops / t_torch / 1e12:6.1f} "
+                f"| {t_torch / t:5.2f}x |"
+            )
+
+
+def sweep_quant_decode(copy_bw: float) -> None:
+    """A few decode (M=1) configs of each kernel at the first N x K, to tune `choose_config`."""
+    n, k = QUANT_NK[0]
+    emit(f"## quantized matmul decode config sweep (M=1, {n} x {k}, bf16; the first row is the default)")
+    emit()
+    emit("| kernel | config | µs | weight GB/s | of copy BW |")
+    emit("|---|---|---:|---:|---:|")
+    bk_big = 64 if DRY else 256
+    sweep = [
+        QuantMatmulConfig(16, 32, 128, 1, 4, 4),
+        QuantMatmulConfig(16, 32, 128, 4, 4, 4),
+        QuantMatmulConfig(16, 64, 128, 2, 4, 4),
+        QuantMatmulConfig(16, 64, 128, 8, 4, 4),
+        QuantMatmulConfig(16, 128, 128, 8, 4, 3),
+        QuantMatmulConfig(16, 64, bk_big, 4, 4, 3),
+        QuantMatmulConfig(16, 32, bk_big, 4, 4, 3),
+        QuantMatmulConfig(16, 64, 64, 8, 2, 4),
+    ]
+    if DRY:
+        sweep = [QuantMatmulConfig(16, 16, 32, 2, 4, 2), QuantMatmulConfig(16, 64, 64, 1, 4, 2)]
+    x = torch.randn((1, k), device=DEVICE).to(torch.bfloat16)
+    for label, bits, g, sd in (QUANT_KINDS[0], QUANT_KINDS[-1]):
+        w = QuantWeight(bits, g, sd, n, k, seed=3)
+        ref = w.matmul(x)
+        for cfg in [_quant_config(1, w), *sweep]:
+            if elapsed() > ARGS.budget_s:
+                emit(f"| {label} | {_cfg_text(cfg)} | skipped: over the {ARGS.budget_s:.0f} s budget | | |")
+                break
+            out = torch.empty_like(ref)
+            t = median_seconds(functools.partial(w.matmul, x, out=out, config=cfg))
+            err = rel_err(out, ref.float())
+            if err > TOLERANCE[torch.bfloat16]:
+                FAILURES.append(f"sweep {label} {_cfg_text(cfg)}: differs from the default config by {err:.2e}")
+            rate = w.bytes / t
+            emit(f"| {label} | {_cfg_text(cfg)} | {t * 1e6:9.1f} | {rate / 1e9:8.1f} | {rate / copy_bw:6.1%} |")
+    emit()
+
+
+def time_attention_sections(copy_bw: float) -> None:
+    """Sections 3 and 4: attention and write_kv timings, then the allocator kernels."""
     emit(
         f"## timings ({str(DTYPE).replace('torch.', '')}, {HEADS}q/{KV_HEADS}kv heads, head_dim {HEAD_DIM}); "
         f"device copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write of a {COPY_BYTES >> 20} MiB buffer)"
@@ -374,6 +539,36 @@ def main() -> int:
             FAILURES.append(f"{section.__name__}: {exc!r}")
             emit(f"| {section.__name__} | ERROR {exc!r} | | | | | | | | |")
     emit()
+
+
+def main() -> int:
+    dev = "CPU (dry run, Triton interpreter)" if DRY else torch.cuda.get_device_name()
+    emit(f"# helexa gpu_check — {dev}; torch {torch.__version__}, triton {triton.__version__}")
+    emit()
+    os.environ["HELEXA_DEBUG"] = "1"  # value checks on while verifying
+    attention, quant = ARGS.only in ("all", "attention"), ARGS.only in ("all", "quant")
+    for wanted, checks in ((attention, run_checks), (quant, run_quant_checks)):
+        try:
+            if wanted:
+                checks()
+        except Exception:
+            FAILURES.append(f"{checks.__name__} raised")
+            emit("```\n" + traceback.format_exc() + "```")
+    emit(f"checks done at {elapsed():.0f} s: {len(FAILURES)} failure(s)")
+    emit()
+    os.environ["HELEXA_DEBUG"] = "0"  # no host syncs while timing
+
+    copy_bw = copy_bandwidth()
+    if attention:
+        time_attention_sections(copy_bw)
+    if quant:
+        for quant_section in (time_quant, sweep_quant_decode):
+            try:
+                quant_section(copy_bw)
+            except Exception as exc:
+                FAILURES.append(f"{quant_section.__name__}: {exc!r}")
+                emit(f"{quant_section.__name__}: ERROR {exc!r}")
+                emit("```\n" + traceback.format_exc() + "```")
     emit(f"finished in {elapsed():.0f} s; " + ("all checks passed" if not FAILURES else f"FAILURES: {FAILURES}"))
     out = Path(ARGS.out)
     out.parent.mkdir(parents=True, exist_ok=True)
