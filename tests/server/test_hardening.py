@@ -260,10 +260,10 @@ def test_the_largest_bodies_stall_no_one(long_context_dir: Path) -> None:
                 time.sleep(0.05)
             window = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= window_start]
             # Measured here: /health 0.17-0.20 s at worst, stream gaps +0.2-0.3 s (the target is 0.2 s;
-            # what is left is this 2-core machine shared by the engine, the event loop and the client).
-            # Before: 24 s and 25.5 s. The bounds leave room for a busier CI machine and still catch any
-            # return of a GIL-held tokenisation (3.6 s for this prompt).
-            assert max(health) < 0.5, max(health)
+            # what is left is this 2-core machine shared by the engine, the event loop and the client); one CI
+            # run saw a single 0.7 s probe. Before: 24 s and 25.5 s. The bounds leave room for a busier CI
+            # machine and still catch any return of a GIL-held tokenisation (3.6 s for this prompt).
+            assert max(health) < 1.5, max(health)
             assert window and max(window) < baseline + 1.0, (max(window), baseline)
             worst, huge = (json.loads(line) for line in client.communicate()[0].splitlines())
             assert worst[0] == 400 and worst[1]["code"] == "context_length_exceeded"  # counted, then refused
