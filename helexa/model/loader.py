@@ -5,19 +5,30 @@ memory-mapped safetensors, then attached with `load_state_dict(assign=True)`. Pi
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from helexa.kernels import AttentionBackend
 from helexa.model.config import DTYPES, ModelConfig
-from helexa.model.transformer import CausalLM, MergedLinear, copy_checked
+from helexa.model.quant.apply import (
+    QUANTIZATION_CHOICES,
+    checkpoint_modules,
+    decoder_linears,
+    install_quantized,
+    quantize_decoder,
+    quantized_modules,
+)
+from helexa.model.quant.linear import QuantEmbedding, QuantLinear
+from helexa.model.quant.weight import SUFFIXES, QuantizedWeight
+from helexa.model.transformer import CausalLM, copy_checked
 
 __all__ = ["load_model", "resolve_dtype", "safetensors_files"]
 
@@ -75,23 +86,110 @@ def safetensors_files(path: str | Path) -> list[Path]:
 _Copy = Callable[[torch.Tensor, torch.Tensor], None]  # (parameter, checkpoint tensor)
 
 
+def _rows(offset: int, rows: int) -> _Copy:
+    """Copy into rows [offset, offset + rows) of the destination (a stacked shard)."""
+    return lambda dst, src: copy_checked(dst.narrow(0, offset, rows), src)
+
+
 def _checkpoint_targets(model: CausalLM) -> dict[str, tuple[str, _Copy]]:
-    """Every checkpoint tensor name the model expects -> (its parameter's name, how to copy it in); a
-    fused parameter takes one per stacked module (`qkv_proj.weight` <- `q_proj.weight`, `k_proj`...)."""
+    """Every checkpoint tensor name the model expects -> (its state-dict entry, how to copy it in); a
+    fused parameter takes one per stacked module (`qkv_proj.weight` <- `q_proj.weight`, `k_proj`...),
+    a quantized module's buffers one per part (`q_proj.qweight`, `.scales`, `.zeros`) and stacked module."""
     targets: dict[str, tuple[str, _Copy]] = {}
-    for param_name, _ in model.named_parameters():
-        module_name, _, leaf = param_name.rpartition(".")
-        module = model.get_submodule(module_name)
-        if not isinstance(module, MergedLinear):
-            targets[param_name] = (param_name, copy_checked)
+    quant_parts = [n for n, b in model.named_buffers() if b is not None and _is_quant_part(n)]
+    for state_name in [name for name, _ in model.named_parameters()] + quant_parts:
+        module_name, _, leaf = state_name.rpartition(".")
+        owner = module_name.removesuffix(".head")  # a QuantEmbedding keeps its table in `head`
+        if owner == module_name or not isinstance(model.get_submodule(owner), QuantEmbedding):
+            owner = module_name
+        ckpt_modules = checkpoint_modules(model, owner)
+        if len(ckpt_modules) == 1:
+            targets[f"{ckpt_modules[0]}.{leaf}"] = (state_name, copy_checked)
             continue
-        parent, _, local = module_name.rpartition(".")
-        for shard_id, ckpt_module in enumerate(model.packed_modules[local]):
-            targets[f"{parent}.{ckpt_module}.{leaf}"] = (
-                param_name,
-                functools.partial(module.weight_loader, shard_id=shard_id),
-            )
+        sizes = _shard_rows(model, owner)
+        for shard_id, ckpt_module in enumerate(ckpt_modules):
+            targets[f"{ckpt_module}.{leaf}"] = (state_name, _rows(sum(sizes[:shard_id]), sizes[shard_id]))
     return targets
+
+
+def _shard_rows(model: CausalLM, module_name: str) -> tuple[int, ...]:
+    """Rows of each stacked checkpoint module in the fused module `module_name`."""
+    parent, _, local = module_name.rpartition(".")
+    if local == "qkv_proj":
+        config = model.config
+        return (config.q_size, config.kv_size, config.kv_size)
+    half = model.config.intermediate_size  # gate|up
+    return (half, half)
+
+
+class _Layout(NamedTuple):
+    """How a checkpoint module is stored quantized."""
+
+    kind: str  # "int8" or "int4"
+    k: int  # input features
+    group: int  # K for per-channel scales
+    scale_dtype: torch.dtype
+
+
+def _quantized_layout(shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]], module: str) -> _Layout | None:
+    """The layout of checkpoint module `module` if it is stored quantized, else None."""
+    if f"{module}.qweight" not in shapes:
+        return None
+    q_dtype, q_shape = shapes[f"{module}.qweight"]
+    s_dtype, s_shape = shapes.get(f"{module}.scales", (torch.float32, ()))
+    k = q_shape[1] * (2 if q_dtype == torch.uint8 else 1)
+    group = k if len(s_shape) == 1 else k // max(1, s_shape[1]) if len(s_shape) == 2 else 0
+    return _Layout("int4" if q_dtype == torch.uint8 else "int8", k, group, s_dtype)
+
+
+def _install_checkpoint_quantization(
+    model: CausalLM, shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]], dtype: torch.dtype
+) -> list[str]:
+    """Swap in a quantized module (on meta) for every module whose checkpoint modules are all stored
+    quantized in one layout; returns the names of modules left dense although some of their
+    checkpoint modules are quantized (mixed layouts: dequantised at load)."""
+    mixed = []
+    names = ["model.embed_tokens", *decoder_linears(model), *(["lm_head"] if model.lm_head is not None else [])]
+    for name in names:
+        layouts = {_quantized_layout(shapes, m) for m in checkpoint_modules(model, name)}
+        if layouts == {None}:
+            continue
+        if len(layouts) != 1:
+            mixed.append(name)
+            continue
+        layout = layouts.pop()
+        assert layout is not None
+        kind, k, group, scale_dtype = layout
+        module = model.get_submodule(name)
+        assert isinstance(module, nn.Embedding | nn.Linear)
+        n = module.num_embeddings if isinstance(module, nn.Embedding) else module.out_features
+        with torch.device("meta"):
+            qweight = torch.empty(
+                n, k if kind == "int8" else k // 2, dtype=torch.int8 if kind == "int8" else torch.uint8
+            )
+            groups = () if group == k and kind == "int8" else (k // group,)
+            scales = torch.empty(n, *groups, dtype=scale_dtype)
+            zeros = torch.empty(n, *groups, dtype=scale_dtype) if kind == "int4" else None
+        install_quantized(model, name, QuantizedWeight.of(qweight, scales, zeros), dtype)
+    return mixed
+
+
+def _tensor_shapes(files: list[Path]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """name -> (dtype, shape) of every tensor of the checkpoint, read from the headers only."""
+    shapes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                part = handle.get_slice(name)
+                shapes[name] = (_SAFETENSORS_DTYPES[part.get_dtype()], tuple(part.get_shape()))
+    return shapes
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
 
 
 def load_model(
@@ -99,53 +197,95 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     attention_backend: str | AttentionBackend = "auto",
+    quantization: str = "auto",
 ) -> CausalLM:
     """The model in directory `path` on `device` in `dtype` (see `resolve_dtype`), in eval mode without
     gradients. Every parameter is filled exactly once from a safetensors tensor of its shape (a tied
     `lm_head.weight` may be absent, and is ignored if present); `ValueError` names the tensor that is
-    missing, unexpected, duplicated or misshaped."""
+    missing, unexpected, duplicated or misshaped. `quantization` ("auto", "none", "int8", "int4"; see
+    `helexa.model.quant.apply`) decides which weights stay or become quantized."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"unknown quantization {quantization!r}; expected one of {list(QUANTIZATION_CHOICES)}")
     start = time.perf_counter()
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device, config.dtype)
     files = safetensors_files(path)
+    shapes = _tensor_shapes(files)
 
     with torch.device("meta"):
         model = CausalLM(config, attention_backend)
+    mixed = [] if quantization == "none" else _install_checkpoint_quantization(model, shapes, dtype)
     targets = _checkpoint_targets(model)
-    state = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in model.named_parameters()}
+    wanted = {entry for entry, _ in targets.values()}
+    state = {
+        name: torch.empty(t.shape, dtype=t.dtype if _is_quant_part(name) else dtype, device=device)
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if name in wanted
+    }
     loaded: set[str] = set()
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint module -> quantized parts read for a dense weight
     num_bytes = 0
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():
-                if name not in targets:
-                    tied_head = config.tie_word_embeddings and name == "lm_head.weight"  # the embedding table
+                module, _, leaf = name.rpartition(".")
+                dense_from_quant = leaf in SUFFIXES and name not in targets and f"{module}.weight" in targets
+                if name not in targets and not dense_from_quant:
+                    tied_head = config.tie_word_embeddings and module == "lm_head"  # the embedding table
                     if tied_head or name.endswith("rotary_emb.inv_freq"):  # older exports saved RoPE frequencies
                         continue
                     raise ValueError(f"unexpected tensor {name!r} in {file.name} (not part of {config.architecture})")
                 if name in loaded:
                     raise ValueError(f"tensor {name!r} appears more than once in the checkpoint (again in {file.name})")
                 tensor = handle.get_tensor(name)
-                param_name, copy = targets[name]
-                try:
-                    copy(state[param_name], tensor)
-                except ValueError as exc:
-                    raise ValueError(f"tensor {name!r} in {file.name}: {exc}") from exc
                 loaded.add(name)
                 num_bytes += tensor.numel() * tensor.element_size()
+                if dense_from_quant:  # dequantised once all of the module's parts are read
+                    parts = pending.setdefault(module, {})
+                    parts[leaf] = tensor
+                    if (
+                        "qweight" not in parts
+                        or "scales" not in parts
+                        or (parts["qweight"].dtype == torch.uint8 and "zeros" not in parts)
+                    ):
+                        continue
+                    weight = QuantizedWeight.of(parts["qweight"], parts["scales"], parts.get("zeros"))
+                    tensor, name = weight.dequantize(torch.float32), f"{module}.weight"
+                    del pending[module]
+                    loaded.add(name)
+                state_name, copy = targets[name]
+                try:
+                    copy(state[state_name], tensor)
+                except ValueError as exc:
+                    raise ValueError(f"tensor {name!r} in {file.name}: {exc}") from exc
 
-    missing = sorted(set(targets) - loaded)
+    missing = sorted(set(targets) - loaded) + sorted(f"{m}.{{qweight,scales,zeros}}" for m in pending)
     if missing:
         shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint in {path} is missing {len(missing)} tensor(s): {shown}")
     model.load_state_dict(state, strict=True, assign=True)
     model.reset_buffers(device)
     model.requires_grad_(False).eval()
+    skipped = quantize_decoder(model, quantization) if quantization in ("int8", "int4") else []
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.prepare()
+    if mixed or skipped:
+        log.info(f"model: left dense (mixed quantized layouts, or K not divisible by 32): {', '.join(mixed + skipped)}")
+    quantized = quantized_modules(model)
+    kinds = sorted({f"{w.kind}/g{w.group_size}" for w in quantized.values()})
     log.info(
         f"model: loaded {path} arch={config.architecture} params={config.num_parameters} "
         f"dtype={str(dtype).removeprefix('torch.')} device={device} files={len(files)} "
-        f"read={num_bytes / 2**20:.1f}MiB in {time.perf_counter() - start:.2f}s"
+        f"read={num_bytes / 2**20:.1f}MiB quantization={quantization} "
+        f"quantized_modules={len(quantized)}{' ' + ','.join(kinds) if kinds else ''} "
+        f"in {time.perf_counter() - start:.2f}s"
     )
     return model
+
+
+def _is_quant_part(state_name: str) -> bool:
+    """Whether a state-dict entry is a quantized module's tensor (kept in its stored dtype)."""
+    return state_name.rpartition(".")[2] in SUFFIXES

@@ -123,9 +123,10 @@ class _Attention(nn.Module):
         q = _apply_rope(self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)), *rope)  # (T, H, D)
         k = _apply_rope(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)), *rope)  # (T, KVH, D)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()  # (T, KVH, D)
-        self.backend.write_kv(k, v, *kv_cache, attn.slot_mapping)
+        scales = getattr(kv_cache, "scales", {})  # an fp8 pool's k_scale, v_scale (helexa.kvcache.LayerKV)
+        self.backend.write_kv(k, v, *kv_cache, attn.slot_mapping, **scales)
         out = self.backend.paged_attention(
-            q, *kv_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale=self.head_dim**-0.5
+            q, *kv_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc, scale=self.head_dim**-0.5, **scales
         )  # (T, H, D)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -163,7 +164,8 @@ class _Backbone(nn.Module):
 
 class CausalLM(nn.Module):
     """A causal language model on the paged KV cache; every layer calls the attention backend bound
-    here (`write_kv`, then `paged_attention`; no other attention path). The loader builds it on `meta`."""
+    here (`write_kv`, then `paged_attention`; no other attention path). The loader builds it on `meta`
+    and may swap its linear layers and embedding for quantized ones (`helexa.model.quant`)."""
 
     # Fused module -> the checkpoint modules stacked in it, in row order.
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -187,16 +189,28 @@ class CausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(*self._rope_args).to(device)  # (D/2,) float32
 
     @property
-    def output_weight(self) -> torch.Tensor:  # (V, E): the embedding table when tied, else `lm_head.weight`
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def output_weight(self) -> torch.Tensor:  # (V, E) of a dense head: the embedding table when tied
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        if not isinstance(head, nn.Embedding | nn.Linear):
+            raise TypeError(f"the output head is quantized ({type(head).__name__}); it has no dense weight")
+        return head.weight
 
     @property
-    def dtype(self) -> torch.dtype:  # of the weights, the activations and the KV cache
-        return self.output_weight.dtype
+    def dtype(self) -> torch.dtype:  # of the activations, the KV cache and the dense weights
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:  # holding the weights
-        return self.output_weight.device
+        return self.model.norm.weight.device
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (S, E), final-normed -> (S, V) float32 through the head (tied: the embedding table)."""
+        if self.lm_head is not None:
+            return self.lm_head(rows).float()
+        embed = self.model.embed_tokens
+        if isinstance(embed, nn.Embedding):
+            return F.linear(rows, embed.weight).float()
+        return embed.logits(rows)  # a quantized table (QuantEmbedding)
 
     @torch.inference_mode()
     def forward(
@@ -234,4 +248,4 @@ class CausalLM(nn.Module):
         assert residual is not None  # ModelConfig guarantees at least one layer
         # Only the rows that are sampled need the final norm and the vocab projection.
         rows = self.model.norm(hidden[logits_indices] + residual[logits_indices])  # (S, E)
-        return F.linear(rows, self.output_weight).float()  # (S, V)
+        return self.logits(rows)  # (S, V)

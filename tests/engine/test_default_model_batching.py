@@ -16,7 +16,7 @@ QUESTIONS = [
 ]
 
 
-def _llm(model_dir, max_num_batched_tokens: int) -> LLM:
+def _llm(model_dir, max_num_batched_tokens: int, quantization: str) -> LLM:
     return LLM(
         str(model_dir),
         device="cpu",
@@ -25,11 +25,17 @@ def _llm(model_dir, max_num_batched_tokens: int) -> LLM:
         num_blocks=64,
         max_num_seqs=8,
         max_num_batched_tokens=max_num_batched_tokens,
+        quantization=quantization,
     )
 
 
-def test_greedy_batch_invariant_on_the_default_model(default_model_dir) -> None:
-    solo_llm = _llm(default_model_dir, max_num_batched_tokens=512)
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_greedy_batch_invariant_on_the_default_model(default_model_dir, quantization: str) -> None:
+    """The float32 reference is batch invariant token for token. The quantized default rounds each
+    layer's input to bfloat16 (docs/quantization.md), which can turn float32 summation-order
+    differences of chunked attention into a different near-tie token late in an answer: there, each
+    answer must agree for its first 8 tokens and most answers entirely."""
+    solo_llm = _llm(default_model_dir, 512, quantization)
     prompts = [
         solo_llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
         for q in QUESTIONS
@@ -38,7 +44,11 @@ def test_greedy_batch_invariant_on_the_default_model(default_model_dir) -> None:
     solo = [solo_llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
     del solo_llm
     # 24 tokens per step: every prompt's prefill is split across steps while the others decode.
-    chunked = _llm(default_model_dir, max_num_batched_tokens=24)
+    chunked = _llm(default_model_dir, 24, quantization)
     batched = [o.token_ids for o in chunked.generate(prompts, params, use_tqdm=False)]
-    assert batched == solo
+    if quantization == "none":
+        assert batched == solo
+    else:
+        assert all(b[:8] == s[:8] for b, s in zip(batched, solo)), (batched, solo)
+        assert sum(b == s for b, s in zip(batched, solo)) >= len(solo) - 1, (batched, solo)
     assert chunked.engine.snapshot()["blocks_reserved"] == 0

@@ -48,7 +48,7 @@ def _quant_bound(ref: torch.Tensor, qtype: Q) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
 def test_llama_tensors_round_trip(tmp_path: Path, bpe: Tokenizer, qtype: Q) -> None:
     path, model = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", qtype, tokenizer=bpe)
-    out = convert_gguf(path, tmp_path / "hf", progress=False)
+    out = convert_gguf(path, tmp_path / "hf", progress=False, keep_quantized=False)  # kept: tests/model/test_quant.py
     got = load_file(str(out / "model.safetensors"))
     want = model.state_dict()
     assert set(got) == set(want)

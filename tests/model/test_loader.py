@@ -28,7 +28,7 @@ def _copy_with(src: Path, dst: Path, edit) -> Path:
 
 
 def _run_prefill(model, tokens: list[int]) -> torch.Tensor:
-    cache = PagedCache(model.config, num_blocks=16, block_size=4, dtype=model.output_weight.dtype)
+    cache = PagedCache(model.config, num_blocks=16, block_size=4, dtype=model.dtype)
     step = cache.step({0: tokens}, all_logits=True)
     return model(step.input_ids, step.positions, step.attn, cache.kv_caches, step.logits_indices)
 

