@@ -236,6 +236,13 @@ class EngineConfig:
     attention_backend: str = _placement(
         "auto", "kernel implementation (auto: Triton on CUDA, torch on CPU)", Rule.one_of("auto", "triton", "torch")
     )
+    quantization: str = _placement(
+        "auto",
+        "weight quantization: auto: weights stored quantized (a GGUF's Q4_0/Q4_1/Q8_0) stay quantized; none: "
+        "dequantise them at load (the float reference); int8 (per channel) or int4 (groups of 32-128): also "
+        "quantize the decoder's dense linear layers at load",
+        Rule.one_of("auto", "none", "int8", "int4"),
+    )
     generation_config: str = _placement(
         "auto",
         "sampling defaults for the fields a request omits (temperature, top_p, top_k, min_p, repetition_penalty, "
@@ -243,6 +250,12 @@ class EngineConfig:
         "or a folder holding a generation_config.json",
         SAMPLING_SOURCE,
         metavar="auto|none|FOLDER",
+    )
+    kv_cache_dtype: str = _budget(
+        "auto",
+        "KV cache dtype: auto: --dtype's; fp8 (alias fp8_e4m3): float8 e4m3, one byte per element (4x the blocks "
+        "of float32, 2x those of bfloat16 in the same memory), with per-layer, per-KV-head scales calibrated at load",
+        Rule.one_of("auto", "fp8", "fp8_e4m3"),
     )
     block_size: int = _budget(16, "tokens per KV block", POWER_OF_TWO)
     num_blocks: int | None = _budget(None, "an exact KV block count", Rule.at_least(1), exclusive="budget")
@@ -255,6 +268,13 @@ class EngineConfig:
     )
     max_num_batched_tokens: int = _scheduling(
         2048, "most tokens one engine step runs (decode tokens and prefill chunks)", Rule.at_least(1)
+    )
+    target_step_secs: float | None = _scheduling(
+        None,
+        "while requests decode, size prefill chunks so a step takes about this long (never under one KV block, "
+        "nor under what a full chunk prefills in the time of the decodes alone); default: 0.5 on CPU, off on "
+        "CUDA; 0: off, every step may prefill up to --max-num-batched-tokens",
+        Rule.seconds(),
     )
     seed: int = _scheduling(0, "seeds the default generator unseeded requests sample from", ANY_INT)
     prefix_cache: bool = _scheduling(

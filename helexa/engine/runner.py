@@ -2,6 +2,14 @@
 
 `ModelRunner(...)` loads the weights, derives the KV budget and allocates the pool, so a reload after
 a device fault swaps the whole runner and nothing else.
+
+`--kv-cache-dtype fp8`: the pool holds float8 e4m3 with one float32 scale per layer, KV head, K and
+V. The scales are calibrated once per load, before the pool is allocated: one prefill of a fixed
+text (`KV_CALIBRATION_TEXT`, tokenized by the engine; `kv_calibration_ids`) into a small scratch
+pool in the model dtype gives each head's largest |K| and |V|, and `scale = amax * 2 / 448`
+(`helexa.kvcache.fp8_scales`): values up to twice the calibrated range are represented, larger ones
+saturate at ±448 x scale (never inf or NaN). Same weights and text, same scales: a reload after a
+device fault calibrates to the same numbers, and the prefix cache shares blocks written with them.
 """
 
 from __future__ import annotations
@@ -9,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +26,7 @@ import torch
 from helexa.config import EngineConfig
 from helexa.engine.scheduler import ScheduledChunk
 from helexa.engine.sequence import Sequence
+from helexa.kernels import FP8_KV_DTYPE
 from helexa.kvcache import (
     AttentionMetadata,
     BatchBuilder,
@@ -24,14 +34,70 @@ from helexa.kvcache import (
     BlockTable,
     PrefixCache,
     estimate_activation_bytes,
+    fp8_scales,
     kv_budget,
 )
 from helexa.model.config import ModelConfig
 from helexa.model.loader import load_model
 from helexa.model.sampling import Sampler, SampleResult
 from helexa.model.sampling.grammar import allocate_bitmask, apply_masks
+from helexa.model.text import Tokenizer
 
 logger = logging.getLogger("helexa.engine")
+
+# The text whose K/V an fp8 cache's scales are calibrated on: prose, dialogue, code, numbers and lists.
+KV_CALIBRATION_TEXT = """\
+The history of the lighthouse at the edge of the bay goes back to 1827, when a wooden tower with
+twelve oil lamps was built on the rocks to warn ships away from the shoals. It burned down twice.
+The stone tower that stands there today was finished in 1871; its lens, made in Paris, weighs
+more than four tonnes and floats on a bath of mercury so that a single keeper could turn it by hand.
+
+"Do you think the storm will reach us tonight?" asked Maria, looking at the darkening sky.
+"The barometer has dropped eleven millibars since noon," her brother answered. "Close the shutters."
+
+To compute the average of a list of numbers in Python, sum them and divide by their count:
+
+    def mean(values: list[float]) -> float:
+        if not values:
+            raise ValueError("mean of an empty list")
+        return sum(values) / len(values)
+
+    print(mean([3.5, 7.25, 10.0, -2.75]))  # 4.5
+
+Quarterly results: revenue rose 14.2% to $3.81 billion, operating margin was 22.9%, and the
+company expects 2,450 to 2,600 new hires next year, mostly in Berlin, Toronto, Singapore and Austin.
+
+Steps to repot a plant: 1) water it a day before; 2) choose a pot 2-5 cm wider; 3) loosen the roots
+gently; 4) add fresh soil and press it down; 5) water thoroughly and keep it out of direct sun for a week.
+
+Translation exercise: "Le chat dort sur le canapé" means "The cat sleeps on the sofa", and
+"Wo ist der Bahnhof?" asks where the train station is. Mathematics: e^(i*pi) + 1 = 0; the integral
+of x^2 from 0 to 3 is 9; 17 * 23 = 391; the square root of 2 is about 1.41421356.
+"""
+KV_CALIBRATION_MAX_TOKENS = 512
+
+
+def kv_calibration_ids(tokenizer: Tokenizer) -> list[int]:
+    """`KV_CALIBRATION_TEXT` as the model sees a request: a user turn of its chat template (the special
+    tokens every request carries), or the plain text with the tokenizer's special tokens when the model
+    has no template."""
+    if tokenizer.chat_template is not None:
+        try:
+            return tokenizer.apply_chat_template(
+                [{"role": "user", "content": KV_CALIBRATION_TEXT}], add_generation_prompt=True
+            )
+        except Exception as exc:  # a template that cannot render this: the plain text still calibrates
+            logger.warning("kv calibration: chat template failed (%s); using the plain text", exc)
+    return tokenizer.encode(KV_CALIBRATION_TEXT)
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's dtype for `--kv-cache-dtype NAME`: the model's for "auto", float8 e4m3 for "fp8"/"fp8_e4m3"."""
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return FP8_KV_DTYPE
+    raise ValueError(f"unknown kv_cache_dtype {name!r}; expected auto, fp8 or fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -67,20 +133,37 @@ class ModelRunner:
         device: torch.device,
         max_model_len: int,
         tokenizer_vocab: int,
+        *,
+        calibration_ids: Seq[int] | None = None,
     ) -> None:
         """Load the weights and allocate the KV pool the config gives.
 
         The block count is a function of the config and the model's shapes only (never of a live
-        free-memory reading), so every load of the same config gives the same count.
+        free-memory reading), so every load of the same config gives the same count. For an fp8
+        pool, `calibration_ids` are the tokens its scales are calibrated on (`kv_calibration_ids`;
+        default: a fixed synthetic sequence).
         """
-        model = load_model(model_dir, dtype=dtype, device=device, attention_backend=config.attention_backend)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
+        if kv_dtype == FP8_KV_DTYPE and device.type == "cuda" and config.attention_backend != "torch":
+            if torch.cuda.get_device_capability(device) < (8, 9):  # Triton's e4m3 needs sm_89+
+                raise ValueError(
+                    "--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper) for the "
+                    "Triton kernels; use --attention-backend torch on this one"
+                )
+        model = load_model(
+            model_dir,
+            dtype=dtype,
+            device=device,
+            attention_backend=config.attention_backend,
+            quantization=config.quantization,
+        )
         max_num_seqs = config.admission.max_num_seqs
         budget = kv_budget(
             block_size=config.block_size,
             num_layers=mc.num_hidden_layers,
             num_kv_heads=mc.num_key_value_heads,
             head_dim=mc.head_dim,
-            dtype=dtype,
+            dtype=kv_dtype,
             device=device,
             weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
             activation_reserve_bytes=estimate_activation_bytes(
@@ -99,15 +182,27 @@ class ModelRunner:
             gpu_memory_utilization=config.gpu_memory_utilization,
         )
         logger.info("%s", budget.describe())
+        # Sample only the tokenizer's columns (see below); calibration draws its synthetic ids from them too.
+        self.sample_vocab_size = min(tokenizer_vocab, mc.vocab_size)
+        scales = None
+        if kv_dtype == FP8_KV_DTYPE:  # before the pool: the scratch pool's memory is back by then
+            if calibration_ids is None:
+                calibration_ids = [1 + (7919 * i) % max(1, self.sample_vocab_size - 1) for i in range(256)]
+            ids = list(calibration_ids)[: min(KV_CALIBRATION_MAX_TOKENS, max_model_len)]
+            scales = calibrate_kv_scales(
+                model, mc, dtype, device, ids, config.block_size, config.max_num_batched_tokens
+            )
         pool = BlockPool(
             budget.num_blocks,
             config.block_size,
             mc.num_hidden_layers,
             mc.num_key_value_heads,
             mc.head_dim,
-            dtype,
+            kv_dtype,
             device,
         )
+        if scales is not None:
+            pool.set_kv_scales(*scales)
         self.model, self.budget, self.pool, self.device = model, budget, pool, device
         self.builder = BatchBuilder(pool, max_num_seqs, max_model_len)
         self.cache = (
@@ -116,8 +211,7 @@ class ModelRunner:
             else None
         )
         # Checkpoints often pad the embedding past the tokenizer's vocabulary; those ids can never be
-        # detokenised, so sampling only ever sees the tokenizer's columns.
-        self.sample_vocab_size = min(tokenizer_vocab, mc.vocab_size)
+        # detokenised, so sampling only ever sees the tokenizer's columns (`sample_vocab_size`, above).
         self.sampler = Sampler()
         self._kv_caches = pool.kv_caches()
 
@@ -255,6 +349,43 @@ class ModelRunner:
             prompt_ids=[s.prompt_ids for s in seqs] if need_history else None,
             output_ids=[s.output_ids for s in seqs] if need_history else None,
         )
+
+
+@torch.inference_mode()
+def calibrate_kv_scales(
+    model: torch.nn.Module,
+    mc: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    token_ids: list[int],
+    block_size: int,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 scales `(k_scale, v_scale)`, each (num_layers, num_kv_heads) float32, from a prefill of
+    `token_ids` (in chunks of at most `chunk_tokens`, as the engine's steps) into a scratch pool in the
+    model's `dtype` (freed on return): `fp8_scales` of each layer's and KV head's largest |K| and |V|
+    over the tokens (RoPE and any k-norm applied, as written to the cache)."""
+    if not token_ids:
+        raise ValueError("kv calibration needs at least one token")
+    n = len(token_ids)
+    layers, kv_heads = mc.num_hidden_layers, mc.num_key_value_heads
+    scratch = BlockPool(-(-n // block_size), block_size, layers, kv_heads, mc.head_dim, dtype, device)
+    builder = BatchBuilder(scratch, 1, n)
+    table = builder.new_table()
+    for start in range(0, n, max(1, chunk_tokens)):
+        chunk = token_ids[start : start + max(1, chunk_tokens)]
+        m = len(chunk)
+        attn = builder.build([(table, m)])
+        packed = _to_device(chunk + list(range(start, start + m)) + [m - 1], device)
+        model(packed[:m], packed[m : 2 * m], attn, scratch.kv_caches(), packed[2 * m :])
+    # (L, 2, KVH): unwritten rows are zeros and never raise a maximum
+    amax = torch.stack([torch.stack([c.abs().amax(dim=(0, 1, 3)) for c in kv]) for kv in scratch.kv_caches()])
+    scales = fp8_scales(amax.float())
+    logger.info(
+        "kv cache fp8: scales calibrated on %d tokens: |K| max %.3g..%.3g, |V| max %.3g..%.3g over layers and heads",
+        n, float(amax[:, 0].min()), float(amax[:, 0].max()), float(amax[:, 1].min()), float(amax[:, 1].max()),
+    )  # fmt: skip
+    return scales[:, 0].contiguous(), scales[:, 1].contiguous()
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

@@ -4,6 +4,10 @@
 compiled Triton kernel on CUDA; on CPU the torch reference, or the Triton kernel in Triton's
 interpreter when `TRITON_INTERPRET=1` (how the tests run the kernels on CPU). Callers that choose
 once (`--attention-backend`) use `get_attention_backend(name)`.
+
+fp8 KV caches (`FP8_KV_DTYPE`, e4m3; `--kv-cache-dtype fp8`) take keyword-only `k_scale` and
+`v_scale`, (KVH,) float32 each: `write_kv` stores `x / scale` saturated to ±448 and
+`paged_attention` reads `cache * scale` (`reference.quantize_fp8`, `reference.dequantize_fp8`).
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from typing import Any
 import torch
 
 from helexa.kernels import reference
+from helexa.kernels._checks import FP8_KV_DTYPE, FP8_KV_MAX
 
 __all__ = [
+    "FP8_KV_DTYPE",
+    "FP8_KV_MAX",
     "AttentionBackend",
     "get_attention_backend",
     "paged_attention",
@@ -47,14 +54,22 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter new K/V rows into their cache slots in place (slot -1 skipped); see `reference.write_kv`.
 
-    k, v: (T, KVH, D); k_cache, v_cache: (NB, BS, KVH, D); slot_mapping: (T,) int32/int64.
+    k, v: (T, KVH, D); k_cache, v_cache: (NB, BS, KVH, D); slot_mapping: (T,) int32/int64;
+    k_scale, v_scale: (KVH,) float32 for fp8 caches only.
     """
     impl = write_kv_triton if _use_triton(k) else reference.write_kv
-    impl(k, v, k_cache, v_cache, slot_mapping)
+    impl(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention(
@@ -66,14 +81,21 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged KV cache; see `reference.paged_attention`.
 
     q: (T, H, D); k_cache, v_cache: (NB, BS, KVH, D); block_tables: (B, MB); seq_lens: (B,);
-    query_start_loc: (B+1,); index tensors int32/int64. Returns (T, H, D) in q's dtype.
+    query_start_loc: (B+1,); index tensors int32/int64; k_scale, v_scale: (KVH,) float32 for fp8
+    caches only. Returns (T, H, D) in q's dtype.
     """
     impl = paged_attention_triton if _use_triton(q) else reference.paged_attention
-    return impl(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale, out=out)
+    return impl(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale, out=out,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,12 @@
 """Argument checks shared by the torch references and the Triton wrappers; each raises `ValueError`.
 
 Shape, dtype and device checks read tensor metadata only. Checks of tensor values (slot and
-block-id ranges, query lengths against context lengths) copy to the host, so they run only when
-`helexa.config.debug_enabled()`.
+block-id ranges, query lengths against context lengths, fp8 scales) copy to the host, so they run
+only when `helexa.config.debug_enabled()`.
+
+An fp8 KV cache (`FP8_KV_DTYPE`, e4m3) holds `x / scale` saturated to `±FP8_KV_MAX`; it comes with
+`k_scale` and `v_scale`, each `(KVH,)` float32 (one scale per KV head) on the caches' device. A
+cache of any other dtype takes no scales.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import torch
 from helexa.config import debug_enabled
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_KV_DTYPE = torch.float8_e4m3fn  # `--kv-cache-dtype fp8`
+FP8_KV_MAX = float(torch.finfo(FP8_KV_DTYPE).max)  # 448.0: larger magnitudes saturate to it
 
 
 def _shape(name: str, t: torch.Tensor, *dims: int | str) -> None:
@@ -52,16 +58,23 @@ def check_write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     float_dtypes: tuple[torch.dtype, ...],
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k, v: (T, KVH, D); k_cache, v_cache: (NB, BS, KVH, D), one dtype out of `float_dtypes`;
+    """k, v: (T, KVH, D); k_cache, v_cache: (NB, BS, KVH, D), one dtype out of `float_dtypes` (k's), or
+    fp8 with k of a dtype out of `float_dtypes` and both scales (see the module docstring);
     slot_mapping: (T,) int32/int64, all on k's device. Debug mode: every slot is -1 or in [0, NB*BS)."""
     num_blocks, block_size, num_kv_heads, head_dim = _cache_shape(k_cache, v_cache)
     _shape("k", k, "num_tokens", num_kv_heads, head_dim)
     _same("shape", "k", k, v=v)
     _shape("slot_mapping", slot_mapping, k.shape[0])
-    _same("dtype", "k_cache", k_cache, k=k, v=v, v_cache=v_cache)
-    _dtypes(float_dtypes, k_cache.dtype, slot_mapping=slot_mapping)
+    _same("dtype", "k_cache", k_cache, v_cache=v_cache)
+    _same("dtype", "k", k, v=v)
+    if k_cache.dtype != FP8_KV_DTYPE:
+        _same("dtype", "k_cache", k_cache, k=k)
+    _dtypes(float_dtypes, k.dtype, slot_mapping=slot_mapping)
     _same("device", "k", k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    check_kv_scales(k_cache, k_scale, v_scale)
     if debug_enabled() and slot_mapping.numel() > 0:
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         if lo < -1 or hi >= num_blocks * block_size:
@@ -79,10 +92,13 @@ def check_paged_attention(
     query_start_loc: torch.Tensor,
     out: torch.Tensor | None,
     float_dtypes: tuple[torch.dtype, ...],
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """q: (T, H, D) of a dtype in `float_dtypes`; k_cache, v_cache: (NB, BS, KVH, D) of q's dtype with
-    H % KVH == 0; block_tables: (B, MB); seq_lens: (B,); query_start_loc: (B+1,); index tensors int32
-    or int64; out: None or like q; all on q's device. Debug mode also checks values: query_start_loc
+    """q: (T, H, D) of a dtype in `float_dtypes`; k_cache, v_cache: (NB, BS, KVH, D) of q's dtype, or
+    fp8 with both scales (see the module docstring), H % KVH == 0; block_tables: (B, MB); seq_lens:
+    (B,); query_start_loc: (B+1,); index tensors int32 or int64; out: None or like q; all on q's
+    device. Debug mode also checks values: query_start_loc
     rises from 0 to T, each query length <= its context length, and the block ids each sequence reads
     fit its table row and lie in [0, NB)."""
     num_blocks, block_size, num_kv_heads, head_dim = _cache_shape(k_cache, v_cache)
@@ -96,8 +112,11 @@ def check_paged_attention(
     _shape("query_start_loc", query_start_loc, batch + 1)
     index = dict(block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
     _dtypes(float_dtypes, q.dtype, **index)
-    _same("dtype", "q", q, k_cache=k_cache, v_cache=v_cache)
+    _same("dtype", "k_cache", k_cache, v_cache=v_cache)
+    if k_cache.dtype != FP8_KV_DTYPE:
+        _same("dtype", "q", q, k_cache=k_cache)
     _same("device", "q", q, k_cache=k_cache, v_cache=v_cache, **index)
+    check_kv_scales(k_cache, k_scale, v_scale)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         want, got = (tuple(q.shape), q.dtype, q.device), (tuple(out.shape), out.dtype, out.device)
         raise ValueError(f"out must match q {want}, got {got}")
@@ -116,3 +135,26 @@ def check_paged_attention(
             ids = block_tables[b, :needed]
             if needed and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
                 raise ValueError(f"sequence {b}: block ids {ids.tolist()} outside [0, {num_blocks})")
+
+
+def check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """An fp8 cache comes with `k_scale` and `v_scale`, each (KVH,) float32 on its device; any other
+    cache with neither. Debug mode: every scale is finite and > 0."""
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    if k_cache.dtype != FP8_KV_DTYPE:
+        given = [name for name, t in scales.items() if t is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} apply to an fp8 ({FP8_KV_DTYPE}) cache, not {k_cache.dtype}")
+        return
+    missing = [name for name, t in scales.items() if t is None]
+    if missing:
+        raise ValueError(f"an fp8 ({FP8_KV_DTYPE}) cache needs {' and '.join(missing)}: (num_kv_heads,) float32")
+    for name, t in scales.items():
+        assert t is not None
+        _shape(name, t, k_cache.shape[2])
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {t.dtype}")
+        if t.device != k_cache.device:
+            raise ValueError(f"{name} device {t.device} != k_cache device {k_cache.device}")
+        if debug_enabled() and t.numel() > 0 and not bool(torch.isfinite(t).all() and (t > 0).all()):
+            raise ValueError(f"{name} must be finite and > 0, got {t.tolist()}")

@@ -7,6 +7,10 @@ launch) and walks the keys in tiles of `TILE_N` positions through the block tabl
 base-2 softmax in fp32. With `num_splits > 1` (flash-decoding) each program covers a share of the
 keys and writes a partial output and its log-sum-exp, merged by `_reduce_splits_kernel`. Offsets
 are 64-bit, so pools over 2^31 elements work.
+
+fp8 (e4m3) caches are converted on load to q's dtype (exact: every e4m3 value is a bf16, fp16 and
+fp32 value); the KV head's `k_scale` is folded into the softmax scale and its `v_scale` multiplies
+the output, so the dot products run at q's precision, as for an unquantized cache.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def _attend_tile(
     q_pos,  # (M,)
     kv_len, table_row, k_head, v_head, dims64, d_valid,
     block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-    TILE_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TILE_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over key positions [tile * TILE_N, (tile + 1) * TILE_N)."""
     pos = tile * TILE_N + tl.arange(0, TILE_N)  # (N,) key positions
@@ -64,7 +68,10 @@ def _attend_tile(
     v_offs = block[:, None] * stride_vb + row[:, None] * stride_vs + dims64[None, :] * stride_vd  # (N, D)
     k = tl.load(k_head + k_offs, mask=kv_mask, other=0.0)  # (N, D)
     v = tl.load(v_head + v_offs, mask=kv_mask, other=0.0)  # (N, D)
-    if UPCAST:
+    if KV_FP8:  # e4m3 -> q's dtype, exact; the scales are applied outside (qk_scale, output)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    elif UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
 
@@ -89,6 +96,7 @@ def _attention_kernel(
     out_ptr,  # (T, H, D) — written when not SPLIT
     part_out_ptr,  # (num_splits, T, H, BLOCK_D) fp32 — written when SPLIT
     part_lse_ptr,  # (num_splits, T, H) fp32, base-2 log-sum-exp
+    k_scale_ptr, v_scale_ptr,  # (KVH,) fp32 — read only for fp8 caches
     num_seqs, block_size, qk_scale, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -139,6 +147,9 @@ def _attention_kernel(
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
+    KV_FP8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.float8e4nv
+    if KV_FP8:  # dequantize K through the softmax scale (V: the output, below)
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # running max (base 2); finite so empty rows stay NaN-free
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -152,16 +163,18 @@ def _attention_kernel(
         while tile < tile_hi:
             acc, l_i, m_i = _attend_tile(tile, acc, l_i, m_i, q, q_pos, kv_len, table_row, k_head, v_head, dims64,
                 d_valid, block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-                stride_vd, TILE_N, UPCAST, DOT_PRECISION)  # fmt: skip
+                stride_vd, TILE_N, UPCAST, DOT_PRECISION, KV_FP8)  # fmt: skip
             tile += 1
     else:
         for tile in range(tile_lo, tile_hi):
             acc, l_i, m_i = _attend_tile(tile, acc, l_i, m_i, q, q_pos, kv_len, table_row, k_head, v_head, dims64,
                 d_valid, block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-                stride_vd, TILE_N, UPCAST, DOT_PRECISION)  # fmt: skip
+                stride_vd, TILE_N, UPCAST, DOT_PRECISION, KV_FP8)  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # (M, D)
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr + kv_head)
     if not SPLIT:
         o_offs = tokens64[:, None] * stride_ot + heads64[:, None] * stride_oh + dims64[None, :] * stride_od
         tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
@@ -252,19 +265,24 @@ def paged_attention_triton(
     num_splits: int | None = None,
     block_m: int | None = None,
     tile_n: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged KV cache with Triton kernels; `reference.paged_attention`
-    defines the result. q: (T, H, D) fp32/fp16/bf16; k_cache, v_cache: (NB, BS, KVH, D) of q's dtype,
-    H % KVH == 0, D <= 256; block_tables: (B, MB); seq_lens: (B,); query_start_loc: (B+1,); index
-    tensors int32/int64; out: optional (T, H, D). Returns (T, H, D) in q's dtype, accumulated in fp32,
-    without reading any tensor value on the host.
+    defines the result. q: (T, H, D) fp32/fp16/bf16; k_cache, v_cache: (NB, BS, KVH, D) of q's dtype
+    or fp8 (e4m3) with keyword-only `k_scale`, `v_scale` (KVH,) float32, H % KVH == 0, D <= 256;
+    block_tables: (B, MB); seq_lens: (B,); query_start_loc: (B+1,); index tensors int32/int64; out:
+    optional (T, H, D). Returns (T, H, D) in q's dtype, accumulated in fp32, without reading any
+    tensor value on the host.
 
     Keyword-only tuning knobs, same result for any choice: `num_splits` (flash-decoding splits;
     default: sized against the SMs for batches of one query per sequence, else 1), `block_m` (rows
     of a query tile, a power of two >= the padded GQA group), `tile_n` (keys per tile, a power of
     two >= 16).
     """
-    check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, TRITON_DTYPES)
+    check_paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, TRITON_DTYPES, k_scale, v_scale
+    )
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     batch = block_tables.shape[0]
@@ -302,6 +320,7 @@ def paged_attention_triton(
     num_q_tiles = total_q // block_q + batch  # upper bound on the tiles of all sequences
     _attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
+        k_scale if k_scale is not None else part_lse, v_scale if v_scale is not None else part_lse,
         batch, block_size, scale * _LOG2E, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         *part_out.stride()[:3], *part_lse.stride()[:2],

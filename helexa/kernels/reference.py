@@ -2,6 +2,9 @@
 
 Same signatures as the public kernels of `helexa.kernels`; vectorised over tokens and heads, with a
 Python loop only over the sequences (and over query chunks of very long prefills).
+
+fp8 caches (`--kv-cache-dtype fp8`): `write_kv` stores `quantize_fp8(x, scale)` and
+`paged_attention` reads `dequantize_fp8(cache, scale)`, with one float32 scale per KV head.
 """
 
 from __future__ import annotations
@@ -9,28 +12,51 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from helexa.kernels._checks import TRITON_DTYPES, check_paged_attention, check_write_kv
+from helexa.kernels._checks import FP8_KV_DTYPE, FP8_KV_MAX, TRITON_DTYPES, check_paged_attention, check_write_kv
 
-__all__ = ["write_kv", "paged_attention"]
+__all__ = ["dequantize_fp8", "paged_attention", "quantize_fp8", "write_kv"]
 
 _FLOAT_DTYPES = (*TRITON_DTYPES, torch.float64)  # float64: the tests' oracle
 # Bound on score-matrix elements per chunk of queries (~256 MiB in fp32).
 _MAX_SCORE_ELEMENTS = 1 << 26
 
 
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x: (..., KVH, D) of any float dtype; scale: (KVH,) float32 -> e4m3 of `x / scale` in float32,
+    saturated to ±448 (never inf or NaN for finite x), rounded to nearest, ties to even."""
+    return (x.to(torch.float32) / scale[:, None]).clamp_(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x: (..., KVH, D) e4m3; scale: (KVH,) float32 -> `x * scale` in `dtype` (float32 or float64)."""
+    return x.to(dtype) * scale.to(dtype)[:, None]
+
+
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter new K/V rows into their cache slots, in place, for caches of any strides.
 
     k, v: (T, KVH, D); k_cache, v_cache: (NB, BS, KVH, D); slot_mapping: (T,) int32/int64. Token t
     goes to block `slot // BS`, row `slot % BS`; slot -1 skips it. Nothing else in the caches changes.
+    fp8 caches take `k_scale`, `v_scale` (KVH,) float32 and store `quantize_fp8(k, k_scale)` etc.
     """
-    check_write_kv(k, v, k_cache, v_cache, slot_mapping, _FLOAT_DTYPES)
+    check_write_kv(k, v, k_cache, v_cache, slot_mapping, _FLOAT_DTYPES, k_scale, v_scale)
     block_size = k_cache.shape[1]
     keep = slot_mapping >= 0  # (T,) bool
     slots = slot_mapping[keep].long()  # (T',)
     blocks, offsets = slots // block_size, slots % block_size
+    if k_scale is not None and v_scale is not None:
+        k_cache[blocks, offsets] = quantize_fp8(k[keep], k_scale)
+        v_cache[blocks, offsets] = quantize_fp8(v[keep], v_scale)
+        return
     k_cache[blocks, offsets] = k[keep]
     v_cache[blocks, offsets] = v[keep]
 
@@ -44,6 +70,9 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Variable-length causal attention over the paged KV cache (decode, prefill and extend alike).
 
@@ -53,9 +82,12 @@ def paged_attention(
     query lengths; scale defaults to D**-0.5; out: optional (T, H, D) buffer. Query i of sequence b
     sits at position seq_lens[b] - q_len_b + i and attends to positions <= it. Softmax in float32
     (float64 for float64 inputs). Returns (T, H, D) in q's dtype (`out` itself when given). Reads
-    the lengths on the host (a device sync).
+    the lengths on the host (a device sync). fp8 caches take `k_scale`, `v_scale` (KVH,) float32 and
+    are read as `dequantize_fp8(cache, scale)` in the compute dtype.
     """
-    check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, _FLOAT_DTYPES)
+    check_paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, _FLOAT_DTYPES, k_scale, v_scale
+    )
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -63,12 +95,16 @@ def paged_attention(
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if out is None:
         out = torch.empty_like(q)
+    if k_scale is not None and v_scale is not None:  # (KVH, 1, 1) each, to scale (KVH, N, D)
+        scales = (k_scale.to(compute_dtype)[:, None, None], v_scale.to(compute_dtype)[:, None, None])
+    else:
+        scales = None
 
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode = {b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1}
     if len(decode) > 1:  # batched in a few matmuls; the loop below does the others
-        _decode_batched(q, k_cache, v_cache, block_tables, lens, starts, decode, scale, compute_dtype, out)
+        _decode_batched(q, k_cache, v_cache, block_tables, lens, starts, decode, scale, compute_dtype, out, scales)
     for b, seq_len in enumerate(lens):
         q_start, q_end = starts[b], starts[b + 1]
         q_len = q_end - q_start
@@ -77,6 +113,8 @@ def paged_attention(
         blocks = block_tables[b, : -(-seq_len // block_size)].long()  # (nb,)
         # (KVH, N, D) each
         k, v = (c[blocks].flatten(0, 1)[:seq_len].to(compute_dtype).transpose(0, 1) for c in (k_cache, v_cache))
+        if scales is not None:  # fp8: dequantize
+            k, v = k * scales[0], v * scales[1]
         key_pos = torch.arange(seq_len, device=q.device)  # (N,)
 
         chunk = max(1, _MAX_SCORE_ELEMENTS // max(1, num_heads * seq_len))
@@ -125,10 +163,12 @@ def _decode_batched(
     scale: float,
     compute_dtype: torch.dtype,
     out: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Single-token queries of the sequences `decode` in a few batched matmuls (the CPU decode path),
     in groups whose padded K/V stay under `_MAX_SCORE_ELEMENTS` elements. Positions past a sequence's
     end are masked out of the scores and zeroed in V, so the padding (even NaN) never reaches `out`.
+    `scales`: an fp8 cache's (k_scale, v_scale), each (KVH, 1, 1) in `compute_dtype`.
     """
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -155,6 +195,8 @@ def _decode_batched(
         # index_select, not advanced indexing: one contiguous gather (several times faster on CPU).
         k = k_cache.index_select(0, flat).view(len(batch), n, num_kv_heads, head_dim).to(compute_dtype)
         v = v_cache.index_select(0, flat).view(len(batch), n, num_kv_heads, head_dim).to(compute_dtype)
+        if scales is not None:  # fp8: dequantize, (KVH, 1) per head
+            k, v = k * scales[0][:, 0], v * scales[1][:, 0]
         pad_rows = pad.flatten().nonzero().squeeze(1)  # (P,) padding positions of the gathered batch
         v.view(len(batch) * n, num_kv_heads, head_dim).index_fill_(0, pad_rows, 0.0)  # (Bd, N, KVH, D)
         kt = k.permute(0, 2, 3, 1).contiguous()  # (Bd, KVH, D, N)

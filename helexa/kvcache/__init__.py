@@ -6,9 +6,16 @@ Importable without a model or a server."""
 from helexa.config import parse_size
 from helexa.kvcache.allocator import BlockAllocator, OutOfBlocks
 from helexa.kvcache.batch import BatchBuilder, BlockTable
-from helexa.kvcache.budget import CPU_DEFAULT_CAP, KVBudget, estimate_activation_bytes, kv_budget, kv_bytes_per_block
+from helexa.kvcache.budget import (
+    CPU_DEFAULT_CAP,
+    KVBudget,
+    estimate_activation_bytes,
+    kv_budget,
+    kv_bytes_per_block,
+    kv_scale_bytes,
+)
 from helexa.kvcache.metadata import AttentionMetadata
-from helexa.kvcache.pool import BlockPool
+from helexa.kvcache.pool import FP8_SCALE_MARGIN, BlockPool, LayerKV, fp8_scales
 from helexa.kvcache.prefix import BlockCounts, CachedBlock, PrefixCache, PrefixHit
 
 __all__ = [
@@ -19,13 +26,17 @@ __all__ = [
     "BlockPool",
     "BlockTable",
     "CPU_DEFAULT_CAP",
+    "FP8_SCALE_MARGIN",
     "CachedBlock",
     "KVBudget",
+    "LayerKV",
     "OutOfBlocks",
     "PrefixCache",
     "PrefixHit",
     "estimate_activation_bytes",
+    "fp8_scales",
     "kv_budget",
     "kv_bytes_per_block",
+    "kv_scale_bytes",
     "parse_size",
 ]

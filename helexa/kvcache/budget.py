@@ -11,6 +11,11 @@ other ranks move, so the budget would shrink after a reload and differ between t
   `min(CPU_DEFAULT_FRACTION * physical RAM, CPU_DEFAULT_CAP)`, never more than `available`.
 
 The activation reserve (`estimate_activation_bytes`, or a measured peak) is the caller's number.
+
+An fp8 pool (`dtype=torch.float8_e4m3fn`, `--kv-cache-dtype fp8`) counts one byte per element, so
+the same `kv_cache_memory` holds exactly 4x the blocks of float32 and 2x those of bfloat16. Its
+float32 scales (`kv_scale_bytes`: one per layer, KV head, K and V, not per block) come off
+`available` like the weights, so they never change a requested pool's block count.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from helexa.config import check_int, parse_size
+from helexa.kernels import FP8_KV_DTYPE
 
 __all__ = ["CPU_DEFAULT_CAP", "CPU_DEFAULT_FRACTION", "DEFAULT_GPU_MEMORY_UTILIZATION", "KVBudget",
-           "estimate_activation_bytes", "kv_budget", "kv_bytes_per_block"]  # fmt: skip
+           "estimate_activation_bytes", "kv_budget", "kv_bytes_per_block", "kv_scale_bytes"]  # fmt: skip
 
 CPU_DEFAULT_FRACTION = 0.10  # of physical RAM, when neither --num-blocks nor --kv-cache-memory is given
 CPU_DEFAULT_CAP = 4 << 30  # 4 GiB: a CPU pool larger than this is rarely what a laptop user meant
@@ -51,6 +57,14 @@ def kv_bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head
         * check_int(head_dim, "head_dim")
         * _itemsize(dtype)
     )
+
+
+def kv_scale_bytes(num_layers: int, num_kv_heads: int, dtype: torch.dtype) -> int:
+    """Bytes of an fp8 pool's scales: `2 * L * KVH * 4` (float32 k_scale and v_scale per layer and KV
+    head); 0 for a pool of any other dtype."""
+    if dtype != FP8_KV_DTYPE:
+        return 0
+    return 2 * check_int(num_layers, "num_layers") * check_int(num_kv_heads, "num_kv_heads") * 4
 
 
 def estimate_activation_bytes(
@@ -87,7 +101,8 @@ class KVBudget:
 
     `source`: "num_blocks", "kv_cache_memory", "gpu_memory_utilization" (the CUDA budget) or
     "cpu_default". `available_bytes`, the most the pool may take, is
-    `total_memory_bytes * memory_utilization - weight_bytes - activation_reserve_bytes`.
+    `total_memory_bytes * memory_utilization - weight_bytes - activation_reserve_bytes - scale_bytes`
+    (`scale_bytes`: an fp8 pool's scales, else 0).
     """
 
     device_type: str
@@ -101,6 +116,7 @@ class KVBudget:
     activation_reserve_bytes: int
     available_bytes: int
     requested_bytes: int
+    scale_bytes: int = 0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -124,7 +140,9 @@ class KVBudget:
         return (
             f"kv budget: {self.device_type} total={_fmt(self.total_memory_bytes)} x {self.memory_utilization:.2f}"
             f" - weights={_fmt(self.weight_bytes)} - activations={_fmt(self.activation_reserve_bytes)}"
-            f" = {_fmt(self.available_bytes)} available; {self.source} -> {_fmt(self.requested_bytes)}"
+            + (f" - kv scales={self.scale_bytes}B" if self.scale_bytes else "")
+            + f" = {_fmt(self.available_bytes)} available;"
+            f" {self.source} -> {_fmt(self.requested_bytes)}"
             f" / {self.bytes_per_block} B/block ({self.block_size} tokens) = {self.num_blocks} blocks"
             f" ({self.num_tokens} tokens, {_fmt(self.kv_cache_bytes)})"
         )
@@ -151,10 +169,12 @@ def kv_budget(
     `gpu_memory_utilization` in (0, 1] sets the CUDA ceiling (default 0.90) and is an error elsewhere;
     `total_memory_bytes` overrides the device total (CUDA `total_memory`, or physical RAM). Raises
     `ValueError` naming the numbers and the flag to change when the result would be zero blocks or
-    over the budget.
+    over the budget. `dtype` is the cache's: `torch.float8_e4m3fn` for an fp8 pool (one byte per
+    element; its scales come off `available`).
     """
     dev = torch.device(device)
     bytes_per_block = kv_bytes_per_block(block_size, num_layers, num_kv_heads, head_dim, dtype)
+    scale_bytes = kv_scale_bytes(num_layers, num_kv_heads, dtype)
     weight_bytes = check_int(weight_bytes, "weight_bytes", 0)
     activation_reserve_bytes = check_int(activation_reserve_bytes, "activation_reserve_bytes", 0)
     if num_blocks is not None and kv_cache_memory is not None:
@@ -174,7 +194,7 @@ def kv_budget(
         total = _cuda_total_memory(dev) if on_cuda else _physical_memory()
     else:
         total = check_int(total_memory_bytes, "total_memory_bytes")
-    available = int(total * utilization) - weight_bytes - activation_reserve_bytes
+    available = int(total * utilization) - weight_bytes - activation_reserve_bytes - scale_bytes
 
     if num_blocks is not None:
         source, requested = "num_blocks", num_blocks * bytes_per_block
@@ -188,7 +208,7 @@ def kv_budget(
     count = num_blocks if num_blocks is not None else requested // bytes_per_block
 
     budget = KVBudget(dev.type, source, count, block_size, bytes_per_block, total, utilization, weight_bytes,
-                      activation_reserve_bytes, available, requested)  # fmt: skip
+                      activation_reserve_bytes, available, requested, scale_bytes)  # fmt: skip
     fix = "raise --gpu-memory-utilization" if on_cuda else "free host memory"
     if count == 0:
         ask = {

@@ -4,20 +4,58 @@ from __future__ import annotations
 
 import torch
 
+from helexa.kernels import FP8_KV_DTYPE, FP8_KV_MAX
 from helexa.kvcache.allocator import AllocatorBackend, BlockAllocator, BlockIds
 from helexa.kvcache.budget import kv_bytes_per_block
 
-__all__ = ["BlockPool"]
+__all__ = ["FP8_SCALE_MARGIN", "BlockPool", "LayerKV", "fp8_scales"]
+
+# An fp8 scale maps this multiple of the calibrated |x| max to 448: K/V up to 2x larger than any
+# seen at calibration still fit (beyond that they saturate), at no cost in relative precision
+# (e4m3 has 3 mantissa bits in every normal binade) and one binade less of small values.
+FP8_SCALE_MARGIN = 2.0
+
+
+def fp8_scales(amax: torch.Tensor, margin: float = FP8_SCALE_MARGIN) -> torch.Tensor:
+    """float32 scales for values whose largest magnitude is `amax` (any shape): `amax * margin / 448`,
+    or 1.0 where `amax` is 0 (or not finite): nothing seen, nothing to fit."""
+    amax = amax.to(torch.float32)
+    ok = torch.isfinite(amax) & (amax > 0)
+    return torch.where(ok, amax * (margin / FP8_KV_MAX), torch.ones_like(amax))
+
+
+class LayerKV(tuple[torch.Tensor, torch.Tensor]):
+    """One layer's `(k_cache, v_cache)`: a pair (unpacks as one) that also carries the keyword arguments
+    the kernels take with these caches: `scales` is `{"k_scale": (KVH,), "v_scale": (KVH,)}` float32
+    for an fp8 pool (views of the pool's scales, so calibration updates them in place), else `{}`:
+
+        write_kv(k, v, *kv, slot_mapping, **kv.scales)
+    """
+
+    scales: dict[str, torch.Tensor]
+
+    def __new__(
+        cls,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> LayerKV:
+        pair = super().__new__(cls, (k_cache, v_cache))
+        pair.scales = {} if k_scale is None or v_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        return pair
 
 
 class BlockPool:
     """The paged KV cache of a model: `num_layers` (k_cache, v_cache) pairs and the allocator of their blocks.
 
     Each cache is (num_blocks, block_size, num_kv_heads, head_dim) of `dtype`, zero-filled, allocated
-    here once and never resized. A token's slot is `block_id * block_size + offset`. All `num_blocks`
-    blocks are allocatable, so `num_blocks` is the exact capacity admission counts against.
-    The allocator state lives on `device` (`backend`: see `BlockAllocator`); `kv_device` (default
-    `device`) places only the K/V tensors: "meta" gives the real shapes without storage.
+    here once and never resized. An fp8 pool (`dtype=torch.float8_e4m3fn`) also holds `kv_scales`,
+    (num_layers, 2, num_kv_heads) float32 (K then V), 1.0 until `set_kv_scales`. A token's slot is
+    `block_id * block_size + offset`. All `num_blocks` blocks are allocatable, so `num_blocks` is the
+    exact capacity admission counts against. The allocator state lives on `device` (`backend`: see
+    `BlockAllocator`); `kv_device` (default `device`) places only the K/V tensors (and an fp8 pool's
+    scales): "meta" gives the real shapes without storage.
     """
 
     def __init__(
@@ -43,6 +81,13 @@ class BlockPool:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         caches = (torch.zeros(shape, dtype=dtype, device=self.kv_device) for _ in range(2 * num_layers))
         self._caches = list(zip(caches, caches))  # per layer (k_cache, v_cache), each (NB, BS, KVH, D)
+        self.kv_scales: torch.Tensor | None = None  # (L, 2, KVH) float32 for fp8 pools
+        if dtype == FP8_KV_DTYPE:
+            self.kv_scales = torch.ones((num_layers, 2, num_kv_heads), dtype=torch.float32, device=self.kv_device)
+            scales = [(s[0], s[1]) for s in self.kv_scales]  # views
+            self._layers = [LayerKV(k, v, *s) for (k, v), s in zip(self._caches, scales)]
+        else:
+            self._layers = [LayerKV(k, v) for k, v in self._caches]
 
     @property
     def num_blocks(self) -> int:
@@ -72,9 +117,29 @@ class BlockPool:
         """Layer `layer`'s value cache, (num_blocks, block_size, num_kv_heads, head_dim)."""
         return self._caches[self._layer(layer)][1]
 
-    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One (k_cache, v_cache) pair per layer, in layer order (a new list of the same tensors)."""
-        return list(self._caches)
+    def kv_caches(self) -> list[LayerKV]:
+        """One (k_cache, v_cache) pair per layer, in layer order (a new list of the same tensors); each a
+        `LayerKV`, whose `scales` an fp8 pool's attention calls pass on."""
+        return list(self._layers)
+
+    @property
+    def quantized(self) -> bool:
+        """True for an fp8 pool (its caches need `kv_scales`)."""
+        return self.kv_scales is not None
+
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """Set an fp8 pool's scales in place: `k_scale`, `v_scale` (num_layers, num_kv_heads), finite and
+        > 0 (e.g. `fp8_scales(amax)`). Blocks written before keep the scales they were written with, so
+        call it before any K/V is written. ValueError for another pool or bad scales."""
+        if self.kv_scales is None:
+            raise ValueError(f"set_kv_scales applies to an fp8 pool, not {self.dtype}")
+        want = (self.num_layers, self.num_kv_heads)
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name} must be {list(want)}, got {tuple(t.shape)}")
+            if self.kv_device.type != "meta" and not bool((torch.isfinite(t) & (t > 0)).all()):
+                raise ValueError(f"{name} must be finite and > 0, got {t.tolist()}")
+        self.kv_scales.copy_(torch.stack((k_scale, v_scale), dim=1))
 
     def can_allocate(self, n: int) -> bool:
         """True when `allocate(n)` would succeed now."""
@@ -108,6 +173,9 @@ class BlockPool:
             for name, t in (("k", k), ("v", v)):
                 if tuple(t.shape) != shape or t.dtype != self.dtype or t.device != self.kv_device:
                     raise RuntimeError(f"layer {layer} {name} cache is {tuple(t.shape)} {t.dtype} on {t.device}")
+        if self.kv_scales is not None and self.kv_device.type != "meta":
+            if not bool((torch.isfinite(self.kv_scales) & (self.kv_scales > 0)).all()):
+                raise RuntimeError(f"fp8 scales must be finite and > 0, got {self.kv_scales.tolist()}")
 
     def __repr__(self) -> str:
         return (
