@@ -16,10 +16,11 @@ from helexa.admission import AdmissionController, Capacity, RateTracker, Ticket,
 from helexa.config import EngineConfig
 from helexa.engine.faults import FaultInjector, ModelHealth
 from helexa.engine.output import append_token
-from helexa.engine.runner import ModelRunner, StepInputs
+from helexa.engine.runner import ModelRunner, StepInputs, kv_calibration_ids
 from helexa.engine.scheduler import ScheduledChunk, schedule
 from helexa.engine.sequence import Request, Sequence
 from helexa.engine.sharing import CacheSharing
+from helexa.engine.step_budget import MeasuredStepCost, StepBudget
 from helexa.engine.stream import RequestStream, TokenEvent
 from helexa.kvcache import BlockPool, BlockTable, KVBudget, PrefixCache, PrefixHit
 from helexa.model.config import ModelConfig
@@ -116,6 +117,11 @@ class Engine:
         self.first_num_blocks = self.runner.budget.num_blocks
         self.health = ModelHealth()
         self.rates = self._calibrate(self.runner)
+        # Prefill chunks sized to a step time while requests decode (`--target-step-secs`), from the same rates.
+        self.target_step_secs = _target_step_secs(config, self.device)
+        self.step_budget = StepBudget(
+            config.max_num_batched_tokens, self.target_step_secs, config.block_size, MeasuredStepCost(self.rates)
+        )
         self.counters = EngineCounters()
         self._preempted: dict[int, Sequence] = {}  # by ticket id: blocks freed, waiting in admission to resume
         self.sharing = (
@@ -155,7 +161,8 @@ class Engine:
         logger.info(
             f"engine: loaded {self.model_name} on {self.device} {_dtype_name(self.dtype)} in {self.load_seconds:.2f}s; "
             f"max_model_len={self.max_model_len} max_num_seqs={config.admission.max_num_seqs} "
-            f"max_num_batched_tokens={config.max_num_batched_tokens} attention={config.attention_backend}"
+            f"max_num_batched_tokens={config.max_num_batched_tokens} target_step_secs={self.target_step_secs:g} "
+            f"attention={config.attention_backend}"
         )
 
     def _calibrate(self, runner: ModelRunner) -> RateTracker:
@@ -178,6 +185,8 @@ class Engine:
             self.device,
             self.max_model_len,
             self.tokenizer.vocab_size,
+            # `--kv-cache-dtype fp8`: the fp8 scales are calibrated on this text at every load
+            calibration_ids=kv_calibration_ids(self.tokenizer) if self.config.kv_cache_dtype != "auto" else None,
         )
 
     @property
@@ -266,10 +275,13 @@ class Engine:
         self._wake()
 
     def snapshot(self) -> dict[str, Any]:
-        """The `/v1/admission` body: pool and admission numbers, recomputed tokens and the model state."""
+        """The `/v1/admission` body: pool and admission numbers, recomputed tokens, the prefill chunk budget and
+        the model state."""
         return {
             **self.admission.snapshot(),
             "recomputed_tokens": self.counters.recomputed_tokens,
+            "target_step_secs": self.target_step_secs,
+            "prefill_chunk_tokens": self.step_budget.chunk_tokens,
             "model_state": self.health.state,
         }
 
@@ -287,7 +299,7 @@ class Engine:
         self._take_admitted(self.runner)
         self._release_deferred(self.runner)
         self._apply_aborts()
-        chunks = schedule(self._running, self.config.max_num_batched_tokens)
+        chunks = schedule(self._running, self.config.max_num_batched_tokens, self.step_budget.prefill_limit)
         if self._adaptive:
             chunks = self._provision(chunks)
         if not chunks:
@@ -621,6 +633,7 @@ class Engine:
         self.counters.step_seconds += step_seconds
         self.counters.model_seconds += model_seconds
         self.counters.prompt_tokens += inputs.num_prefill_tokens
+        self.step_budget.observe(cadence_seconds, inputs.num_decode_tokens, inputs.num_prefill_tokens)
         self.rates.observe_step(cadence_seconds, inputs.num_decode_tokens, inputs.num_prefill_tokens)
         self.admission.set_rates(self.rates.rates())
 
@@ -770,6 +783,14 @@ def _max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
     if config.max_model_len > limit:
         raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's max_position_embeddings {limit}")
     return config.max_model_len
+
+
+def _target_step_secs(config: EngineConfig, device: torch.device) -> float:
+    """The step time prefill chunks are sized to while requests decode: the config's, else 0.5 s on CPU, 0 (off)
+    on CUDA, where a full chunk takes well under a second."""
+    if config.target_step_secs is not None:
+        return float(config.target_step_secs)
+    return 0.5 if device.type == "cpu" else 0.0
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -30,7 +30,9 @@ class ScheduledChunk(Generic[S]):
     samples: bool
 
 
-def schedule(running: Sequence[S], max_num_batched_tokens: int) -> list[ScheduledChunk[S]]:
+def schedule(
+    running: Sequence[S], max_num_batched_tokens: int, prefill_limit: Callable[[int], int] | None = None
+) -> list[ScheduledChunk[S]]:
     """Pick this step's work under `max_num_batched_tokens`.
 
     Guarantees: every sequence that only needs its next token (a decode) is scheduled before any
@@ -38,6 +40,9 @@ def schedule(running: Sequence[S], max_num_batched_tokens: int) -> list[Schedule
     prefill); prefills are served in `running` order (admission order), each taking as much of the
     remaining budget as it needs; the total of `num_new` never exceeds the budget; a sequence
     appears at most once; sequences with nothing to compute are skipped.
+
+    `prefill_limit(num_decodes)`, when given, caps the prompt tokens of the step once its decodes are
+    chosen (the `StepBudget` sizing prefill chunks to a step time); it never takes budget from a decode.
     """
     budget = max_num_batched_tokens
     chunks: list[ScheduledChunk[S]] = []
@@ -49,6 +54,8 @@ def schedule(running: Sequence[S], max_num_batched_tokens: int) -> list[Schedule
             budget -= 1
         elif pending > 1:
             prefills.append(seq)
+    if prefills and prefill_limit is not None:
+        budget = min(budget, prefill_limit(len(chunks)))
     for seq in prefills:
         if budget <= 0:
             break

@@ -20,7 +20,7 @@ METRIC_NAMES = (
     "helexa_kv_blocks_total", "helexa_kv_blocks_free", "helexa_kv_blocks_reserved", "helexa_kv_blocks_available",
     "helexa_kv_blocks_cached", "helexa_kv_blocks_in_use", "helexa_kv_blocks_retained",
     "helexa_requests_in_flight", "helexa_queue_depth", "helexa_model_state",
-    "helexa_kv_cache_usage_ratio",
+    "helexa_kv_cache_usage_ratio", "helexa_prefill_chunk_tokens",
     "helexa_admission_rejected_total", "helexa_requests_total", "helexa_prompt_tokens_total",
     "helexa_generation_tokens_total", "helexa_device_faults_total", "helexa_model_reloads_total",
     "helexa_prefix_cache_hit_tokens_total", "helexa_prefix_cache_query_tokens_total",
@@ -48,6 +48,7 @@ _SNAPSHOT_GAUGES = (
     ("blocks_retained", "helexa_kv_blocks_retained", "Cached KV blocks retained for agent sessions (evicted last)."),
     ("in_flight", "helexa_requests_in_flight", "Sequences holding a reservation."),
     ("queue_depth", "helexa_queue_depth", "Requests waiting for admission."),
+    ("prefill_chunk_tokens", "helexa_prefill_chunk_tokens", "Largest prefill chunk while requests decode (tokens)."),
 )
 
 # engine counter attribute -> (counter name, help).
