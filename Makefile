@@ -11,7 +11,7 @@ TRITON_PIN ?= triton==3.6.0
 TRITON_NEXT ?= triton==3.9.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup lint test test-triton-next serve bench bench-serve bench-admission bench-agent soak pull clean
+.PHONY: setup lint test test-triton-next serve bench bench-serve bench-admission bench-agent bench-peers bench-agreement soak pull clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,13 @@ bench-agent: setup
 
 bench-admission: setup
 	$(PY) bench/admission_accuracy.py $(ARGS)
+
+# helexa vs llama.cpp on the same GGUF (the peer builds once into .peers/: bash bench/setup_llama_cpp.sh).
+bench-peers: setup
+	$(PY) bench/peers.py $(ARGS)
+
+bench-agreement: setup
+	$(PY) bench/agreement.py $(ARGS)
 
 soak: setup
 	HELEXA_SOAK=long $(PY) -m pytest -q -p no:cacheprovider tests -k soak
