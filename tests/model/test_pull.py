@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 import helexa
 from helexa.__main__ import main
+from helexa.model.quant import QuantizedWeight
 from helexa.model.weights import pull as pull_mod
 from helexa.model.weights.pull import DEFAULT_MODEL, KNOWN_MODELS, DownloadError, KnownModel, pull, resolve_model
 from tests.support.gguf import write_tiny_gguf
@@ -270,7 +271,13 @@ def test_default_model_weights_match_transformers(
     assert config["rms_norm_eps"] == pytest.approx(parsed["rms_norm_eps"])
     assert (config["architectures"], config["tie_word_embeddings"]) == (["LlamaForCausalLM"], True)
 
-    got = load_file(str(path / "model.safetensors"))
+    stored = load_file(str(path / "model.safetensors"))
+    # Weights kept quantized (Q4_1, Q8_0) must dequantise to exactly transformers' values.
+    got = {n: t for n, t in stored.items() if n.rpartition(".")[2] not in ("qweight", "scales", "zeros")}
+    for module in {n.removesuffix(".qweight") for n in stored if n.endswith(".qweight")}:
+        parts = (stored[f"{module}.qweight"], stored[f"{module}.scales"], stored.get(f"{module}.zeros"))
+        got[f"{module}.weight"] = QuantizedWeight.of(*parts).dequantize()
+    assert len(got) < len(stored)  # some weights really are kept quantized
     assert set(got) == set(want)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
