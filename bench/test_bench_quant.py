@@ -2,9 +2,10 @@
 baseline and the dense float32 matmul, measured in the same run.
 
 `make bench` runs them with pytest-benchmark and writes `bench/out/quant.md` and `bench/out/quant.png`.
-CPU: `helexa.model.quant.cpu.CpuQuantMatmul` (torch's packed int4/int8 kernels with bfloat16
-activations, the dense path from `DENSE_ROWS` rows) on SmolLM2-135M's shapes (the default model) at
-1, 8, 16 and 128 rows. CUDA: the Triton W4A16/W8A16 kernels on 4096x4096 in bfloat16.
+CPU: `helexa.model.quant.cpu.CpuQuantMatmul` with helexa's own kernel ("quantized": int8 activation
+blocks, integer dot products; the dense path from `DENSE_ROWS` rows) and with torch's packed kernels
+("torch_packed": bfloat16 activations) on SmolLM2-135M's shapes (the default model) at 1, 8, 16 and
+128 rows. CUDA: the Triton W4A16/W8A16 kernels on 4096x4096 in bfloat16.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ OUT_DIR = Path(__file__).parent / "out"
 SHAPES = [(4096, 4096)] if CUDA else [(960, 576), (3072, 576), (576, 1536), (49152, 576)]
 ROWS = [1, 16, 256] if CUDA else [1, 8, 16, 128]
 LAYOUTS = ["int4", "int8"]
-IMPLS = ["quantized", "dequantize_then_matmul", "dense_float"]
+IMPLS = ["quantized", "dequantize_then_matmul", "dense_float"] + ([] if CUDA else ["torch_packed"])
 _RESULTS: list[dict] = []
 
 
@@ -46,7 +47,7 @@ def _fn(impl: str, weight: QuantizedWeight, x: torch.Tensor):
         if weight.zeros is None:
             return lambda: int8_matmul(x, weight.qweight, weight.scales)
         return lambda: int4_matmul(x, weight.qweight, weight.scales, weight.zeros)
-    run = CpuQuantMatmul(weight)
+    run = CpuQuantMatmul(weight, kernel="torch" if impl == "torch_packed" else None)
     return lambda: run(x)
 
 
@@ -87,7 +88,8 @@ def _write_report():
         shapes = list(dict.fromkeys(r["shape"] for r in sel))
         for i, impl in enumerate(IMPLS):
             us = [by_key.get((layout, s, rows, impl), 0.0) for s in shapes]
-            ax.bar([j + 0.27 * i for j in range(len(shapes))], us, width=0.27, label=impl)
+            width = 0.8 / len(IMPLS)
+            ax.bar([j + width * i for j in range(len(shapes))], us, width=width, label=impl)
         ax.set_xticks(range(len(shapes)), shapes, rotation=30, fontsize=7)
         ax.set_yscale("log")
         ax.set_title(f"{layout}, {rows} rows", fontsize=9)

@@ -29,12 +29,16 @@ def _llm(model_dir, max_num_batched_tokens: int, quantization: str) -> LLM:
     )
 
 
+NEAR_TIE_NATS = 0.5  # where a quantized answer diverges, the two tokens' solo logprobs differ by less
+
+
 @pytest.mark.parametrize("quantization", ["none", "auto"])
 def test_greedy_batch_invariant_on_the_default_model(default_model_dir, quantization: str) -> None:
     """The float32 reference is batch invariant token for token. The quantized default rounds each
-    layer's input to bfloat16 (docs/quantization.md), which can turn float32 summation-order
-    differences of chunked attention into a different near-tie token late in an answer: there, each
-    answer must agree for its first 8 tokens and most answers entirely."""
+    layer's input to int8 per block of 32 (docs/quantization.md), so the float32 summation-order
+    differences of chunked and batched attention can flip a rounding and, at a near tie, the greedy
+    token. There, every answer must agree with its solo run up to a point where the model, given
+    the common prefix, rates the two tokens within `NEAR_TIE_NATS` of each other: a tie, not an error."""
     solo_llm = _llm(default_model_dir, 512, quantization)
     prompts = [
         solo_llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
@@ -42,13 +46,19 @@ def test_greedy_batch_invariant_on_the_default_model(default_model_dir, quantiza
     ]
     params = SamplingParams(max_tokens=16, temperature=0.0)
     solo = [solo_llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
-    del solo_llm
     # 24 tokens per step: every prompt's prefill is split across steps while the others decode.
     chunked = _llm(default_model_dir, 24, quantization)
     batched = [o.token_ids for o in chunked.generate(prompts, params, use_tqdm=False)]
+    assert chunked.engine.snapshot()["blocks_reserved"] == 0
     if quantization == "none":
         assert batched == solo
-    else:
-        assert all(b[:8] == s[:8] for b, s in zip(batched, solo)), (batched, solo)
-        assert sum(b == s for b, s in zip(batched, solo)) >= len(solo) - 1, (batched, solo)
-    assert chunked.engine.snapshot()["blocks_reserved"] == 0
+        return
+    probe = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
+    for prompt, b, s in zip(prompts, batched, solo):
+        i = next((i for i, (x, y) in enumerate(zip(b, s)) if x != y), None)
+        if i is None:
+            continue
+        out = solo_llm.generate([prompt + s[:i]], probe, use_tqdm=False)[0]
+        top = dict(out.logprobs[0].top)
+        assert s[i] in top and b[i] in top, (i, b, s, top)
+        assert abs(top[s[i]] - top[b[i]]) < NEAR_TIE_NATS, (i, top[s[i]], top[b[i]])

@@ -1,7 +1,7 @@
 """Quantized weights: GGUF blocks kept exactly, quantizing at load, the CPU execution of both, and the
 loader's `quantization` modes. Oracles: gguf-py's own dequantisation (bitwise), the dense float
-weights (within the layout's error), and the same math in float32 with the rounding the CPU kernels
-document (bfloat16 activations, scales and outputs)."""
+weights (within the layout's error), and the same math in float64 with the rounding each CPU kernel
+documents (helexa's: int8 activation blocks; torch's: bfloat16 activations, scales and outputs)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from helexa.model.loader import load_model
-from helexa.model.quant import QuantEmbedding, QuantizedWeight, QuantLinear, quantize_int4, quantize_int8
-from helexa.model.quant.cpu import COMPUTE_DTYPE, DENSE_ROWS, CpuQuantMatmul
+from helexa.model.quant import QuantEmbedding, QuantizedWeight, QuantLinear, native, quantize_int4, quantize_int8
+from helexa.model.quant.cpu import DENSE_ROWS, CpuQuantMatmul, cpu_kernel
 from helexa.model.weights.gguf import convert_gguf
 from helexa.model.weights.gguf_quant import read_quantized
 from tests.support.gguf import Q, train_tiny_bpe, write_tiny_gguf
@@ -119,36 +119,74 @@ def test_layout_errors_name_the_problem() -> None:
         QuantizedWeight.of(torch.zeros(4, 32, dtype=torch.int32), torch.ones(4))
 
 
-def _rounded_reference(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-    """The CPU path's documented math in float32: bfloat16 x, scales and zeros; bfloat16 per plane."""
-    rounded = QuantizedWeight(
-        weight.qweight,
-        weight.scales.to(COMPUTE_DTYPE).float(),
-        None if weight.zeros is None else weight.zeros.to(COMPUTE_DTYPE).float(),
-    )
-    return F.linear(x.to(COMPUTE_DTYPE).float(), rounded.dequantize())
+def _kernel_reference(run: CpuQuantMatmul, x: torch.Tensor) -> torch.Tensor:
+    """The CPU path's documented math in float64: the kernel's activation rounding, its scales."""
+    weight = run.weight
+    scales = run._scales if weight.scales.dim() == 2 else run._scales[:, 0]
+    w = QuantizedWeight(weight.qweight, scales, run._zeros).dequantize(torch.float64)
+    return F.linear(run.rounded_activations(x).double(), w)
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
 @pytest.mark.parametrize("layout", ["int4", "int8-channel", "int8-group"])
-@pytest.mark.parametrize("rows", [1, 7, DENSE_ROWS + 5])
-def test_cpu_matmul_matches_its_reference(layout: str, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 7, 19, DENSE_ROWS + 5])
+def test_cpu_matmul_matches_its_reference(kernel: str, layout: str, rows: int) -> None:
+    if kernel == "native" and not native.available():
+        pytest.skip(f"helexa's CPU kernel is unavailable here: {native.unavailable_reason()}")
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 128, generator=g)
     if layout == "int4":
         weight = quantize_int4(w, group_size=32)
     elif layout == "int8-channel":
         weight = quantize_int8(w)
-    else:  # as GGUF Q8_0: int8 with a scale per 32
+    else:  # as GGUF Q8_0: int8 with a scale per 32, -128 included
         scales = torch.rand(96, 4, generator=g) * 0.02 + 0.001
         weight = QuantizedWeight.of(torch.randint(-128, 128, (96, 128), generator=g, dtype=torch.int8), scales)
     x = torch.randn(rows, 128, generator=g)
-    got = CpuQuantMatmul(weight)(x)
-    want = _rounded_reference(weight, x)
+    run = CpuQuantMatmul(weight, kernel=kernel)
+    got = run(x)
+    want = _kernel_reference(run, x)
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
-    # bfloat16 outputs (two planes for int8-group): a few bfloat16 ulps of the largest output
-    torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6 * float(want.abs().max()))
+    if kernel == "native":  # float32 sums of the same products
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    else:  # bfloat16 outputs (two planes for int8-group): a few bfloat16 ulps of the largest output
+        torch.testing.assert_close(got.double(), want, rtol=2**-6, atol=2**-6 * float(want.abs().max()))
     exact = F.linear(x, weight.dequantize())
     assert (got - exact).abs().max() < 0.02 * exact.abs().max()  # the rounding stays small against the math
+
+
+def test_native_kernel_is_exact_on_integer_activations() -> None:
+    """Activations that the int8 round trip keeps exactly (integers up to 127 per block, 127 present):
+    the kernel's result equals x @ W.T of the exact dequantised weight to float32 rounding."""
+    if not native.available():
+        pytest.skip(f"helexa's CPU kernel is unavailable here: {native.unavailable_reason()}")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-127, 128, (9, 256), generator=g).float()
+    x.view(9, 8, 32)[:, :, 0] = 127.0
+    assert torch.equal(native.quantize_activations(x), x)
+    for weight in (
+        quantize_int4(torch.randn(40, 256, generator=g), group_size=64),
+        quantize_int8(torch.randn(40, 256)),
+    ):
+        got = CpuQuantMatmul(weight, kernel="native")(x)
+        want = F.linear(x.double(), weight.dequantize(torch.float64))
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_native_kernel_checks_its_inputs() -> None:
+    if not native.available():
+        pytest.skip(f"helexa's CPU kernel is unavailable here: {native.unavailable_reason()}")
+    weight = quantize_int4(torch.randn(8, 64), group_size=32)
+    tiled = native.tile_int4(weight.qweight, weight.scales, weight.zeros)
+    with pytest.raises(ValueError, match="float32"):
+        native.int4_gemm(torch.randn(2, 64, dtype=torch.float64), tiled)
+    with pytest.raises(ValueError, match=r"\(M, 64\)"):
+        native.int4_gemm(torch.randn(2, 32), tiled)
+    assert not native.supports(12, 64, 32) and not native.supports(8, 48, 16) and native.supports(8, 64, 32)
+    assert cpu_kernel(quantize_int4(torch.randn(12, 64), group_size=32)) == "torch"  # N % 8 != 0
+    assert cpu_kernel(quantize_int4(torch.randn(16, 64), group_size=32)) == "native"
+    with pytest.raises(ValueError, match="unknown CPU quant kernel"):
+        CpuQuantMatmul(weight, kernel="avx9")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

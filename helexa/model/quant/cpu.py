@@ -1,39 +1,58 @@
-"""The CPU execution of a `QuantizedWeight`: torch's packed weight-only kernels.
+"""The CPU execution of a `QuantizedWeight`, in one of two kernels chosen once per process.
 
-`torch.ops.aten._weight_int4pack_mm_for_cpu` (group-wise int4) and `_weight_int8pack_mm` (per-channel
-int8) take their fast, vectorised path with bfloat16 activations and scales; float32 activations take
-a scalar path ~25x slower (measured on an AVX2 EPYC, 2 threads; docs/quantization.md). So activations
-are rounded to bfloat16 on the way in, scales and zeros are rounded to bfloat16 once when packing, and
-the kernels accumulate in float32. A group-wise int8 weight (GGUF Q8_0) runs as two int4 planes, high
-and low nibble of q + 128: d*q == 16d*(h - 8) + (d*(l - 8) + 8d), exactly.
+- `native` (the default where it builds: x86-64 with AVX2 and FMA, a C compiler): helexa's own
+  kernel (`helexa.model.quant.native`). Activations go through an int8 round trip per 32-value
+  block (`quantize_activations`, llama.cpp's scheme), products are integer dot products, and a batch
+  of rows shares one pass over the weight. Result: `quantize_activations(x) @ W.T` with W the exact
+  dequantised weight, up to float32 summation order.
+- `torch`: torch's packed weight-only kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`),
+  whose fast path takes bfloat16 activations and scales (float32 takes a scalar path ~25x slower).
+  Activations are rounded to bfloat16, scales and zeros to bfloat16 once when packing, and the
+  kernels accumulate in float32. Group-wise int8 (GGUF Q8_0) runs as two int4 planes, high and low
+  nibble of q + 128: d*q == 16d*(h - 8) + (d*(l - 8) + 8d), exactly. These kernels are
+  matrix-vector products per row.
 
-Those kernels are matrix-vector products per row: for many rows (prefill) a dense float32 matmul is
-faster, so beyond `DENSE_ROWS` rows the weight is expanded per call to float32 with the very same
-rounded scales and zeros, and the bfloat16-rounded activations are multiplied with it: both paths
-compute the same numbers up to float32 summation order.
+Both are for few rows (decode). From `DENSE_ROWS` rows on (prefill), the weight is expanded per call
+to float32 and multiplied densely, with the very same activation rounding and scales as the
+kernel in use, so both paths compute the same numbers up to float32 summation order (a step's row
+count never changes a token's result beyond that). `HELEXA_CPU_QUANT_KERNEL=torch` forces torch's
+kernels (for comparisons); the default `auto` takes `native` when it is available.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from helexa.kernels.quant_reference import unpack_int4
+from helexa.model.quant import native
 from helexa.model.quant.weight import QuantizedWeight
 
-__all__ = ["COMPUTE_DTYPE", "DENSE_ROWS", "CpuQuantMatmul"]
+__all__ = ["COMPUTE_DTYPE", "DENSE_ROWS", "CpuQuantMatmul", "cpu_kernel"]
 
-COMPUTE_DTYPE = torch.bfloat16
+COMPUTE_DTYPE = torch.bfloat16  # the torch kernels' activation and scale dtype
 DENSE_ROWS = 64  # rows from which expanding the weight and a dense matmul is faster (bench/test_bench_quant.py)
 _INNER_K_TILES = 1  # any value works on CPU; the packed layout is opaque
+
+
+def cpu_kernel(weight: QuantizedWeight | None = None) -> str:
+    """ "native" or "torch": the kernel this process uses (for `weight`, when given: the native kernel
+    needs K and the group size to be multiples of 32)."""
+    if os.environ.get("HELEXA_CPU_QUANT_KERNEL", "auto") == "torch" or not native.available():
+        return "torch"
+    if weight is not None and not native.supports(*weight.shape, weight.group_size):
+        return "torch"
+    return "native"
 
 
 class _Int4Plane:
     """One packed int4 weight for `_weight_int4pack_mm_for_cpu`: W = (q - 8) * s + z, group G."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
-        n, k = q.shape
-        self.group = k // scales.shape[1]
+        self.group = q.shape[1] // scales.shape[1]
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), _INNER_K_TILES)
         # (K/G, N, 2): scale and zero of group g of row n
         self.scales_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(COMPUTE_DTYPE)
@@ -45,46 +64,71 @@ class _Int4Plane:
 class CpuQuantMatmul:
     """`y = x @ W.T` for one quantized weight on the CPU, prepared once (packing takes a copy)."""
 
-    def __init__(self, weight: QuantizedWeight) -> None:
+    def __init__(self, weight: QuantizedWeight, kernel: str | None = None) -> None:
         self.weight = weight
         self.shape = weight.shape
-        scales = weight.scales if weight.scales.dim() == 2 else weight.scales[:, None]
-        self._rounded_scales = scales.to(COMPUTE_DTYPE).float()[..., None]  # (N, groups, 1)
+        self.kernel = kernel or cpu_kernel(weight)
+        if self.kernel not in ("native", "torch"):
+            raise ValueError(f"unknown CPU quant kernel {self.kernel!r}; expected 'native' or 'torch'")
+        scales = weight.scales if weight.scales.dim() == 2 else weight.scales[:, None]  # (N, groups)
+        # The scales and zeros the kernel computes with, as float32 (N, groups).
+        exact = self.kernel == "native"
+        self._scales = (scales.float() if exact else scales.to(COMPUTE_DTYPE).float()).contiguous()
         zeros = weight.zeros
-        self._rounded_zeros = None if zeros is None else zeros.to(COMPUTE_DTYPE).float()[..., None]
-        self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._planes: list[_Int4Plane] = []
-        if weight.kind == "int8" and weight.scales.dim() == 1:
-            self._int8 = (weight.qweight.contiguous(), weight.scales.to(COMPUTE_DTYPE))
-        elif weight.kind == "int8":
-            u = weight.qweight.to(torch.int32) + 128  # (N, K) in [0, 255]
-            d = weight.scales.float()
-            self._planes = [_Int4Plane(u >> 4, 16 * d, torch.zeros_like(d)), _Int4Plane(u & 15, d, 8 * d)]
+        self._zeros = None if zeros is None else (zeros.float() if exact else zeros.to(COMPUTE_DTYPE).float())
+        self._small = self._native_small() if exact else self._torch_small()
+
+    def _native_small(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        w, scales, zeros = self.weight, self._scales, self._zeros
+        if zeros is None:
+            tiled = native.tile_int8(w.qweight, scales)
+            return lambda x: native.int8_gemm(x, tiled)
+        tiled = native.tile_int4(w.qweight, scales, zeros)
+        return lambda x: native.int4_gemm(x, tiled)
+
+    def _torch_small(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        w = self.weight
+        if w.kind == "int8" and w.scales.dim() == 1:
+            int8 = (w.qweight.contiguous(), w.scales.to(COMPUTE_DTYPE))
+            return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(COMPUTE_DTYPE), *int8).float()
+        if w.kind == "int8":
+            u = w.qweight.to(torch.int32) + 128  # (N, K) in [0, 255]
+            d = w.scales.float()
+            planes = [_Int4Plane(u >> 4, 16 * d, torch.zeros_like(d)), _Int4Plane(u & 15, d, 8 * d)]
         else:
-            assert weight.zeros is not None
-            self._planes = [_Int4Plane(unpack_int4(weight.qweight), weight.scales.float(), weight.zeros.float())]
+            assert w.zeros is not None
+            planes = [_Int4Plane(unpack_int4(w.qweight), w.scales.float(), w.zeros.float())]
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            xc = x.to(COMPUTE_DTYPE)
+            y = planes[0](xc).float()
+            for plane in planes[1:]:
+                y = y + plane(xc).float()
+            return y
+
+        return run
+
+    def rounded_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """x (M, K) as the kernel sees it, in float32: the int8 round trip (native) or bfloat16 (torch)."""
+        if self.kernel == "native":
+            return native.quantize_activations(x.float())
+        return x.to(COMPUTE_DTYPE).float()
 
     def dense(self) -> torch.Tensor:
-        """W (N, K) float32 with the bfloat16-rounded scales and zeros the packed kernels use (the same
-        values as `QuantizedWeight.dequantize` of those, in a few broadcast passes)."""
+        """W (N, K) float32 with the scales and zeros the kernel uses (the same values as
+        `QuantizedWeight.dequantize` of those, in a few broadcast passes)."""
         n, k = self.shape
-        groups = self._rounded_scales.shape[1]
-        if self._rounded_zeros is None:  # int8
+        groups = self._scales.shape[1]
+        scales = self._scales[..., None]  # (N, groups, 1)
+        if self._zeros is None:  # int8
             q = self.weight.qweight.view(n, groups, k // groups).float()
-            return (q * self._rounded_scales).view(n, k)
+            return (q * scales).view(n, k)
         qw = self.weight.qweight
         q = torch.stack((qw & 0xF, qw >> 4), dim=-1).view(n, groups, k // groups).float() - 8
-        return torch.addcmul(self._rounded_zeros, q, self._rounded_scales).view(n, k)
+        return torch.addcmul(self._zeros[..., None], q, scales).view(n, k)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, K) float -> (M, N) in x's dtype."""
-        xc = x.to(COMPUTE_DTYPE)
         if x.shape[0] >= DENSE_ROWS:
-            return F.linear(xc.float(), self.dense()).to(x.dtype)
-        if self._int8 is not None:
-            y = torch.ops.aten._weight_int8pack_mm(xc, *self._int8)
-        else:
-            y = self._planes[0](xc)
-            for plane in self._planes[1:]:
-                y = y.float() + plane(xc).float()
-        return y.to(x.dtype)
+            return F.linear(self.rounded_activations(x), self.dense()).to(x.dtype)
+        return self._small(x.float().contiguous()).to(x.dtype)

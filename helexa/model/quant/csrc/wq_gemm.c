@@ -1,0 +1,140 @@
+/* Weight-only quantized GEMM for x86-64 CPUs with AVX2: y (M, N) = x (M, K) @ W.T, in float32.
+ *
+ * Activations are quantized on entry, per row and per block of 32 values, to int8 with one float32
+ * scale (d = max|x| / 127, xq = round(x / d)): the scheme llama.cpp's CPU backend uses for its
+ * activations. Products are integer dot products (AVX2 maddubs + madd), and the weight is laid out
+ * so that one 256-bit register holds 4 consecutive k of 8 output columns: one broadcast of 4
+ * activation bytes then yields 32 multiply-adds into 8 int32 lanes, one lane per output column,
+ * summed over a block of 32 k before a single float conversion. Each weight chunk is decoded once per
+ * tile of rows, so a batch of decoding streams shares one pass over the weight. Per column n, group
+ * g, block b:
+ *
+ *   int4: W = (q - 8) * s + z  ->  y += s_g * d_b * sum(q * xq) + (z_g - 8 s_g) * d_b * sum(xq)
+ *   int8: W = q * s            ->  y += s_g * d_b * sum(q * xq)
+ *
+ * so y is exactly x_hat @ W.T, x_hat = d * xq (the activations' int8 round trip), up to the order of
+ * the float32 sums.
+ *
+ * Weight layout ("tiled", made once by the caller), for each tile of 8 columns and each chunk of 4 k:
+ * the 32 values v = 4 * column + k_in_chunk. int8: 32 bytes in that order. int4: 16 bytes, value v
+ * in the low nibble of byte v (v < 16) or the high nibble of byte v - 16. Scales and zero terms
+ * (z - 8 s) are laid out [tile][group][8].
+ * Requirements (checked by the caller): N % 8 == 0, K % G == 0, G % 32 == 0, arrays contiguous.
+ * Threads: OpenMP over column tiles, in the runtime the process has loaded (torch's libgomp).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32 /* activation values per block */
+#define NR 8  /* output columns per tile (one int32 lane each) */
+#define MR 4  /* activation rows per register tile */
+
+/* x (M, K) -> xq (M, K) int8, d (M, K/32) scales, xs (M, K/32) = d * sum(xq) per block. */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *d, float *xs) {
+    const int64_t blocks = K / QK;
+    for (int64_t i = 0; i < M * blocks; i++) {
+        const float *v = x + i * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        const float di = amax / 127.0f, inv = di > 0.0f ? 1.0f / di : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            const int q = (int)nearbyintf(v[j] * inv);
+            xq[i * QK + j] = (int8_t)q;
+            sum += q;
+        }
+        d[i] = di;
+        xs[i] = di * (float)sum;
+    }
+}
+
+/* The rows [m0, m0 + R) of one tile of 8 columns. R is a constant at each call site, so the
+ * accumulators stay in registers. `w4` (int4) or `w8` (int8) is the tile's weight. */
+static inline __attribute__((always_inline)) void tile(const int8_t *xq, const float *d, const float *xs, int64_t K,
+                                                       const uint8_t *w4, const int8_t *w8, const float *s,
+                                                       const float *zc, int64_t G, int64_t m0, const int R,
+                                                       int64_t N, int64_t n0, float *y) {
+    const int64_t blocks = K / QK, per_group = G / QK;
+    const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
+    __m256 acc[MR];
+    const int8_t *xr[MR];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        xr[r] = xq + (m0 + r) * K;
+    }
+    int64_t g = -1, left = 0; /* blocks left in group g: no division in the loop */
+    __m256 sv = _mm256_setzero_ps(), zv = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        if (left-- == 0) {
+            g++;
+            left = per_group - 1;
+            sv = _mm256_loadu_ps(s + g * NR);
+            if (zc) zv = _mm256_loadu_ps(zc + g * NR);
+        }
+        __m256i isum[MR];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        for (int c = 0; c < QK / 4; c++) {
+            const int64_t k = b * QK + c * 4;
+            __m256i w, wu;
+            if (w4) {
+                const __m128i raw = _mm_loadu_si128((const __m128i *)(w4 + k * NR / 2));
+                w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), mask);
+                wu = w;
+            } else {
+                w = _mm256_loadu_si256((const __m256i *)(w8 + k * NR));
+                wu = _mm256_sign_epi8(w, w); /* |w| as unsigned */
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xr[r] + k, sizeof four);
+                __m256i xv = _mm256_set1_epi32(four); /* these 4 k for all 8 columns */
+                if (!w4) xv = _mm256_sign_epi8(xv, w); /* carry w's sign onto x */
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t row = (m0 + r) * blocks + b;
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(sv, _mm256_set1_ps(d[row])), acc[r]);
+            if (zc) acc[r] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xs[row]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
+}
+
+static void gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, const int8_t *q8, const float *scales,
+                 const float *zero_terms, int64_t N, int64_t G, float *y) {
+    const int64_t blocks = K / QK, groups = K / G;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *d = (float *)malloc(sizeof(float) * (size_t)(M * blocks));
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * blocks));
+    quantize_rows(x, M, K, xq, d, xs);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < N / NR; t++) {
+        const uint8_t *w4 = q4 ? q4 + t * NR * (K / 2) : NULL;
+        const int8_t *w8 = q8 ? q8 + t * NR * K : NULL;
+        const float *s = scales + t * groups * NR, *zc = zero_terms ? zero_terms + t * groups * NR : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            switch (M - m0 < MR ? M - m0 : MR) {
+#define TILE(R) case R: tile(xq, d, xs, K, w4, w8, s, zc, G, m0, R, N, t * NR, y); break;
+                TILE(1) TILE(2) TILE(3) TILE(4)
+#undef TILE
+            }
+        }
+    }
+    free(xq);
+    free(d);
+    free(xs);
+}
+
+void helexa_int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *tiled, const float *scales,
+                      const float *zero_terms, int64_t N, int64_t G, float *y) {
+    gemm(x, M, K, tiled, NULL, scales, zero_terms, N, G, y);
+}
+
+void helexa_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *tiled, const float *scales, int64_t N,
+                      int64_t G, float *y) {
+    gemm(x, M, K, NULL, tiled, scales, NULL, N, G, y);
+}

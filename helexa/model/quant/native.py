@@ -1,0 +1,205 @@
+"""helexa's own CPU kernel for quantized weights (`csrc/wq_gemm.c`), compiled on first use.
+
+torch's packed CPU kernels are matrix-vector products per activation row in bfloat16: 16 decoding
+streams cost 16 passes over the weight and 16x the float work. `wq_gemm.c` quantizes the activations
+per 32-value block to int8 (llama.cpp's scheme: `quantize_activations` is its torch reference), takes
+integer dot products (AVX2) over a weight tiled 8 output columns at a time (`tile_int4`, `tile_int8`,
+done once when a layer is prepared), and decodes each weight chunk once per tile of up to 4 rows.
+The result is `quantize_activations(x) @ W.T` of the exact dequantised weight, up to float32
+summation order.
+
+It is built with the machine's C compiler (`cc`, or `$CC`) into `$HELEXA_HOME/build/` (keyed by the
+source and flags, so a changed source rebuilds) the first time a process asks for it, and loaded
+with ctypes; calls release the GIL and run on torch's OpenMP threads. It needs an x86-64 CPU with
+AVX2 and FMA; elsewhere, or when no compiler works, `available()` is False with the reason in
+`unavailable_reason()`, and callers use torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from helexa.model.weights.pull import helexa_home
+
+__all__ = [
+    "available",
+    "int4_gemm",
+    "int8_gemm",
+    "quantize_activations",
+    "supports",
+    "tile_int4",
+    "tile_int8",
+    "unavailable_reason",
+]
+
+_log = logging.getLogger("helexa.quant")
+_SOURCE = Path(__file__).with_name("csrc") / "wq_gemm.c"
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+_LIBS = ["-lm"]
+_BLOCK = 32  # activation values per int8 block; K and G must be multiples
+_COLUMNS = 8  # output columns per tile of the weight layout; N must be a multiple
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _build(compiler: str) -> Path:
+    """The compiled library's path, compiling it if this source and flags have not been built yet."""
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    out_dir = helexa_home() / "build"
+    target = out_dir / f"wq_gemm-{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *_FLAGS, "-o", str(built), str(_SOURCE), *_LIBS], capture_output=True, text=True, timeout=120
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
+    _log.info("quant: built the CPU kernel %s", target)
+    return target
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library, "") or (None, why not)."""
+    if os.environ.get("HELEXA_CPU_QUANT_KERNEL", "auto") == "torch":
+        return None, "HELEXA_CPU_QUANT_KERNEL=torch"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"the kernel is written for x86-64 (this is {platform.machine()})"
+    missing = {"avx2", "fma"} - _cpu_flags()
+    if missing:
+        return None, f"the CPU lacks {sorted(missing)}"
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler (cc or $CC) to build it"
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"building it failed: {exc}"
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.helexa_int4_gemm.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
+    lib.helexa_int8_gemm.argtypes = [p, i64, i64, p, p, i64, i64, p]
+    lib.helexa_int4_gemm.restype = lib.helexa_int8_gemm.restype = None
+    return lib, ""
+
+
+def available() -> bool:
+    """True when the kernel is built and loaded in this process (building it on the first call)."""
+    return _library()[0] is not None
+
+
+def unavailable_reason() -> str:
+    """Why `available()` is False ("" when it is True)."""
+    return _library()[1]
+
+
+def _tile_values(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values -> (N/8, K/4, 32): per tile of 8 columns and chunk of 4 k, value 4 * column + k."""
+    n, k = q.shape
+    return q.view(n // _COLUMNS, _COLUMNS, k // 4, 4).permute(0, 2, 1, 3).reshape(n // _COLUMNS, k // 4, 32)
+
+
+def _tile_groups(t: torch.Tensor) -> torch.Tensor:
+    """(N, groups) float32 -> (N/8, groups, 8): the kernel's layout of scales and zero terms."""
+    n, groups = t.shape
+    return t.float().view(n // _COLUMNS, _COLUMNS, groups).transpose(1, 2).contiguous()
+
+
+def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The canonical int4 weight (qweight (N, K/2) uint8, even k in the low nibble; scales, zeros
+    (N, K/G)) in the kernel's tiled layout: (tiled bytes, tiled scales, tiled zero terms z - 8 s)."""
+    q = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).flatten(1)  # (N, K) in [0, 15]
+    v = _tile_values(q)  # (N/8, K/4, 32)
+    tiled = (v[..., :16] | (v[..., 16:] << 4)).contiguous()  # value j low nibble, j + 16 high
+    s = scales.float()
+    return tiled, _tile_groups(s), _tile_groups(zeros.float() - 8 * s)
+
+
+def tile_int8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The canonical int8 weight (qweight (N, K) int8; scales (N, K/G), or (N,) per channel) in the
+    kernel's tiled layout: (tiled bytes, tiled scales)."""
+    scales = scales if scales.dim() == 2 else scales[:, None]
+    return _tile_values(qweight).contiguous(), _tile_groups(scales)
+
+
+def supports(n: int, k: int, group: int) -> bool:
+    """True when the kernel takes a weight of this shape: N % 8 == 0, K and G multiples of 32."""
+    return n % _COLUMNS == 0 and k % _BLOCK == 0 and group % _BLOCK == 0 and k % group == 0
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 through the kernel's activation round trip: per row and 32-value block,
+    d = max|x| / 127 and x_hat = d * round(x / d) (ties to even), all in float32. K % 32 == 0."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // _BLOCK, _BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0  # (M, K/32, 1)
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).reshape(m, k)
+
+
+def _lib() -> ctypes.CDLL:
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"helexa's CPU quant kernel is unavailable: {why}")
+    return lib
+
+
+def _run(
+    name: str, x: torch.Tensor, n: int, k: int, tiled: torch.Tensor, scales: torch.Tensor, *extra: torch.Tensor
+) -> torch.Tensor:
+    groups = scales.shape[1]
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or x.is_cuda:
+        raise ValueError(f"x must be a contiguous CPU float32 (M, {k}), got {x.dtype} {tuple(x.shape)}")
+    if not supports(n, k, k // groups) or scales.shape != (n // _COLUMNS, groups, _COLUMNS):
+        raise ValueError(f"not a tiled weight the kernel takes: N={n}, K={k}, scales {tuple(scales.shape)}")
+    for t in (tiled, scales, *extra):
+        if not t.is_contiguous():
+            raise ValueError("tiled weights, scales and zero terms must be contiguous")
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    pointers = [t.data_ptr() for t in (tiled, scales, *extra)]
+    getattr(_lib(), name)(x.data_ptr(), x.shape[0], k, *pointers, n, k // groups, y.data_ptr())
+    return y
+
+
+def int4_gemm(x: torch.Tensor, tiled: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """quantize_activations(x) @ W.T -> (M, N) float32 for x (M, K) contiguous float32 and W an int4
+    weight tiled by `tile_int4`."""
+    qt, scales, zero_terms = tiled
+    if qt.dtype != torch.uint8 or zero_terms.shape != scales.shape:
+        raise ValueError("an int4 weight is (uint8 tiles, scales, zero terms of the scales' shape)")
+    n, k = qt.shape[0] * _COLUMNS, qt.shape[1] * 4
+    return _run("helexa_int4_gemm", x, n, k, qt, scales, zero_terms)
+
+
+def int8_gemm(x: torch.Tensor, tiled: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """quantize_activations(x) @ W.T -> (M, N) float32 for x (M, K) contiguous float32 and W an int8
+    weight tiled by `tile_int8`."""
+    qt, scales = tiled
+    if qt.dtype != torch.int8:
+        raise ValueError("an int8 weight is (int8 tiles, scales)")
+    n, k = qt.shape[0] * _COLUMNS, qt.shape[1] * 4
+    return _run("helexa_int8_gemm", x, n, k, qt, scales)
