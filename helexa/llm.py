@@ -51,12 +51,26 @@ class LLM:
     engine on the calling thread until all are done. `generate` without `sampling_params` samples with
     `get_default_sampling_params()`: the model's generation_config.json defaults (see
     `generation_config` in `EngineConfig`: "auto", "none" or a folder).
+
+    `tensor_parallel_size=N` shards the model over N processes (`helexa.parallel`); the script that
+    builds it must then guard its entry point with `if __name__ == "__main__":` (the workers are
+    spawned). `close()` (or a `with` block) stops them; they also stop when this process exits.
     """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         engine_args.setdefault("max_queue_depth", 1 << 20)
         self.engine = Engine(EngineConfig.of(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Abort anything still queued or running and stop the engine's tensor-parallel workers (idempotent)."""
+        self.engine.shutdown(0.0)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The `SamplingParams` `generate` uses when given none, as vLLM's method of this name.

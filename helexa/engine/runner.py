@@ -14,8 +14,10 @@ device fault calibrates to the same numbers, and the prefix cache shares blocks 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import os
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from helexa.config import EngineConfig
+from helexa.config import EngineConfig, parse_size
 from helexa.engine.scheduler import ScheduledChunk
 from helexa.engine.sequence import Sequence
 from helexa.kernels import FP8_KV_DTYPE
@@ -32,6 +34,7 @@ from helexa.kvcache import (
     BatchBuilder,
     BlockPool,
     BlockTable,
+    KVBudget,
     PrefixCache,
     estimate_activation_bytes,
     fp8_scales,
@@ -42,6 +45,11 @@ from helexa.model.loader import load_model
 from helexa.model.sampling import Sampler, SampleResult
 from helexa.model.sampling.grammar import allocate_bitmask, apply_masks
 from helexa.model.text import Tokenizer
+from helexa.model.transformer import CausalLM
+from helexa.parallel.comm import TensorParallel
+from helexa.parallel.group import TensorParallelGroup, WorkerSpec, fault_injection, group_address
+from helexa.parallel.sharding import ShardPlan
+from helexa.parallel.step import initial_capacity
 
 logger = logging.getLogger("helexa.engine")
 
@@ -150,38 +158,40 @@ class ModelRunner:
                     "--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper) for the "
                     "Triton kernels; use --attention-backend torch on this one"
                 )
-        model = load_model(
-            model_dir,
-            dtype=dtype,
-            device=device,
-            attention_backend=config.attention_backend,
-            quantization=config.quantization,
-        )
+        size = config.tensor_parallel_size
+        # Tensor parallelism: the workers load their shards while this process (rank 0) loads its own.
+        self.group = _spawn_group(config, model_dir, mc, dtype, device, max_model_len) if size > 1 else None
+        try:
+            model, budget = load_shard(config, model_dir, dtype, device, max_model_len, rank=0, size=size)
+            logger.info("%s", budget.describe())
+            if self.group is not None:  # every rank allocates the smallest of the ranks' counts
+                budget = dataclasses.replace(budget, num_blocks=self.group.agree(budget.num_blocks))
+            self._build(
+                config, model, budget, mc, kv_dtype, dtype, device, max_model_len, tokenizer_vocab, calibration_ids
+            )
+            if self.group is not None:
+                self.group.confirm(self.pool.num_blocks)
+        except BaseException:
+            if self.group is not None:
+                self.group.close(graceful=False)
+            raise
+
+    def _build(
+        self,
+        config: EngineConfig,
+        model: CausalLM,
+        budget: KVBudget,
+        mc: ModelConfig,
+        kv_dtype: torch.dtype,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        tokenizer_vocab: int,
+        calibration_ids: Seq[int] | None,
+    ) -> None:
+        """Calibrate an fp8 pool's scales, allocate the pool of `budget.num_blocks` blocks (this rank's KV
+        heads), and set up the batch builder, prefix cache and sampler."""
         max_num_seqs = config.admission.max_num_seqs
-        budget = kv_budget(
-            block_size=config.block_size,
-            num_layers=mc.num_hidden_layers,
-            num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim,
-            dtype=kv_dtype,
-            device=device,
-            weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-            activation_reserve_bytes=estimate_activation_bytes(
-                hidden_size=mc.hidden_size,
-                intermediate_size=mc.intermediate_size,
-                num_heads=mc.num_attention_heads,
-                num_kv_heads=mc.num_key_value_heads,
-                head_dim=mc.head_dim,
-                vocab_size=mc.vocab_size,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                dtype=dtype,
-            ),
-            num_blocks=config.num_blocks,
-            kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-        )
-        logger.info("%s", budget.describe())
         # Sample only the tokenizer's columns (see below); calibration draws its synthetic ids from them too.
         self.sample_vocab_size = min(tokenizer_vocab, mc.vocab_size)
         scales = None
@@ -196,7 +206,7 @@ class ModelRunner:
             budget.num_blocks,
             config.block_size,
             mc.num_hidden_layers,
-            mc.num_key_value_heads,
+            model.plan.num_kv_heads,  # this rank's share under tensor parallelism
             mc.head_dim,
             kv_dtype,
             device,
@@ -214,6 +224,29 @@ class ModelRunner:
         # detokenised, so sampling only ever sees the tokenizer's columns (`sample_vocab_size`, above).
         self.sampler = Sampler()
         self._kv_caches = pool.kv_caches()
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent); `graceful=False` after a fault. The
+        model and pool stay readable on this process, but no forward runs after this."""
+        if self.group is not None:
+            self.group.close(graceful)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        step_no: int = 0,
+    ) -> torch.Tensor:
+        """The model over one step's inputs on the pool: (S, V) float32 logits. Tensor-parallel: the
+        inputs go to the workers in one broadcast first, and every rank runs its shard."""
+        if self.group is None:
+            return self.model(input_ids, positions, attn, self._kv_caches, logits_indices)
+        return self.group.run(
+            lambda: self.model(input_ids, positions, attn, self._kv_caches, logits_indices),
+            input_ids, positions, attn, logits_indices, step_no,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def calibrate(self, prefill_tokens: int, decode_seqs: int) -> tuple[float, float] | None:
@@ -254,7 +287,7 @@ class ModelRunner:
         rows = list(itertools.accumulate(n for _, n in batch))
         packed = _to_device(ids + positions + [r - 1 for r in rows], self.device)
         t = len(ids)
-        logits = self.model(packed[:t], packed[t : 2 * t], attn, self._kv_caches, packed[2 * t :])
+        logits = self._forward(packed[:t], packed[t : 2 * t], attn, packed[2 * t :])
         logits.argmax(dim=-1).tolist()  # (B,): the one host transfer a step ends with
         return time.perf_counter() - start
 
@@ -295,15 +328,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, inputs: StepInputs, generators: list[torch.Generator | None]
+        self, inputs: StepInputs, generators: list[torch.Generator | None], step_no: int = 0
     ) -> tuple[SampleResult | None, dict[int, Exception]]:
         """Run the forward over the batch and sample one token for each sampling row.
 
         Returns the samples (None when no row samples) and the rows whose sampling failed because
         of their own parameters, with the error: a failure that one request's parameters cause is
-        that request's, never a device fault. Exceptions from the forward propagate.
+        that request's, never a device fault. Exceptions from the forward propagate (under tensor
+        parallelism a `TensorParallelFault` naming the rank). `step_no`: the engine step, for the
+        workers' fault injection (0: not an engine step).
         """
-        logits = self.model(inputs.input_ids, inputs.positions, inputs.attn, self._kv_caches, inputs.logits_indices)
+        logits = self._forward(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices, step_no)
         if not inputs.sampled:
             return None, {}
         if self.sample_vocab_size is not None and self.sample_vocab_size < logits.shape[1]:
@@ -349,6 +384,118 @@ class ModelRunner:
             prompt_ids=[s.prompt_ids for s in seqs] if need_history else None,
             output_ids=[s.output_ids for s in seqs] if need_history else None,
         )
+
+
+def load_shard(
+    config: EngineConfig,
+    model_dir: Path | str,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    *,
+    rank: int = 0,
+    size: int = 1,
+) -> tuple[CausalLM, KVBudget]:
+    """Rank `rank`'s shard of the model (all of it when `size == 1`) and this rank's own KV budget.
+
+    The budget counts this rank's KV heads, its resident weights and activations, from this rank's
+    totals: its GPU's memory; on a CPU the host's RAM divided by `size` (the ranks share it); or, for
+    tests, `HELEXA_TP_MEMORY_TOTALS` (one size per rank). The tensor-parallel group then agrees on
+    the smallest count over the ranks. Same config, same totals: same count, on every load.
+    """
+    mc = ModelConfig.from_pretrained(model_dir)
+    tp = TensorParallel(ShardPlan.for_model(mc, rank, size)) if size > 1 else None
+    model = load_model(
+        model_dir,
+        dtype=dtype,
+        device=device,
+        attention_backend=config.attention_backend,
+        quantization=config.quantization,
+        tp=tp,
+    )
+    plan = model.plan
+    totals = rank_memory_totals(size) if size > 1 else None
+    budget = kv_budget(
+        block_size=config.block_size,
+        num_layers=mc.num_hidden_layers,
+        num_kv_heads=plan.num_kv_heads,
+        head_dim=mc.head_dim,
+        dtype=kv_cache_dtype(config.kv_cache_dtype, dtype),
+        device=device,
+        weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        activation_reserve_bytes=estimate_activation_bytes(
+            hidden_size=mc.hidden_size,
+            intermediate_size=plan.intermediate_size,
+            num_heads=plan.num_heads,
+            num_kv_heads=plan.num_kv_heads,
+            head_dim=mc.head_dim,
+            vocab_size=max(1, plan.vocab_rows) if size > 1 else mc.vocab_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.admission.max_num_seqs,
+            dtype=dtype,
+        ),
+        num_blocks=config.num_blocks,
+        kv_cache_memory=config.kv_cache_memory,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        total_memory_bytes=totals[rank] if totals is not None else None,
+        memory_share=size if device.type != "cuda" else 1,
+    )
+    return model, budget
+
+
+def rank_memory_totals(size: int) -> list[int] | None:
+    """The per-rank memory totals `HELEXA_TP_MEMORY_TOTALS` injects (a test hook: sizes such as
+    `64MiB,48MiB`, one per rank), or None when it is unset. `ValueError` when it is malformed."""
+    text = os.environ.get("HELEXA_TP_MEMORY_TOTALS", "").strip()
+    if not text:
+        return None
+    try:
+        totals = [parse_size(part.strip()) for part in text.split(",")]
+    except ValueError as exc:
+        raise ValueError(f"HELEXA_TP_MEMORY_TOTALS: {exc}") from None
+    if len(totals) != size:
+        raise ValueError(f"HELEXA_TP_MEMORY_TOTALS lists {len(totals)} totals for {size} tensor-parallel ranks")
+    return totals
+
+
+def _spawn_group(
+    config: EngineConfig, model_dir: Path, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int
+) -> TensorParallelGroup:
+    """Start the N-1 worker ranks of `config.tensor_parallel_size` (checked against the model and the devices first)."""
+    size = config.tensor_parallel_size
+    ShardPlan.for_model(mc, 0, size)  # a model that cannot be split is refused before any process starts
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(
+            f"--tensor-parallel-size {size} needs {size} GPUs (one per rank); this host has {torch.cuda.device_count()}"
+        )
+    rank_memory_totals(size)  # validated before any process starts
+    threads = max(1, (os.cpu_count() or 1) // size)
+    if device.type == "cpu" and torch.get_num_threads() > threads:
+        # The ranks share the host's cores: more threads than cores makes each rank's idle threads spin
+        # while the others compute, and every collective then waits a scheduler slice.
+        logger.info("tensor parallel: torch threads %d -> %d per rank (%d ranks on this CPU)",
+                    torch.get_num_threads(), threads, size)  # fmt: skip
+        torch.set_num_threads(threads)
+    addr, port = group_address()
+    fault_rank, fault_steps, fault_mode = fault_injection(size)
+    spec = WorkerSpec(
+        config=config,
+        model_dir=str(model_dir),
+        dtype=dtype,
+        device_type=device.type,
+        max_model_len=max_model_len,
+        size=size,
+        addr=addr,
+        port=port,
+        timeout_secs=config.step_timeout_secs,
+        capacity=initial_capacity(config.max_num_batched_tokens, config.admission.max_num_seqs),
+        threads=threads,
+        fault_rank=fault_rank,
+        fault_steps=fault_steps,
+        fault_mode=fault_mode,
+        env={"MASTER_ADDR": addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(size)},
+    )
+    return TensorParallelGroup.spawn(spec, mc)
 
 
 @torch.inference_mode()

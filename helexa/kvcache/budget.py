@@ -162,12 +162,16 @@ def kv_budget(
     kv_cache_memory: int | str | None = None,
     gpu_memory_utilization: float | None = None,
     total_memory_bytes: int | None = None,
+    memory_share: int = 1,
 ) -> KVBudget:
     """The pool's block count from totals (see the module docstring): same inputs, same answer.
 
     At most one of `num_blocks` / `kv_cache_memory` (bytes or a size string) asks for an exact size;
     `gpu_memory_utilization` in (0, 1] sets the CUDA ceiling (default 0.90) and is an error elsewhere;
-    `total_memory_bytes` overrides the device total (CUDA `total_memory`, or physical RAM). Raises
+    `total_memory_bytes` overrides the device total (CUDA `total_memory`, or physical RAM).
+    `memory_share`: processes that budget from the same host RAM (tensor-parallel ranks on a CPU):
+    each takes `physical RAM / memory_share` as its total (ignored on CUDA and with
+    `total_memory_bytes`, which are already one rank's). Raises
     `ValueError` naming the numbers and the flag to change when the result would be zero blocks or
     over the budget. `dtype` is the cache's: `torch.float8_e4m3fn` for an fp8 pool (one byte per
     element; its scales come off `available`).
@@ -191,7 +195,7 @@ def kv_budget(
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization!r}")
     utilization = float(gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION) if on_cuda else 1.0
     if total_memory_bytes is None:
-        total = _cuda_total_memory(dev) if on_cuda else _physical_memory()
+        total = _cuda_total_memory(dev) if on_cuda else _physical_memory() // check_int(memory_share, "memory_share")
     else:
         total = check_int(total_memory_bytes, "total_memory_bytes")
     available = int(total * utilization) - weight_bytes - activation_reserve_bytes - scale_bytes

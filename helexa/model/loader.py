@@ -29,6 +29,8 @@ from helexa.model.quant.apply import (
 from helexa.model.quant.linear import QuantEmbedding, QuantLinear
 from helexa.model.quant.weight import SUFFIXES, QuantizedWeight
 from helexa.model.transformer import CausalLM, copy_checked
+from helexa.parallel.comm import TensorParallel
+from helexa.parallel.sharding import ShardPlan
 
 __all__ = ["load_model", "resolve_dtype", "safetensors_files"]
 
@@ -113,13 +115,32 @@ def _checkpoint_targets(model: CausalLM) -> dict[str, tuple[str, _Copy]]:
 
 
 def _shard_rows(model: CausalLM, module_name: str) -> tuple[int, ...]:
-    """Rows of each stacked checkpoint module in the fused module `module_name`."""
+    """Rows of each stacked checkpoint module in the fused module `module_name` (this rank's, under
+    tensor parallelism)."""
     parent, _, local = module_name.rpartition(".")
+    plan = model.plan
     if local == "qkv_proj":
-        config = model.config
-        return (config.q_size, config.kv_size, config.kv_size)
-    half = model.config.intermediate_size  # gate|up
+        return (plan.q_size, plan.kv_size, plan.kv_size)
+    half = plan.intermediate_size  # gate|up
     return (half, half)
+
+
+def _narrow(tensor: torch.Tensor, part: tuple[int, int, int] | None) -> torch.Tensor:
+    """The `(dim, start, stop)` slice of an in-memory tensor (None: all of it)."""
+    if part is None:
+        return tensor
+    dim, start, stop = part
+    return tensor.narrow(dim, start, stop - start)
+
+
+def _read(handle, name: str, plan: ShardPlan) -> torch.Tensor:
+    """Checkpoint tensor `name` as this rank keeps it: only its rows or columns are read from the mmap."""
+    part = plan.checkpoint_slice(name)
+    if part is None:
+        return handle.get_tensor(name)
+    dim, start, stop = part
+    view = handle.get_slice(name)
+    return view[start:stop] if dim == 0 else view[:, start:stop]
 
 
 class _Layout(NamedTuple):
@@ -198,12 +219,18 @@ def load_model(
     device: str | torch.device = "cpu",
     attention_backend: str | AttentionBackend = "auto",
     quantization: str = "auto",
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
     """The model in directory `path` on `device` in `dtype` (see `resolve_dtype`), in eval mode without
     gradients. Every parameter is filled exactly once from a safetensors tensor of its shape (a tied
     `lm_head.weight` may be absent, and is ignored if present); `ValueError` names the tensor that is
     missing, unexpected, duplicated or misshaped. `quantization` ("auto", "none", "int8", "int4"; see
-    `helexa.model.quant.apply`) decides which weights stay or become quantized."""
+    `helexa.model.quant.apply`) decides which weights stay or become quantized.
+
+    With `tp` (tensor parallelism) the model holds that rank's shard (`helexa.parallel.sharding`) and
+    only the rows or columns of each tensor the rank keeps are read. Sharding is for dense weights:
+    `ValueError` for int8/int4; weights a checkpoint stores quantized are dequantised at load under
+    "auto" as under "none" (those are read whole, then sliced)."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"unknown quantization {quantization!r}; expected one of {list(QUANTIZATION_CHOICES)}")
     start = time.perf_counter()
@@ -214,8 +241,19 @@ def load_model(
     files = safetensors_files(path)
     shapes = _tensor_shapes(files)
 
+    sharded = tp is not None and tp.size > 1
+    if sharded and quantization in ("int8", "int4"):
+        raise ValueError(
+            f"--quantization {quantization} cannot be combined with --tensor-parallel-size > 1: tensor "
+            "parallelism shards dense weights only (use --quantization none or auto with a dense checkpoint)"
+        )
+    if sharded and quantization == "auto" and any(name.endswith(".qweight") for name in shapes):
+        log.info(f"model: {path} stores quantized weights; tensor parallelism shards dense weights, so they are "
+                 "dequantised at load (as --quantization none)")  # fmt: skip
+        quantization = "none"
     with torch.device("meta"):
-        model = CausalLM(config, attention_backend)
+        model = CausalLM(config, attention_backend, tp)
+    plan = model.plan
     mixed = [] if quantization == "none" else _install_checkpoint_quantization(model, shapes, dtype)
     targets = _checkpoint_targets(model)
     wanted = {entry for entry, _ in targets.values()}
@@ -239,7 +277,7 @@ def load_model(
                     raise ValueError(f"unexpected tensor {name!r} in {file.name} (not part of {config.architecture})")
                 if name in loaded:
                     raise ValueError(f"tensor {name!r} appears more than once in the checkpoint (again in {file.name})")
-                tensor = handle.get_tensor(name)
+                tensor = handle.get_tensor(name) if dense_from_quant else _read(handle, name, plan)
                 loaded.add(name)
                 num_bytes += tensor.numel() * tensor.element_size()
                 if dense_from_quant:  # dequantised once all of the module's parts are read
@@ -252,7 +290,8 @@ def load_model(
                     ):
                         continue
                     weight = QuantizedWeight.of(parts["qweight"], parts["scales"], parts.get("zeros"))
-                    tensor, name = weight.dequantize(torch.float32), f"{module}.weight"
+                    name = f"{module}.weight"
+                    tensor = _narrow(weight.dequantize(torch.float32), plan.checkpoint_slice(name))
                     del pending[module]
                     loaded.add(name)
                 state_name, copy = targets[name]
@@ -279,6 +318,7 @@ def load_model(
     log.info(
         f"model: loaded {path} arch={config.architecture} params={config.num_parameters} "
         f"dtype={str(dtype).removeprefix('torch.')} device={device} files={len(files)} "
+        f"{f'tensor_parallel={plan.rank}/{plan.size} ' if sharded else ''}"
         f"read={num_bytes / 2**20:.1f}MiB quantization={quantization} "
         f"quantized_modules={len(quantized)}{' ' + ','.join(kinds) if kinds else ''} "
         f"in {time.perf_counter() - start:.2f}s"

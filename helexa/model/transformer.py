@@ -8,6 +8,7 @@ are computed per step from the token positions: no table to size, positions of a
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,8 @@ from torch import nn
 from helexa.kernels import AttentionBackend, get_attention_backend
 from helexa.kvcache.metadata import AttentionMetadata
 from helexa.model.config import ModelConfig, RopeScaling
+from helexa.parallel.comm import RowParallelLinear, TensorParallel, VocabParallelEmbedding
+from helexa.parallel.sharding import ShardPlan
 
 __all__ = ["CausalLM", "MergedLinear", "copy_checked", "rope_inv_freq"]
 
@@ -40,11 +43,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(~long_wave & ~short_wave, blended, scaled)
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x: (T, heads, D) by cos/sin: (T, D), the two halves of each head (HF "rotate_half")."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (T, heads, D)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x: (T, heads, D) by cos: (T, D) and signed_sin: (T, D), sin with its first half negated,
+    the two halves of each head (HF "rotate_half": x * cos + cat(-x2, x1) * sin, the same products)."""
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (T, heads, D): cat(x2, x1)
+    return torch.addcmul(x * cos[:, None, :], swapped, signed_sin[:, None, :])
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -64,8 +67,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., dim) -> (..., dim) in x's dtype."""
-        h = x.float()
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual) for x: (T, dim); with `residual=None` the stream starts at x."""
@@ -86,13 +88,21 @@ class MergedLinear(nn.Linear):
         copy_checked(param.narrow(0, sum(self.shard_sizes[:shard_id]), self.shard_sizes[shard_id]), loaded)
 
 
-class _MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+def _row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> nn.Module:
+    """o_proj / down_proj: a plain linear on one device, else row-parallel (one all-reduce)."""
+    if tp is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, tp)
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+
+class _MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused into one matmul. Under
+    tensor parallelism `intermediate_size` is this rank's share and down_proj all-reduces."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, (intermediate_size, intermediate_size), bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = _row_linear(intermediate_size, hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
@@ -102,15 +112,18 @@ class _MLP(nn.Module):
 
 class _Attention(nn.Module):
     """GQA attention: q/k/v from one fused matmul, per-head q/k RMSNorm (Qwen3), RoPE, the new K/V
-    written to this layer's cache with `write_kv`, then `paged_attention` over the block tables."""
+    written to this layer's cache with `write_kv`, then `paged_attention` over the block tables. Under
+    tensor parallelism the heads are this rank's (`plan`) and o_proj all-reduces."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, plan: ShardPlan, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.q_size, self.kv_size = config.head_dim, config.q_size, config.kv_size
+        self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
+        self.head_dim, self.q_size, self.kv_size = config.head_dim, plan.q_size, plan.kv_size
         self.backend = backend
         self.qkv_proj = MergedLinear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size), config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = _row_linear(self.q_size, config.hidden_size, config.o_bias, tp)
         # Without per-head q/k norms (all but Qwen3) they are parameter-free identities.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else nn.Identity()
@@ -119,10 +132,21 @@ class _Attention(nn.Module):
         """x: (T, hidden); rope: cos, sin (T, D); kv_cache: (k, v), each (NB, BS, KVH, D). Returns
         (T, hidden); the K/V of the T new tokens are written to their slots in the caches."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = _apply_rope(self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)), *rope)  # (T, H, D)
-        k = _apply_rope(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)), *rope)  # (T, KVH, D)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()  # (T, KVH, D)
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 kv_size)
+        heads = self.num_heads + self.num_kv_heads
+        if isinstance(self.q_norm, nn.Identity):  # q and k rotated in one pass over their joint view
+            qk = qkv[:, : self.q_size + self.kv_size].reshape(num_tokens, heads, self.head_dim)  # (T, H + KVH, D)
+        else:
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            qk = torch.cat(
+                (
+                    self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim)),
+                    self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim)),
+                ),
+                dim=1,
+            )  # (T, H + KVH, D)
+        q, k = _apply_rope(qk, *rope).split((self.num_heads, self.num_kv_heads), dim=1)  # (T, H, D), (T, KVH, D)
+        v = qkv[:, self.q_size + self.kv_size :].reshape(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         scales = getattr(kv_cache, "scales", {})  # an fp8 pool's k_scale, v_scale (helexa.kvcache.LayerKV)
         self.backend.write_kv(k, v, *kv_cache, attn.slot_mapping, **scales)
         out = self.backend.paged_attention(
@@ -135,12 +159,14 @@ class _DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); each residual add is folded into the
     following norm (`RMSNorm.add_forward`)."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, plan: ShardPlan, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = _Attention(config, backend)
+        self.self_attn = _Attention(config, backend, plan, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = _MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.mlp = _MLP(config.hidden_size, plan.intermediate_size, bias=config.mlp_bias, tp=tp)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: _Pair, attn: AttentionMetadata, kv_cache: _Pair
@@ -155,29 +181,44 @@ class _DecoderLayer(nn.Module):
 class _Backbone(nn.Module):
     """Embedding, decoder layers and final norm (the checkpoint's `model.` prefix)."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, plan: ShardPlan, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(_DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.embed_tokens: nn.Module = (
+            nn.Embedding(config.vocab_size, config.hidden_size)
+            if tp is None
+            else VocabParallelEmbedding(config.hidden_size, tp)
+        )
+        self.layers = nn.ModuleList(_DecoderLayer(config, backend, plan, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """A causal language model on the paged KV cache; every layer calls the attention backend bound
     here (`write_kv`, then `paged_attention`; no other attention path). The loader builds it on `meta`
-    and may swap its linear layers and embedding for quantized ones (`helexa.model.quant`)."""
+    and may swap its linear layers and embedding for quantized ones (`helexa.model.quant`).
+
+    With `tp` (tensor parallelism, `helexa.parallel`) it holds one rank's shard (`plan`): its heads,
+    MLP rows and vocabulary rows; o_proj and down_proj all-reduce, the embedding is vocab-parallel and
+    the logits of every rank's vocabulary rows are gathered to rank 0. Every rank must run the same
+    forward at the same time. Without `tp` the plan is the whole model and nothing communicates."""
 
     # Fused module -> the checkpoint modules stacked in it, in row order.
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
-    def __init__(self, config: ModelConfig, attention_backend: str | AttentionBackend = "auto") -> None:
+    def __init__(
+        self, config: ModelConfig, attention_backend: str | AttentionBackend = "auto", tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         if not isinstance(attention_backend, AttentionBackend):
             attention_backend = get_attention_backend(attention_backend)
         self.config = config
-        self.model = _Backbone(config, attention_backend)
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.plan = tp.plan if self.tp is not None and tp is not None else ShardPlan.for_model(config)
+        self.model = _Backbone(config, attention_backend, self.plan, self.tp)
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, self.plan.vocab_rows, bias=False)
         )
         self._rope_args = (config.head_dim, config.rope_theta, config.rope_scaling)
         self.register_buffer(
@@ -189,9 +230,9 @@ class CausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(*self._rope_args).to(device)  # (D/2,) float32
 
     @property
-    def output_weight(self) -> torch.Tensor:  # (V, E) of a dense head: the embedding table when tied
+    def output_weight(self) -> torch.Tensor:  # (V, E) of a dense head (this rank's rows): the embedding when tied
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        if not isinstance(head, nn.Embedding | nn.Linear):
+        if not isinstance(head, nn.Embedding | nn.Linear | VocabParallelEmbedding):
             raise TypeError(f"the output head is quantized ({type(head).__name__}); it has no dense weight")
         return head.weight
 
@@ -204,10 +245,13 @@ class CausalLM(nn.Module):
         return self.model.norm.weight.device
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows (S, E), final-normed -> (S, V) float32 through the head (tied: the embedding table)."""
+        """rows (S, E), final-normed -> (S, V) float32 through the head (tied: the embedding table).
+        Tensor-parallel: each rank's vocabulary rows, gathered to rank 0; the other ranks get (S, 0)."""
+        if self.tp is not None:
+            return self.tp.gather_vocab(F.linear(rows, self.output_weight).float())  # (S, V) on rank 0
         if self.lm_head is not None:
             return self.lm_head(rows).float()
-        embed = self.model.embed_tokens
+        embed: Any = self.model.embed_tokens
         if isinstance(embed, nn.Embedding):
             return F.linear(rows, embed.weight).float()
         return embed.logits(rows)  # a quantized table (QuantEmbedding)
@@ -226,6 +270,7 @@ class CausalLM(nn.Module):
         input_ids, positions: (T,) int64, the new tokens of all sequences back to back; attn: the
         step's metadata; kv_caches: one (k_cache, v_cache) per layer, each (NB, BS, KVH, D) in the
         model dtype, into which the new tokens' K/V are written; logits_indices: (S,) int64 rows.
+        Tensor-parallel ranks other than 0 return an empty (S, 0): the logits are gathered to rank 0.
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
@@ -241,7 +286,9 @@ class CausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)  # (T, E)
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2) float32
         angles = torch.cat((angles, angles), dim=-1)  # (T, D)
-        rope = angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype)  # (T, D) each
+        sin = angles.sin()
+        sin[:, : sin.shape[1] // 2].neg_()  # signed for `_apply_rope`
+        rope = angles.cos().to(hidden.dtype), sin.to(hidden.dtype)  # (T, D) each
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(hidden, residual, rope, attn, kv_cache)

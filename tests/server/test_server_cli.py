@@ -74,7 +74,9 @@ def test_flags_map_to_engine_config() -> None:
     defaults, default_settings = configs_from_args(build_parser().parse_args([]))
     assert defaults.model is None and default_settings.host == "127.0.0.1" and default_settings.port == 8000
     assert default_settings.max_body_bytes == 8 << 20
-    assert not hasattr(build_parser().parse_args([]), "tensor_parallel_size")  # comes with its own issue
+    sharded = configs_from_args(build_parser().parse_args(["--tensor-parallel-size", "2", "--step-timeout-secs", "30"]))
+    assert (sharded[0].tensor_parallel_size, sharded[0].step_timeout_secs) == (2, 30.0)
+    assert defaults.tensor_parallel_size == 1
 
 
 @pytest.mark.parametrize(
