@@ -129,6 +129,8 @@ GROUPS: dict[str, str | None] = {
     "retries it stays poisoned and answers 500 device_fault",
     "HTTP server": None,
     "API": None,
+    "KV events": "a vLLM-compatible ZMQ stream of what the prefix cache stores and evicts, for a prefix-aware "
+    "router (llm-d's KV indexer); off unless --kv-events-endpoint is given",
 }
 
 
@@ -164,6 +166,13 @@ _placement = functools.partial(option, group="model and placement")
 _budget = functools.partial(option, group="KV budget")
 _scheduling = functools.partial(option, group="scheduling and admission")
 _faults = functools.partial(option, group="device faults")
+_events = functools.partial(option, group="KV events")
+# A ZMQ endpoint: tcp://HOST:PORT (HOST or PORT may be *), ipc://PATH or inproc://NAME.
+ZMQ_ENDPOINT = Rule(
+    "a ZMQ endpoint such as tcp://*:5557 (bound), tcp://HOST:5557 (connected) or ipc://PATH",
+    lambda v: isinstance(v, str) and bool(re.fullmatch(r"(tcp://\S+:(\d+|\*)|ipc://\S+|inproc://\S+)", v)),
+    metavar="URL",
+)
 
 
 def validate(config: Any) -> None:
@@ -251,6 +260,14 @@ class EngineConfig:
         SAMPLING_SOURCE,
         metavar="auto|none|FOLDER",
     )
+    tensor_parallel_size: int = _placement(
+        1,
+        "shard the model over N ranks (processes) with torch.distributed: NCCL on CUDA (one GPU per rank), "
+        "gloo on CPU; every rank holds its share of the heads and of the KV cache, and the block count is "
+        "the smallest any rank can hold (dense weights only: a quantized checkpoint is dequantised at load)",
+        Rule.at_least(1),
+        metavar="N",
+    )
     kv_cache_dtype: str = _budget(
         "auto",
         "KV cache dtype: auto: --dtype's; fp8 (alias fp8_e4m3): float8 e4m3, one byte per element (4x the blocks "
@@ -296,10 +313,46 @@ class EngineConfig:
     fault_backoff_secs: float = _faults(
         0.5, "wait before the n-th consecutive reload: this x 2^(n-1) seconds", Rule.seconds()
     )
+    kv_events_endpoint: str | None = _events(
+        None,
+        "publish KV cache events (vLLM's format: ZMQ PUB, frames topic / 8-byte sequence / msgpack batch) here; "
+        "bound when it has a * (tcp://*:5557), else connected (tcp://picker:5557)",
+        ZMQ_ENDPOINT,
+    )
+    kv_events_replay_endpoint: str | None = _events(
+        None, "serve replays of the last batches from a sequence number on this ROUTER endpoint (bound)", ZMQ_ENDPOINT
+    )
+    kv_events_topic: str | None = _events(
+        None,
+        "the topic of every KV event message (default: empty, as vLLM's); llm-d's indexer expects kv@POD_IP:PORT@MODEL",
+        TEXT,
+        metavar="TOPIC",
+    )
+    # Batches waiting to be sent (beyond: dropped, counted, then a resync) and batches kept for replay.
+    kv_events_queue_batches: int = _events(1024, "", Rule.at_least(1), cli=False)
+    kv_events_buffer_batches: int = _events(10_000, "", Rule.at_least(0), cli=False)
+    step_timeout_secs: float = _faults(
+        300.0,
+        "with --tensor-parallel-size > 1: a rank that does not answer within this long in a step is a device "
+        "fault of the whole group (torn down, rebuilt, in-flight requests replayed)",
+        Rule.seconds(positive=True),
+    )
     admission: AdmissionConfig = dataclasses.field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.tensor_parallel_size > 1 and self.quantization in ("int8", "int4"):
+            raise ValueError(
+                f"--quantization {self.quantization} cannot be combined with --tensor-parallel-size "
+                f"{self.tensor_parallel_size}: tensor parallelism shards dense weights only"
+            )
+        if self.tensor_parallel_size > 1 and self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype} cannot be combined with --tensor-parallel-size "
+                f"{self.tensor_parallel_size}: a tensor-parallel KV cache is kept in the model dtype"
+            )
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
         if self.max_num_batched_tokens < self.admission.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -16,13 +16,18 @@ basis of its wait (`last_waited_on`).
 
 `FifoPlan` runs that simulation once over the queue and is then extended at the tail in
 O(k log n) for k releases passed, which keeps an admission decision cheap behind a long queue.
+
+`RequestSizes` remembers the sizes of recent requests, so the wait of a median-size one can be asked
+at any moment (`helexa_admission_estimated_wait_seconds`: the signal a router has from no other engine).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
 
 
 class FifoPlan:
@@ -121,3 +126,37 @@ class FifoPlan:
 def retry_after_seconds(wait_seconds: float) -> int:
     """An estimated wait as a Retry-After value: whole seconds, rounded up, at least 1."""
     return max(1, math.ceil(wait_seconds - 1e-9))
+
+
+class RequestSizes:
+    """The sizes of the last `window` admitted requests, to ask what a typical one would wait now.
+
+    `observe(prompt_tokens, max_tokens)` once per request admission accepted (granted or queued);
+    `median()` is the observed request whose total `prompt_tokens + max_tokens` is the median (the lower
+    one of an even count), so it is a size that was really served here and always fits the node. Thread-safe.
+    """
+
+    __slots__ = ("_sizes", "_lock")
+
+    def __init__(self, window: int = 256) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._sizes: deque[tuple[int, int]] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def observe(self, prompt_tokens: int, max_tokens: int) -> None:
+        """One request of `prompt_tokens` prompt tokens allowed `max_tokens` output tokens was admitted."""
+        with self._lock:
+            self._sizes.append((prompt_tokens, max_tokens))
+
+    def median(self) -> tuple[int, int] | None:
+        """`(prompt_tokens, max_tokens)` of the median-size recent request, or None before any was seen."""
+        with self._lock:
+            sizes = sorted(self._sizes, key=lambda s: (s[0] + s[1], s[0]))
+        return sizes[(len(sizes) - 1) // 2] if sizes else None
+
+    def median_wait(self, estimate_wait: Callable[[int, int], float], default: tuple[int, int]) -> float:
+        """Seconds the median-size request would wait if it arrived now, by `estimate_wait(prompt, max_tokens)`
+        (`AdmissionController.estimate_wait`); before any request was seen, the size asked about is `default`."""
+        prompt, max_tokens = self.median() or default
+        return estimate_wait(prompt, max_tokens)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from helexa.admission import AdmissionController, Capacity, RateTracker, Ticket, TicketState
+from helexa.admission.estimator import RequestSizes
+from helexa.cluster import KVEventRecorder
 from helexa.config import EngineConfig
 from helexa.engine.faults import FaultInjector, ModelHealth
 from helexa.engine.output import append_token
@@ -32,6 +34,7 @@ from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.text.stopping import StopChecker
 from helexa.model.text.tokenizer import Tokenizer
 from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model
+from helexa.parallel.group import fault_injection
 
 logger = logging.getLogger("helexa.engine")
 
@@ -113,10 +116,16 @@ class Engine:
         self.grammar_tokenizer = GrammarTokenizer(
             self.tokenizer.backend.to_str(), tuple(sorted(self.tokenizer.eos_token_ids))
         )
+        # Checked before any worker process starts: which rank a test's injected faults happen on.
+        fault_rank = fault_injection(config.tensor_parallel_size)[0]
         self.runner: ModelRunner | None = self._load_runner()
         self.first_num_blocks = self.runner.budget.num_blocks
         self.health = ModelHealth()
-        self.rates = self._calibrate(self.runner)
+        try:
+            self.rates = self._calibrate(self.runner)
+        except BaseException:
+            self.runner.close(graceful=False)  # no tensor-parallel worker outlives a failed start
+            raise
         # Prefill chunks sized to a step time while requests decode (`--target-step-secs`), from the same rates.
         self.target_step_secs = _target_step_secs(config, self.device)
         self.step_budget = StepBudget(
@@ -140,7 +149,8 @@ class Engine:
             sharing=self.sharing,
         )
         self._adaptive = config.admission.policy == "adaptive"
-        self._faults = FaultInjector.from_env()
+        # HELEXA_FAULT_INJECT fires here (rank 0), or on the worker rank HELEXA_FAULT_INJECT_RANK names.
+        self._faults = FaultInjector.from_env() if fault_rank == 0 else FaultInjector()
         self._last_end: float | None = None  # when the previous step that ran the model ended (None: idle since)
         self._step_no = 0  # steps that ran the model, counted from 1 (HELEXA_FAULT_INJECT counts these)
         self._consecutive_faults = 0
@@ -157,12 +167,21 @@ class Engine:
         self._closed = False
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.request_sizes = RequestSizes()  # recent admitted sizes: what a median one would wait is a metric
+        self.kv_events: KVEventRecorder | None = None  # `--kv-events-endpoint`: what the prefix cache stores, evicts
+        if config.kv_events_endpoint is not None:
+            self.kv_events = KVEventRecorder.open(
+                config.kv_events_endpoint, replay_endpoint=config.kv_events_replay_endpoint,
+                topic=config.kv_events_topic or "", block_size=config.block_size,
+                queue_batches=config.kv_events_queue_batches, buffer_batches=config.kv_events_buffer_batches,
+            )  # fmt: skip
+            self.kv_events.start(self.runner.cache)
         self.load_seconds = time.perf_counter() - load_start
         logger.info(
             f"engine: loaded {self.model_name} on {self.device} {_dtype_name(self.dtype)} in {self.load_seconds:.2f}s; "
             f"max_model_len={self.max_model_len} max_num_seqs={config.admission.max_num_seqs} "
             f"max_num_batched_tokens={config.max_num_batched_tokens} target_step_secs={self.target_step_secs:g} "
-            f"attention={config.attention_backend}"
+            f"attention={config.attention_backend} tensor_parallel_size={config.tensor_parallel_size}"
         )
 
     def _calibrate(self, runner: ModelRunner) -> RateTracker:
@@ -259,6 +278,7 @@ class Engine:
                 payload=Request(request_id, prompt, params, stream, cache_salt, prompt_cache_key, constraint),
             )
             handle = RequestHandle(request_id, stream, len(prompt), ticket.max_tokens, ticket)
+            self.request_sizes.observe(len(prompt), ticket.max_tokens)
             self._pending[request_id] = handle
         return handle
 
@@ -284,6 +304,11 @@ class Engine:
             "prefill_chunk_tokens": self.step_budget.chunk_tokens,
             "model_state": self.health.state,
         }
+
+    def running_blocks(self) -> list[tuple[Ticket, tuple[int, ...]]]:
+        """Each running sequence's ticket and the block ids of its table (shared and cached ones included), in
+        admission order. Read without a lock from any thread: a moment's view for display, never bookkeeping."""
+        return [(seq.ticket, seq.table.block_ids) for seq in list(self._running)]
 
     # ------------------------------------------------------------------ the loop
 
@@ -312,7 +337,7 @@ class Engine:
                 chunk.seq.num_computed += chunk.num_new
             t1 = time.perf_counter()
             self._faults.check(self._step_no)
-            samples, failures = self.runner.execute(inputs, [s.generator for s in inputs.sampled])
+            samples, failures = self.runner.execute(inputs, [s.generator for s in inputs.sampled], self._step_no)
         except Exception as exc:  # any failure on the device side: recover and replay
             self._on_device_fault(exc, chunks)
             return True
@@ -324,6 +349,8 @@ class Engine:
             for chunk in chunks:
                 self.sharing.offer(chunk.seq, self.runner.builder)
         self._postprocess(inputs, samples, failures)
+        if self.kv_events is not None:  # this step's stored and evicted blocks, as one batch (never blocks)
+            self.kv_events.end_step()
         t3 = time.perf_counter()
         # The rate estimates are made from the loop's cadence: from the end of the previous working step
         # (back to back under load) to the end of this one, so the loop's own overhead and the threads
@@ -345,7 +372,8 @@ class Engine:
         self._thread.start()
 
     def shutdown(self, grace_seconds: float = 0.0) -> None:
-        """Stop admitting, let running requests finish for up to `grace_seconds`, abort the rest, stop the loop."""
+        """Stop admitting, let running requests finish for up to `grace_seconds`, abort the rest, stop the loop,
+        then stop every tensor-parallel worker (each one exited and reaped when this returns)."""
         with self._lock:
             self._closed = True
         deadline = time.monotonic() + max(0.0, grace_seconds)
@@ -360,15 +388,19 @@ class Engine:
             self.abort(request_id)
         if self._thread is None:
             self.step()
-            return
-        bound = time.monotonic() + 30
-        while self.has_work() and time.monotonic() < bound and self._thread.is_alive():
-            time.sleep(0.01)
-        with self._wakeup:
-            self._stopping = True
-            self._wakeup.notify_all()
-        self._thread.join(timeout=30)
-        self._thread = None
+        else:
+            bound = time.monotonic() + 30
+            while self.has_work() and time.monotonic() < bound and self._thread.is_alive():
+                time.sleep(0.01)
+            with self._wakeup:
+                self._stopping = True
+                self._wakeup.notify_all()
+            self._thread.join(timeout=30)
+            self._thread = None
+        if self.runner is not None:
+            self.runner.close()  # tensor-parallel workers stop; the pool stays readable for the last snapshot
+        if self.kv_events is not None:
+            self.kv_events.close()  # sends what is queued, then closes its sockets
 
     def check_integrity(self) -> None:
         """Engine-level invariants: pool, prefix cache and admission consistent; tables cover exactly the
@@ -670,7 +702,12 @@ class Engine:
                 if self.sharing is not None:
                     self.sharing.reset()  # pins and holds were in the pool being dropped
                 self._evictions_before = self.counters.prefix_cache_evictions
-                self.runner = None  # drop the model and the pool, and give their device memory back
+                if self.kv_events is not None and self.runner is not None:  # every cached block goes with the pool
+                    self.kv_events.cache_dropped(self.runner.cache)
+                old, self.runner = self.runner, None  # drop the model and the pool, and give their device memory back
+                if old is not None:  # tensor parallelism: every worker stops; the reload respawns the group
+                    old.close(graceful=False)
+                del old
                 gc.collect()
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -686,6 +723,8 @@ class Engine:
                     self._give_up(f"model reload failed {self._consecutive_faults} times in a row: {cause}")
                     return
                 backoff *= 2
+        if self.kv_events is not None:
+            self.kv_events.attach(self.runner.cache)
         num_blocks = self.runner.budget.num_blocks
         if num_blocks != self.first_num_blocks:
             logger.error(

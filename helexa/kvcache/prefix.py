@@ -37,24 +37,47 @@ the least recently used un-retained blocks, then retained blocks, oldest first. 
 A lookup compares a candidate's tokens and its parent node, not only the hash, so a hash collision
 can never share the wrong KV. Thread-safe: one lock guards the index (admission pins blocks from
 request threads while the engine inserts and evicts).
+
+Block hashes are stable: `block_hash` chains SHA-256 over the parent's hash and the block's token ids
+from a root that depends only on the cache salt (`root_hash`), so the same tokens hash alike in every
+process, after every restart and on every replica — what lets a router that reads the cache's events
+(`PrefixCacheListener`, published by `helexa.cluster`) compare blocks across replicas and restarts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import sys
 import threading
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from helexa.config import check_int
 from helexa.kvcache.allocator import BlockAllocator, OutOfBlocks
 
-__all__ = ["BlockCounts", "CachedBlock", "PrefixCache", "PrefixHit"]
+__all__ = ["BlockCounts", "CacheSurvey", "CachedBlock", "PrefixCache", "PrefixHit"]
 
 _ORPHAN = object()  # the charge of an in-use block whose owner released it while others share it
+
+
+class CacheSurvey(NamedTuple):
+    """Where every block of the pool is, read at one instant under the cache's lock (`PrefixCache.survey`).
+
+    `free`: the allocator's free stack (the last id is handed out first); `evictable`: the cached
+    blocks in the order `ensure_free` would evict them now; `retained`: the cached blocks an agent session
+    retains; `sessions`: each session's retained block ids (some may be in use again). `len(free)`,
+    `len(evictable)` and `len(retained)` are `counts()`' empty, cached and retained; every other block is in use.
+    """
+
+    free: list[int]
+    evictable: list[int]
+    retained: list[int]
+    sessions: dict[Hashable, list[int]]
 
 
 class BlockCounts(NamedTuple):
@@ -99,8 +122,44 @@ class PrefixHit:
     nodes: tuple[CachedBlock, ...]
 
 
-def _root_hash(salt: str | None) -> int:
-    return hash(("helexa-prefix-root", salt))
+_ROOT_DOMAIN = b"helexa/prefix-cache/v1\x00"
+
+
+def root_hash(salt: str | None) -> int:
+    """Where the hash chain of a prompt starts: the last 8 bytes (big-endian) of SHA-256 over a domain tag and
+    the cache salt (`None` and every string give different roots, so tenants never share a chain)."""
+    data = _ROOT_DOMAIN + (b"\x00" if salt is None else b"\x01" + salt.encode("utf-8"))
+    return int.from_bytes(hashlib.sha256(data).digest()[-8:], "big") or 1
+
+
+def block_hash(parent: int, tokens: Sequence[int]) -> int:
+    """The hash of a full block after `parent` (a block's hash, or `root_hash`): an unsigned 64-bit int.
+
+    SHA-256 over the parent as 8 bytes big-endian followed by the token ids as int64 little-endian,
+    cut to the digest's last 8 bytes read big-endian (as vLLM turns its SHA-256 block hashes into the
+    64-bit ints of its KV events). The same on every process, platform and restart; never 0 (to llm-d's
+    KV indexer a parent hash of 0 means "no parent"). Token ids must fit in an int64.
+    """
+    data = array("q", tokens)
+    if sys.byteorder == "big":
+        data.byteswap()
+    digest = hashlib.sha256(parent.to_bytes(8, "big") + data.tobytes()).digest()
+    return int.from_bytes(digest[-8:], "big") or 1
+
+
+class PrefixCacheListener(Protocol):
+    """Told of every change to the set of indexed blocks, in order, under the cache's lock (keep it quick and
+    never call back into the cache). A consumer that applies these calls to a set of block hashes holds
+    exactly `{b.hash for b in cache.indexed_blocks()}`."""
+
+    def block_stored(self, node: CachedBlock) -> None:
+        """`node` was indexed (its `hash`, `parent`, `tokens`)."""
+
+    def blocks_removed(self, nodes: Sequence[CachedBlock]) -> None:
+        """`nodes` were evicted: no longer indexed."""
+
+    def all_cleared(self) -> None:
+        """The index is empty (a `clear()` that left nothing indexed)."""
 
 
 class PrefixCache:
@@ -133,6 +192,7 @@ class PrefixCache:
         self._sessions: dict[Hashable, set[int]] = {}  # session -> block ids it retains
         self._nodes = itertools.count(1)
         self._orphans = 0
+        self._listener: PrefixCacheListener | None = None
         self.evictions = 0  # blocks evicted since start
 
     # ------------------------------------------------------------------ reading
@@ -170,6 +230,16 @@ class PrefixCache:
         with self._lock:
             return self._match(tokens, salt, max_blocks)
 
+    def indexed_blocks(self) -> list[CachedBlock]:
+        """Every indexed block (cached or in use), parents before their children (in the order they were indexed)."""
+        with self._lock:
+            return sorted(self._by_block.values(), key=lambda node: node.node)
+
+    def set_listener(self, listener: PrefixCacheListener | None) -> None:
+        """Tell `listener` of every later store, eviction and clear (None: tell no one)."""
+        with self._lock:
+            self._listener = listener
+
     def holders(self, block_id: int) -> int:
         """Sequences (and pins) holding an indexed block; 0 for a cached one. Raises `KeyError` if not indexed."""
         return self._by_block[block_id].holders
@@ -177,6 +247,21 @@ class PrefixCache:
     def node_of(self, block_id: int) -> CachedBlock | None:
         """The index entry of a block, or None when the block is not indexed."""
         return self._by_block.get(block_id)
+
+    def survey(self) -> CacheSurvey:
+        """Every block's place (free, evictable in eviction order, retained by which session), read under the
+        lock with one copy of the allocator's free stack. Read-only, for display; O(blocks) in C-level copies."""
+        with self._lock:
+            now = self._clock()
+            retained = list(self._retained)
+            expired = 0  # retained blocks whose retention ran out are evicted first (see `_pop_victim`)
+            for node in self._retained.values():
+                if node.retain_until > now:
+                    break
+                expired += 1
+            evictable = retained[:expired] + list(self._lru) + retained[expired:]
+            sessions = {s: list(ids) for s, ids in self._sessions.items() if ids}
+            return CacheSurvey(self.allocator.free_block_ids(), evictable, retained, sessions)
 
     # ------------------------------------------------------------------ sharing
 
@@ -242,7 +327,7 @@ class PrefixCache:
                 raise ValueError(f"insert: block {block_id} is already indexed")
             if self.allocator.refcount_of(block_id) != 1:
                 raise ValueError(f"insert: block {block_id} must be held once by its caller")
-            h = hash((parent.hash if parent is not None else _root_hash(salt), tokens))
+            h = block_hash(parent.hash if parent is not None else root_hash(salt), tokens)
             existing = self._by_hash.get(h)
             if existing is not None:
                 same = existing.tokens == tokens and existing.parent is parent and existing.salt == salt
@@ -250,6 +335,8 @@ class PrefixCache:
             node = CachedBlock(block_id, tokens, h, parent, salt, next(self._nodes), holders=1, charge=owner)
             self._by_hash[h] = node
             self._by_block[block_id] = node
+            if self._listener is not None:
+                self._listener.block_stored(node)
             return node
 
     def release(self, block_ids: Iterable[int], owner: Hashable, *, session: Hashable | None = None) -> None:
@@ -311,12 +398,18 @@ class PrefixCache:
                     self._sessions.get(node.session, set()).discard(node.block_id)
             self.allocator.free([node.block_id for node in victims])
             self.evictions += short
+            if self._listener is not None:
+                self._listener.blocks_removed(victims)
             return short
 
     def clear(self) -> int:
-        """Evict every cached block (in-use blocks stay indexed); returns how many were evicted."""
+        """Evict every cached block (in-use blocks stay indexed); returns how many were evicted. The listener
+        hears of each eviction, then (when nothing stays indexed) `all_cleared`."""
         with self._lock:
-            return self.ensure_free(self.allocator.num_free_blocks + self.num_cached)
+            evicted = self.ensure_free(self.allocator.num_free_blocks + self.num_cached)
+            if not self._by_block and self._listener is not None:
+                self._listener.all_cleared()
+            return evicted
 
     # ------------------------------------------------------------------ integrity
 
@@ -355,10 +448,10 @@ class PrefixCache:
         limit = len(tokens) // bs if max_blocks is None else min(max_blocks, len(tokens) // bs)
         hits: list[CachedBlock] = []
         parent: CachedBlock | None = None
-        h = _root_hash(salt)
+        h = root_hash(salt)
         for i in range(limit):
             block = tuple(tokens[i * bs : (i + 1) * bs])
-            h = hash((h, block))
+            h = block_hash(h, block)
             node = self._by_hash.get(h)
             if node is None or node.tokens != block or node.parent is not parent or node.salt != salt:
                 break

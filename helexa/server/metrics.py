@@ -2,11 +2,30 @@
 
 Gauges and engine counters are read at scrape time from `engine.snapshot()` and `engine.counters`,
 so they never drift from admission's own numbers; the server counts requests and observes latencies.
+
+Beside helexa's own names, the gauges of the Gateway API Inference Extension's model-server protocol
+are exported under vLLM's names and semantics, so an endpoint picker configured for vLLM reads a helexa
+replica unchanged (`VLLM_METRIC_NAMES`), each from the same snapshot as `/v1/admission`:
+
+- `vllm:num_requests_waiting` = `queue_depth` (waiting for admission, preempted ones included);
+- `vllm:num_requests_running` = `in_flight` (holding a reservation);
+- `vllm:kv_cache_usage_perc` = (blocks in use + blocks reserved but not yet allocated) / total, a 0-1
+  fraction. Every in-use block is charged to exactly one reservation (or kept for its sharers as an
+  orphan, which is reserved too), so this is exactly `blocks_reserved / blocks_total`: a replica whose
+  admitted requests have claimed the pool reads as full before they have written it. Cached, evictable
+  blocks count as free, as vLLM counts them;
+- `vllm:cache_config_info{block_size, num_gpu_blocks, ...}` = 1 (the pool's shape, for the picker's
+  prefix scorers); `vllm:lora_requests_info{max_lora="0", ...}` = start time (no adapters are served).
+
+`helexa_admission_estimated_wait_seconds` is what no engine gives a picker: how long a request of the
+median recent size (`RequestSizes`) would wait for admission if it arrived now.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -26,6 +45,13 @@ METRIC_NAMES = (
     "helexa_prefix_cache_hit_tokens_total", "helexa_prefix_cache_query_tokens_total",
     "helexa_prefix_cache_evictions_total", "helexa_preemptions_total", "helexa_recomputed_tokens_total",
     "helexa_admission_wait_seconds", "helexa_time_to_first_token_seconds", "helexa_request_duration_seconds",
+    "helexa_admission_estimated_wait_seconds", "helexa_kv_event_batches_published_total",
+    "helexa_kv_event_batches_dropped_total",
+)  # fmt: skip
+# The model-server protocol's metrics, under vLLM's names (the `model_name` label as vLLM sets it).
+VLLM_METRIC_NAMES = (
+    "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:cache_config_info",
+    "vllm:lora_requests_info",
 )  # fmt: skip
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -70,9 +96,12 @@ class _EngineCollector(Collector):
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
+        self._started = time.time()
 
     def collect(self) -> Iterator[Metric]:
         snap = self._engine.snapshot()
+        yield from self._model_server_protocol(snap)
+        yield from self._cluster()
         for key, name, doc in _SNAPSHOT_GAUGES:
             yield GaugeMetricFamily(name, doc, value=snap[key])
         total = snap["blocks_total"]
@@ -94,6 +123,66 @@ class _EngineCollector(Collector):
         counters = self._engine.counters
         for attr, name, doc in _ENGINE_COUNTERS:
             yield CounterMetricFamily(name, doc, value=getattr(counters, attr))
+
+    def _model_server_protocol(self, snap: dict[str, Any]) -> Iterator[Metric]:
+        """vLLM's names for the gateway's endpoint picker, from the same snapshot as `/v1/admission` (module doc)."""
+        engine, label = self._engine, {"model_name": self._engine.model_name}
+        total = snap["blocks_total"]
+        gauges = (
+            ("vllm:num_requests_waiting", "Requests waiting for admission (queued, or preempted to resume).",
+             snap["queue_depth"]),
+            ("vllm:num_requests_running", "Requests holding a KV reservation (running).", snap["in_flight"]),
+            ("vllm:kv_cache_usage_perc", "KV blocks in use or reserved but not yet allocated, over total (0-1).",
+             snap["blocks_reserved"] / total if total else 0.0),
+        )  # fmt: skip
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc, labels=list(label))
+            family.add_metric(list(label.values()), value)
+            yield family
+        config = engine.config
+        info = {
+            "block_size": str(snap["block_size"]),
+            "num_gpu_blocks": str(total),
+            "cache_dtype": config.kv_cache_dtype,
+            "enable_prefix_caching": str(config.prefix_cache),
+        }
+        cache = GaugeMetricFamily(
+            "vllm:cache_config_info", "The KV cache's configuration (value 1).", labels=list(info)
+        )
+        cache.add_metric(list(info.values()), 1.0)
+        yield cache
+        lora = {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+        family = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "LoRA adapters: none are served (value: when that was last true).",
+            labels=list(lora),
+        )
+        family.add_metric(list(lora.values()), self._started)
+        yield family
+
+    def _cluster(self) -> Iterator[Metric]:
+        """The estimated wait of a median-size request, and the KV event stream's batch counters."""
+        engine = self._engine
+        try:
+            bs = engine.config.block_size  # before any request: one block of prompt and one of output
+            wait = engine.request_sizes.median_wait(engine.admission.estimate_wait, (bs, bs))
+        except ValueError:  # an observed size always fits; the default one does not in a pool of one block
+            wait = float("nan")
+        yield GaugeMetricFamily(
+            "helexa_admission_estimated_wait_seconds",
+            "Seconds a request of the median recent size would wait for admission if it arrived now.",
+            value=wait,
+        )
+        events = engine.kv_events
+        yield CounterMetricFamily(
+            "helexa_kv_event_batches_published", "KV event batches sent (--kv-events-endpoint).",
+            value=events.published if events is not None else 0,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "helexa_kv_event_batches_dropped",
+            "KV event batches dropped because the publisher's queue was full (a full resync follows).",
+            value=events.dropped if events is not None else 0,
+        )
 
 
 class ServerMetrics:

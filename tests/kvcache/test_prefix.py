@@ -175,7 +175,7 @@ def test_a_sessions_next_turn_drops_retention_of_what_it_no_longer_matches() -> 
 
 
 def test_a_hash_collision_never_shares_other_content(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prefix_module, "hash", lambda _: 42, raising=False)  # every block hashes alike
+    monkeypatch.setattr(prefix_module, "block_hash", lambda parent, tokens: 42)  # every block hashes alike
     allocator, cache, _ = _cache()
     ids = allocator.allocate(2).tolist()
     first = cache.insert(ids[0], [1, 2, 3, 4], None, "a")

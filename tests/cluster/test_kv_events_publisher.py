@@ -1,0 +1,187 @@
+"""The publisher and recorder without a model: never blocking, drop-and-count, resync, replay, stable hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+import zmq
+
+from helexa.cluster import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventPublisher,
+    KVEventRecorder,
+    binds,
+    decode_batch,
+    encode_batch,
+)
+from helexa.config import EngineConfig
+from helexa.kvcache import BlockAllocator, PrefixCache
+from helexa.kvcache.prefix import block_hash, root_hash
+from tests.cluster.subscriber import Subscriber, rebuild
+
+BS = 4
+LOOPBACK = "tcp://127.0.0.1:*"
+
+
+def _cache(num_blocks: int = 16) -> tuple[BlockAllocator, PrefixCache]:
+    allocator = BlockAllocator(num_blocks, "cpu")
+    return allocator, PrefixCache(allocator, BS)
+
+
+def _compute(allocator: BlockAllocator, cache: PrefixCache, tokens: list[int], owner: str) -> list[int]:
+    """A sequence takes its cached prefix, computes and offers the rest of its full blocks, then ends (its blocks
+    stay cached); returns the blocks it held through the cache."""
+    hit = cache.acquire(tokens + [0], owner)  # (a sequence always computes at least one token itself)
+    held, parent = list(hit.block_ids), (hit.nodes[-1] if hit.nodes else None)
+    new = len(tokens) // BS - len(held)
+    cache.ensure_free(new)
+    for i, b in enumerate(allocator.allocate(new).tolist(), start=len(held)):
+        node = cache.insert(b, tokens[i * BS : (i + 1) * BS], parent, owner)
+        assert node is not None and node.block_id == b
+        held.append(b)
+        parent = node
+    cache.release(held, owner)
+    return held
+
+
+def _settle(publisher: KVEventPublisher) -> int:
+    """Wait until every batch published so far was sent; the last sequence number."""
+    assert publisher.flush(10.0)
+    return publisher.published - 1
+
+
+def test_a_full_queue_drops_and_counts_never_blocks_and_a_resync_restores_the_set() -> None:
+    publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, queue_batches=2)  # not started: nothing drains
+    recorder = KVEventRecorder(publisher, BS)
+    allocator, cache = _cache()
+    recorder.start(cache)  # batch 1 of 2: AllBlocksCleared
+    sub = Subscriber(publisher.endpoint, publisher.replay_endpoint)
+    try:
+        slowest = 0.0
+        for step in range(8):  # 8 steps of stores (and, as the pool fills, evictions): 1 fits, 7 are dropped
+            start = time.perf_counter()
+            _compute(allocator, cache, [step * 10 + i for i in range(8)], f"r{step}")
+            recorder.end_step()
+            slowest = max(slowest, time.perf_counter() - start)
+        assert publisher.pending == 2 and recorder.dropped == 7 and publisher.published == 0
+        assert slowest < 0.5  # a full queue costs the step nothing but a failed put
+        publisher.start()
+        assert _settle(publisher) == 1
+        _compute(allocator, cache, [900, 901, 902, 903, 904], "after")
+        recorder.end_step()  # room again: the resync (the step's own events are in it)
+        last = _settle(publisher)
+        assert last == 2 and recorder.dropped == 7
+        sub.receive(last)
+        payloads = {**sub.replay(0), **sub.live}
+        resync = decode_batch(payloads[2]).events
+        assert resync[0] == AllBlocksCleared() and all(isinstance(e, BlockStored) for e in resync[1:])
+        assert rebuild(payloads).hashes == {n.hash for n in cache.indexed_blocks()}
+        assert cache.evictions > 0
+        _compute(allocator, cache, [950 + i for i in range(8)], "later")  # and the stream goes on incrementally
+        recorder.end_step()
+        last = _settle(publisher)
+        sub.receive(last)
+        assert rebuild({**sub.replay(0), **sub.live}).hashes == {n.hash for n in cache.indexed_blocks()}
+    finally:
+        sub.close()
+        recorder.close()
+
+
+class Collect:
+    """A publisher that keeps what it is given (the recorder's side alone)."""
+
+    def __init__(self) -> None:
+        self.batches: list[KVEventBatch] = []
+        self.pending, self.capacity, self.published, self.dropped = 0, 1, 0, 0
+
+    def publish(self, batch: KVEventBatch) -> bool:
+        self.batches.append(batch)
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def test_stores_of_one_chain_share_an_event_and_removals_follow_in_order() -> None:
+    publisher = Collect()
+    recorder = KVEventRecorder(publisher, BS, clock=lambda: 123.0)  # type: ignore[arg-type]
+    allocator, cache = _cache(num_blocks=4)
+    recorder.attach(cache)
+    _compute(allocator, cache, list(range(12)), "a")  # 3 blocks of one chain
+    _compute(allocator, cache, list(range(8)) + list(range(77, 85)), "b")  # shares 2 blocks, evicts 1, adds 2
+    recorder.end_step()
+    recorder.end_step()  # nothing new: no batch
+    (batch,) = publisher.batches
+    first, removed, second = batch.events
+    assert isinstance(first, BlockStored) and isinstance(removed, BlockRemoved) and isinstance(second, BlockStored)
+    assert first.parent_block_hash is None and first.token_ids == list(range(12)) and len(first.block_hashes) == 3
+    assert removed.block_hashes == [first.block_hashes[2]]  # the LRU one: the chain's last block
+    assert second.parent_block_hash == first.block_hashes[1] and second.token_ids == list(range(77, 85))
+    assert len(second.block_hashes) == 2
+    assert (batch.ts, batch.data_parallel_rank) == (123.0, 0)
+    recorder.close()
+
+
+def test_clearing_the_cache_removes_each_block_then_clears() -> None:
+    publisher = Collect()
+    recorder = KVEventRecorder(publisher, BS)  # type: ignore[arg-type]
+    allocator, cache = _cache()
+    recorder.attach(cache)
+    held = _compute(allocator, cache, list(range(8)), "a")
+    assert cache.clear() == len(held) == 2
+    recorder.end_step()
+    stored, removed, cleared = publisher.batches[0].events
+    assert isinstance(stored, BlockStored) and removed == BlockRemoved(stored.block_hashes, "GPU")
+    assert cleared == AllBlocksCleared()
+    recorder.close()
+
+
+def test_replay_from_any_point_and_bad_requests_are_ignored() -> None:
+    publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, topic="kv@a@m", buffer_batches=3)
+    publisher.start()
+    sub = Subscriber(publisher.endpoint, publisher.replay_endpoint)
+    try:
+        for i in range(5):
+            assert publisher.publish(KVEventBatch(float(i), [BlockRemoved([i + 1], "GPU")], 0))
+        assert _settle(publisher) == 4
+        assert sorted(sub.replay(0)) == [2, 3, 4]  # the buffer keeps the last 3
+        assert sorted(sub.replay(4)) == [4] and sub.replay(99) == {}
+        assert decode_batch(sub.replay(3)[3]).events == [BlockRemoved([4], "GPU")]
+        bad = zmq.Context.instance().socket(zmq.DEALER)
+        bad.connect(publisher.replay_endpoint)
+        bad.send_multipart([b"", b"\x01"])  # not 8 bytes: ignored, and the publisher goes on
+        time.sleep(0.1)
+        bad.close(linger=0)
+        assert sorted(sub.replay(3)) == [3, 4]
+    finally:
+        sub.close()
+        publisher.close()
+    assert not publisher.publish(KVEventBatch(0.0, [], 0)) and publisher.dropped == 1  # closed: dropped, counted
+
+
+def test_encoding_round_trips_and_endpoints_bind_or_connect_by_vllms_rule() -> None:
+    batch = KVEventBatch(
+        1.5, [BlockStored([2**64 - 1, 5], None, list(range(8)), 4, None, "GPU", None), AllBlocksCleared()], 0
+    )
+    assert decode_batch(encode_batch(batch)) == batch
+    assert binds("tcp://*:5557") and binds("tcp://127.0.0.1:*") and binds("ipc:///tmp/x") and binds("tcp://[::]:1")
+    assert not binds("tcp://epp.ns.svc.cluster.local:5557")
+    with pytest.raises(ValueError, match="kv_events_endpoint"):
+        EngineConfig(kv_events_endpoint="http://x:1")
+    with pytest.raises(ValueError, match="needs --kv-events-endpoint"):
+        EngineConfig(kv_events_replay_endpoint="tcp://*:5558")
+
+
+def test_block_hashes_are_sha256_and_the_same_in_every_process() -> None:
+    root = root_hash(None)
+    expected = hashlib.sha256(root.to_bytes(8, "big") + b"".join(t.to_bytes(8, "little") for t in (1, 2, 3, 4)))
+    assert block_hash(root, (1, 2, 3, 4)) == int.from_bytes(expected.digest()[-8:], "big")
+    assert len({root_hash(None), root_hash("a"), root_hash("b"), root_hash("")}) == 4
+    # Fixed values: Python's salted hash() would give others in every process (and did, before).
+    assert (root_hash(None), root_hash("t")) == (0x4B6E096511A36B5E, 0x8C46A8BD3917C399)
+    assert block_hash(root_hash("t"), [7, 8, 9, 10]) == 0x627B917A66D57994
