@@ -11,7 +11,7 @@ TRITON_PIN ?= triton==3.6.0
 TRITON_NEXT ?= triton==3.9.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup lint test test-triton-next serve bench bench-serve bench-admission bench-agent bench-peers bench-agreement soak pull clean
+.PHONY: setup lint browser test test-triton-next serve bench bench-serve bench-admission bench-agent bench-peers bench-agreement soak pull clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,15 @@ lint: setup
 	$(PY) -m ruff format --check helexa tests bench
 	$(PY) -m mypy
 
-test: lint
+# The operator page's tests drive Debian's Chromium through Playwright (which never downloads a browser here).
+# Installed when missing and we are root with apt; otherwise those tests skip and say why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		{ export DEBIAN_FRONTEND=noninteractive; apt-get install -y -qq --no-install-recommends chromium >/dev/null \
+		|| { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; }; }; } \
+		|| echo "chromium could not be installed: the operator page's browser tests will skip"
+
+test: lint browser
 	$(PY) -m pytest -q -p no:cacheprovider tests
 ifneq ($(HAS_GPU),1)
 	$(MAKE) test-triton-next

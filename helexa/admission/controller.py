@@ -36,14 +36,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 from helexa.admission import rejections as why
 from helexa.admission.estimator import FifoPlan, retry_after_seconds
 from helexa.admission.lengths import AnswerLengths
 from helexa.admission.rates import EngineRates
-from helexa.admission.rejections import REJECTION_REASONS, AdmissionIntegrityError, AdmissionRejected
+from helexa.admission.rejections import REJECTION_REASONS, AdmissionIntegrityError, AdmissionRejected, RecentRejection
 from helexa.admission.sharing import BlockStates, PrefixSharing, Share
 from helexa.admission.ticket import PollResult, Ticket, TicketState
 from helexa.config import AdmissionConfig, check_int, debug_enabled
@@ -84,6 +84,22 @@ def _seconds(x: float) -> float:
     return round(x, 3)
 
 
+class AdmissionView(NamedTuple):
+    """One reading of admission under its lock, for display (`AdmissionController.view`).
+
+    `snapshot` is `snapshot()`'s dict; `waiting` copies of the waiting tickets in the order they will be
+    granted (preempted ones first), each with its current `est_start`; `running` copies of the granted
+    tickets in admission order; `rejections` the recent rejections, oldest first; `now` the clock's time
+    of the reading (the clock `est_start`, `arrival` and `granted_at` are on).
+    """
+
+    now: float
+    snapshot: dict[str, Any]
+    waiting: list[Ticket]
+    running: list[Ticket]
+    rejections: list[RecentRejection]
+
+
 class AdmissionController:
     """Admits requests against a fixed pool of KV blocks and a sequence-count limit, FIFO.
 
@@ -100,6 +116,7 @@ class AdmissionController:
       (a full queue then answers `model_reloading`).
     - `lengths`: the learned answer lengths estimates are made from (a fresh window by default).
     - `debug`: run `check_integrity()` after every change (default: `HELEXA_DEBUG`).
+    - `recent_rejections`: how many rejections `recent_rejections()` keeps (the newest; a bounded ring).
     """
 
     def __init__(
@@ -115,6 +132,7 @@ class AdmissionController:
         reload_status: Callable[[], float | None] | None = None,
         lengths: AnswerLengths | None = None,
         debug: bool | None = None,
+        recent_rejections: int = 64,
     ) -> None:
         self.config = config
         self.capacity = capacity
@@ -150,6 +168,9 @@ class AdmissionController:
         self._backfill_due = False  # policy "backfill": capacity came free; look behind the head at the next poll
 
         self._rejected = dict.fromkeys(REJECTION_REASONS, 0)
+        self._recent: collections.deque[RecentRejection] = collections.deque(
+            maxlen=check_int(recent_rejections, "recent_rejections", 0)
+        )
         self._admitted_total = 0
         self._admitted_after_wait = 0
         self._wait_seconds_sum = 0.0
@@ -508,41 +529,61 @@ class AdmissionController:
         pool (never from progress reported a step ago), under the lock that orders every reservation.
         `blocks_free` and `blocks_allocated` are the older names of `blocks_empty` and `blocks_in_use`.
         """
-        cfg, total = self.config, self.capacity.num_blocks
         with self._lock:
-            states = self._block_states()
-            orphans = self._orphans()
-            lengths = self._lengths
-            return {
-                "block_size": self.capacity.block_size,
-                "blocks_total": total,
-                "blocks_empty": states.empty,
-                "blocks_cached": states.cached,
-                "blocks_in_use": states.in_use,
-                "blocks_retained": states.retained,
-                "blocks_reserved": self._reserved + orphans,
-                "blocks_available": total - self._reserved - orphans,
-                "blocks_orphaned": orphans,
-                "blocks_free": states.empty,
-                "blocks_allocated": states.in_use,
-                "in_flight": len(self._running),
-                "max_in_flight": cfg.max_num_seqs,
-                "queue_depth": len(self._queue) + len(self._resume),
-                "max_queue_depth": cfg.max_queue_depth,
-                "max_wait_secs": cfg.max_wait_secs,
-                "policy": cfg.policy,
-                "rejected": dict(self._rejected),
-                "preemptions": self._preemptions,
-                "preempted_waiting": len(self._resume),
-                "admitted_total": self._admitted_total,
-                "admitted_after_wait": self._admitted_after_wait,
-                "admission_wait_seconds_sum": _seconds(self._wait_seconds_sum),
-                "decode_step_seconds": self._rates.decode_step_seconds,
-                "prefill_token_seconds": self._rates.prefill_token_seconds,
-                "answer_length_basis": lengths.basis,
-                "answer_length_samples": lengths.samples,
-                "expected_answer_tokens": round(lengths.expected_remaining(0, cfg.default_max_tokens), 1),
-            }
+            return self._snapshot_locked()
+
+    def view(self) -> AdmissionView:
+        """`snapshot()`, the waiting and running tickets (copies, with current estimated starts) and the recent
+        rejections, all read under one hold of the lock: the rows always add up to the snapshot's counts."""
+        with self._lock:
+            now = self._clock()
+            if self._queue or self._resume:
+                self._ensure_plan(now)
+            waiting = [replace(t) for t in (*self._resume.values(), *self._queue.values())]
+            running = [replace(t) for t in self._running.values()]
+            return AdmissionView(now, self._snapshot_locked(), waiting, running, list(self._recent))
+
+    def recent_rejections(self) -> list[RecentRejection]:
+        """The newest rejections (at most `recent_rejections` of them), oldest first."""
+        with self._lock:
+            return list(self._recent)
+
+    def _snapshot_locked(self) -> dict[str, Any]:
+        """`snapshot()`'s dict; the lock is held."""
+        cfg, total = self.config, self.capacity.num_blocks
+        states = self._block_states()
+        orphans = self._orphans()
+        lengths = self._lengths
+        return {
+            "block_size": self.capacity.block_size,
+            "blocks_total": total,
+            "blocks_empty": states.empty,
+            "blocks_cached": states.cached,
+            "blocks_in_use": states.in_use,
+            "blocks_retained": states.retained,
+            "blocks_reserved": self._reserved + orphans,
+            "blocks_available": total - self._reserved - orphans,
+            "blocks_orphaned": orphans,
+            "blocks_free": states.empty,
+            "blocks_allocated": states.in_use,
+            "in_flight": len(self._running),
+            "max_in_flight": cfg.max_num_seqs,
+            "queue_depth": len(self._queue) + len(self._resume),
+            "max_queue_depth": cfg.max_queue_depth,
+            "max_wait_secs": cfg.max_wait_secs,
+            "policy": cfg.policy,
+            "rejected": dict(self._rejected),
+            "preemptions": self._preemptions,
+            "preempted_waiting": len(self._resume),
+            "admitted_total": self._admitted_total,
+            "admitted_after_wait": self._admitted_after_wait,
+            "admission_wait_seconds_sum": _seconds(self._wait_seconds_sum),
+            "decode_step_seconds": self._rates.decode_step_seconds,
+            "prefill_token_seconds": self._rates.prefill_token_seconds,
+            "answer_length_basis": lengths.basis,
+            "answer_length_samples": lengths.samples,
+            "expected_answer_tokens": round(lengths.expected_remaining(0, cfg.default_max_tokens), 1),
+        }
 
     def check_integrity(self) -> None:
         """Raise `AdmissionIntegrityError` (with the numbers) unless every invariant holds.
@@ -566,7 +607,7 @@ class AdmissionController:
         if prompt >= cap.max_model_len or prompt + m > cap.max_model_len or bound > cap.num_blocks:
             message = why.unservable_message(prompt, m, bound, cap.block_size, cap.num_blocks, cap.max_model_len)
             arith = self._arith(prompt, m, 0, bound, None, max_model_len=cap.max_model_len)
-            return self._reject("kv_unservable", arith, None, message)
+            return self._reject("kv_unservable", arith, None, message, payload)
 
         ticket = self._new_ticket(now, prompt, m, stops_early, payload)
         expected = self._lengths.expected_remaining(0, m) if stops_early else float(m)
@@ -600,9 +641,9 @@ class AdmissionController:
             message = why.queue_full_message(depth, cfg.max_queue_depth, len(self._running), wait, reload_left)
             if reload_left is not None:
                 arith = self._arith(prompt, m, shared, blocks, wait, reload_left_s=_seconds(reload_left))
-                return self._reject("model_reloading", arith, retry_after_seconds(reload_left), message)
+                return self._reject("model_reloading", arith, retry_after_seconds(reload_left), message, payload)
             arith = self._arith(prompt, m, shared, blocks, wait, **self._basis(expected, []))
-            return self._reject("queue_full", arith, retry_after_seconds(wait), message)
+            return self._reject("queue_full", arith, retry_after_seconds(wait), message, payload)
 
         plan = self._ensure_plan(now)
         run_seconds = self._rates.run_seconds(ticket.prefill_tokens_left, expected)
@@ -611,7 +652,7 @@ class AdmissionController:
         if not appended:
             message = why.too_long_message(blocks, wait, cfg.max_wait_secs, self._available(), cap.num_blocks, depth)
             arith = self._arith(prompt, m, shared, blocks, wait, **self._basis(expected, plan.last_waited_on))
-            return self._reject("kv_timeout", arith, retry_after_seconds(wait), message)
+            return self._reject("kv_timeout", arith, retry_after_seconds(wait), message, payload)
         self._next_id += 1
         ticket.est_wait_at_arrival = wait
         ticket.est_start = max(start, now)
@@ -823,13 +864,18 @@ class AdmissionController:
         message = why.expired_message(
             waited, ticket.blocks_reserved, arith["blocks_available"], self.capacity.num_blocks, left
         )
-        ticket.error = self._reject("kv_timeout", arith, retry_after_seconds(left), message)
+        ticket.error = self._reject("kv_timeout", arith, retry_after_seconds(left), message, ticket.payload)
 
-    def _reject(self, reason: str, arith: dict[str, Any], retry_after: int | None, message: str) -> AdmissionRejected:
+    def _reject(
+        self, reason: str, arith: dict[str, Any], retry_after: int | None, message: str, payload: Any = None
+    ) -> AdmissionRejected:
         if retry_after is not None:
             arith["retry_after_s"] = retry_after
         error = AdmissionRejected(reason, message, retry_after, arith)
         self._rejected[reason] += 1
+        request_id = getattr(payload, "request_id", None)  # the engine's Request carries one
+        request_id = request_id if isinstance(request_id, str) else None
+        self._recent.append(RecentRejection(time.time(), reason, message, retry_after, dict(arith), request_id))
         if logger.isEnabledFor(logging.WARNING):
             fields = _Fields(error.arithmetic)
             self._effects.append(lambda: logger.warning("admission: rejected %s %s", reason, fields))

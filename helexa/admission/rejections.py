@@ -5,6 +5,7 @@ Admission decides *that* and *why*; how a reason becomes an HTTP status is the s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 REJECTION_REASONS = ("queue_full", "kv_timeout", "kv_unservable", "model_reloading")
@@ -37,6 +38,32 @@ class AdmissionRejected(Exception):
 
     def __repr__(self) -> str:
         return f"AdmissionRejected({self.reason!r}, retry_after={self.retry_after!r})"
+
+
+def arithmetic_line(arithmetic: dict[str, Any]) -> str:
+    """The numbers behind a decision as the `admission: rejected ...` log line writes them: `key=value ...`."""
+    return " ".join(f"{k}={v}" for k, v in arithmetic.items())
+
+
+@dataclass(frozen=True)
+class RecentRejection:
+    """One rejection as the controller keeps it for the operator (`AdmissionController.recent_rejections`).
+
+    `at`: Unix seconds; `reason`, `message`, `retry_after` and `arithmetic` as the `AdmissionRejected`
+    the client was given; `request_id` the submitter's id for it when its payload has one. Never prompt text.
+    """
+
+    at: float
+    reason: str
+    message: str
+    retry_after: int | None
+    arithmetic: dict[str, Any]
+    request_id: str | None
+
+    @property
+    def line(self) -> str:
+        """The arithmetic as its log line writes it (`arithmetic_line`)."""
+        return arithmetic_line(self.arithmetic)
 
 
 class AdmissionIntegrityError(RuntimeError):

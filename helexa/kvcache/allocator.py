@@ -97,6 +97,11 @@ class BlockAllocator:
         self._check_range(block_id)
         return self._refs[block_id]
 
+    def free_block_ids(self) -> list[int]:
+        """The free stack, copied at one instant from the host mirror (no device sync): the last id is
+        handed out first. A read-only view for display; it never changes the allocator."""
+        return list(self._free)
+
     def can_allocate(self, n: int) -> bool:
         """True when `allocate(n)` would succeed now."""
         return check_int(n, "n", 0) <= len(self._free)

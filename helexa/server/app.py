@@ -21,6 +21,7 @@ from starlette.routing import Route
 from helexa.engine import Engine, TokenEvent
 from helexa.model.text.tokenizer import TooManyTokens
 from helexa.server.connections import ConnectionLimit, ConnectionLimitMiddleware
+from helexa.server.dashboard import Dashboard
 from helexa.server.errors import APIError, error_response
 from helexa.server.formats import FORMATS, ApiFormat, LogprobFormatter
 from helexa.server.generation import Choice, GenerationRun, event_error
@@ -344,6 +345,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
         Route("/v1/admission", admission, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *Dashboard(engine, lambda: state.draining).routes(),  # `GET /`: the operator page, and its data
     ]
     middleware = [
         Middleware(ConnectionLimitMiddleware, limit=state.connections),
