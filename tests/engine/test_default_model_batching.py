@@ -29,7 +29,7 @@ def _llm(model_dir, max_num_batched_tokens: int, quantization: str) -> LLM:
     )
 
 
-NEAR_TIE_NATS = 0.5  # where a quantized answer diverges, the two tokens' solo logprobs differ by less
+NEAR_TIE_NATS = 1.0  # where a quantized answer diverges, the two tokens' logprobs differ by less
 
 
 @pytest.mark.parametrize("quantization", ["none", "auto"])

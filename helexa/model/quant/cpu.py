@@ -12,11 +12,14 @@
   nibble of q + 128: d*q == 16d*(h - 8) + (d*(l - 8) + 8d), exactly. These kernels are
   matrix-vector products per row.
 
-Both are for few rows (decode). From `DENSE_ROWS` rows on (prefill), the weight is expanded per call
-to float32 and multiplied densely, with the very same activation rounding and scales as the
-kernel in use, so both paths compute the same numbers up to float32 summation order (a step's row
-count never changes a token's result beyond that). `HELEXA_CPU_QUANT_KERNEL=torch` forces torch's
-kernels (for comparisons); the default `auto` takes `native` when it is available.
+helexa's kernel serves every row count: on an AVX2 EPYC it matched a dense float32 matmul of the
+already-dequantised weight from 64 to 512 rows and beat expanding the weight first (bench/RESULTS.md),
+and since it computes each row the same way whatever the batch, a row's result never depends on
+the step it ran in. torch's kernels are matrix-vector products per row: from `DENSE_ROWS` rows on
+(prefill), that path instead expands the weight per call to float32 and multiplies densely, with the
+same bfloat16 activations and scales, so both of its paths agree up to float32 summation order.
+`HELEXA_CPU_QUANT_KERNEL=torch` forces torch's kernels (for comparisons); the default `auto` takes
+`native` when it is available.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from helexa.model.quant.weight import QuantizedWeight
 __all__ = ["COMPUTE_DTYPE", "DENSE_ROWS", "CpuQuantMatmul", "cpu_kernel"]
 
 COMPUTE_DTYPE = torch.bfloat16  # the torch kernels' activation and scale dtype
-DENSE_ROWS = 64  # rows from which expanding the weight and a dense matmul is faster (bench/test_bench_quant.py)
+DENSE_ROWS = 64  # torch kernels: rows from which expanding the weight for a dense matmul is faster
 _INNER_K_TILES = 1  # any value works on CPU; the packed layout is opaque
 
 
@@ -76,9 +79,9 @@ class CpuQuantMatmul:
         self._scales = (scales.float() if exact else scales.to(COMPUTE_DTYPE).float()).contiguous()
         zeros = weight.zeros
         self._zeros = None if zeros is None else (zeros.float() if exact else zeros.to(COMPUTE_DTYPE).float())
-        self._small = self._native_small() if exact else self._torch_small()
+        self._run = self._native_run() if exact else self._torch_run()
 
-    def _native_small(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _native_run(self) -> Callable[[torch.Tensor], torch.Tensor]:
         w, scales, zeros = self.weight, self._scales, self._zeros
         if zeros is None:
             tiled = native.tile_int8(w.qweight, scales)
@@ -86,7 +89,7 @@ class CpuQuantMatmul:
         tiled = native.tile_int4(w.qweight, scales, zeros)
         return lambda x: native.int4_gemm(x, tiled)
 
-    def _torch_small(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _torch_run(self) -> Callable[[torch.Tensor], torch.Tensor]:
         w = self.weight
         if w.kind == "int8" and w.scales.dim() == 1:
             int8 = (w.qweight.contiguous(), w.scales.to(COMPUTE_DTYPE))
@@ -129,6 +132,6 @@ class CpuQuantMatmul:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, K) float -> (M, N) in x's dtype."""
-        if x.shape[0] >= DENSE_ROWS:
+        if self.kernel == "torch" and x.shape[0] >= DENSE_ROWS:
             return F.linear(self.rounded_activations(x), self.dense()).to(x.dtype)
-        return self._small(x.float().contiguous()).to(x.dtype)
+        return self._run(x.float().contiguous()).to(x.dtype)

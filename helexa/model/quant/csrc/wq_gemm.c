@@ -23,7 +23,6 @@
  * Threads: OpenMP over column tiles, in the runtime the process has loaded (torch's libgomp).
  */
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,22 +31,38 @@
 #define NR 8  /* output columns per tile (one int32 lane each) */
 #define MR 4  /* activation rows per register tile */
 
-/* x (M, K) -> xq (M, K) int8, d (M, K/32) scales, xs (M, K/32) = d * sum(xq) per block. */
+/* x (M, K) -> xq (M, K) int8, d (M, K/32) scales, xs (M, K/32) = d * sum(xq) per block. Rounds
+ * x * (1 / d) to nearest, ties to even, as torch.round does (the reference, quantize_activations). */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *d, float *xs) {
-    const int64_t blocks = K / QK;
-    for (int64_t i = 0; i < M * blocks; i++) {
+    const int64_t n = M * (K / QK);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undo the packs' lane interleave */
+#pragma omp parallel for schedule(static) if (n > 512)
+    for (int64_t i = 0; i < n; i++) {
         const float *v = x + i * QK;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
-        const float di = amax / 127.0f, inv = di > 0.0f ? 1.0f / di : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < QK; j++) {
-            const int q = (int)nearbyintf(v[j] * inv);
-            xq[i * QK + j] = (int8_t)q;
-            sum += q;
+        __m256 f[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            f[j] = _mm256_loadu_ps(v + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, f[j]));
         }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float di = _mm_cvtss_f32(m) / 127.0f, inv = di > 0.0f ? 1.0f / di : 0.0f;
+        const __m256 iv = _mm256_set1_ps(inv);
+        __m256i q[4];
+        for (int j = 0; j < 4; j++)
+            q[j] = _mm256_cvtps_epi32(
+                _mm256_round_ps(_mm256_mul_ps(f[j], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + i * QK), _mm256_permutevar8x32_epi32(packed, order));
         d[i] = di;
-        xs[i] = di * (float)sum;
+        xs[i] = di * (float)_mm_cvtsi128_si32(s4);
     }
 }
 
