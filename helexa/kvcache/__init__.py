@@ -16,7 +16,7 @@ from helexa.kvcache.budget import (
 )
 from helexa.kvcache.metadata import AttentionMetadata
 from helexa.kvcache.pool import FP8_SCALE_MARGIN, BlockPool, LayerKV, fp8_scales
-from helexa.kvcache.prefix import BlockCounts, CachedBlock, PrefixCache, PrefixHit
+from helexa.kvcache.prefix import BlockCounts, CachedBlock, CacheSurvey, PrefixCache, PrefixHit, block_hash, root_hash
 
 __all__ = [
     "AttentionMetadata",
@@ -27,16 +27,19 @@ __all__ = [
     "BlockTable",
     "CPU_DEFAULT_CAP",
     "FP8_SCALE_MARGIN",
+    "CacheSurvey",
     "CachedBlock",
     "KVBudget",
     "LayerKV",
     "OutOfBlocks",
     "PrefixCache",
     "PrefixHit",
+    "block_hash",
     "estimate_activation_bytes",
     "fp8_scales",
     "kv_budget",
     "kv_bytes_per_block",
     "kv_scale_bytes",
     "parse_size",
+    "root_hash",
 ]
