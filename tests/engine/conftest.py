@@ -6,13 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.models import build_tiny_tokenizer_dir, make_tiny_model
+from tests.support.models import tiny_llama_chat_model
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model directory: tiny random Llama weights (vocab 512) + a trained ~400-token tokenizer."""
-    root = tmp_path_factory.mktemp("tiny_engine")
-    path = make_tiny_model(root, "llama", vocab_size=512, max_position_embeddings=512, name="model")
-    build_tiny_tokenizer_dir(path)
-    return path
+    return tiny_llama_chat_model(tmp_path_factory.mktemp("tiny_engine"))

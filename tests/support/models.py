@@ -287,3 +287,10 @@ def build_tiny_tokenizer_dir(
         eos = [backend.token_to_id("<|end_of_text|>"), backend.token_to_id("<|eot_id|>")]
         (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     return path
+
+
+def tiny_llama_chat_model(root: Path) -> Path:
+    """`root/model`: tiny random Llama weights (vocab 512) + a trained ~400-token tokenizer with a chat template."""
+    path = make_tiny_model(root, "llama", vocab_size=512, max_position_embeddings=512, name="model")
+    build_tiny_tokenizer_dir(path)
+    return path
