@@ -51,6 +51,7 @@ from peers import (  # noqa: E402  (bench/peers.py: shared prompts, config parsi
     DEFAULT_MODEL,
     RESULTS,
     LlamaCppModel,
+    add_helexa_args,
     chat_ids,
     default_gguf,
     docs_text,
@@ -208,13 +209,7 @@ def report(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--helexa-args",
-        nargs="+",
-        default=DEFAULT_CONFIGS,
-        metavar="K=V[,K=V...]",
-        help=f"helexa configurations, one per item (default: {' '.join(DEFAULT_CONFIGS)})",
-    )
+    add_helexa_args(parser, DEFAULT_CONFIGS)
     parser.add_argument(
         "--reference", default="quantization=none", help="the helexa configuration every other is compared with"
     )

@@ -81,6 +81,17 @@ CHAT_PROMPTS = [
 # ---------------------------------------------------------------------------------------------- inputs
 
 
+def add_helexa_args(parser: argparse.ArgumentParser, default: list[str]) -> None:
+    """`--helexa-args`: helexa configurations, one per item, each parsed by `parse_config`."""
+    parser.add_argument(
+        "--helexa-args",
+        nargs="+",
+        default=default,
+        metavar="K=V[,K=V...]",
+        help=f"helexa configurations, one per item (default: {' '.join(default)})",
+    )
+
+
 def parse_config(text: str) -> dict[str, Any]:
     """`"dtype=bfloat16,num_blocks=512"` -> engine args; ints, floats and true/false are converted, the
     rest stays text (so `quantization=none` is the string "none")."""
@@ -446,13 +457,7 @@ def plot(cols: list[Column], streams: Sequence[int], path: Path, prompt_len: int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--helexa-args",
-        nargs="+",
-        default=DEFAULT_CONFIGS,
-        metavar="K=V[,K=V...]",
-        help=f"helexa configurations, one per item (default: {' '.join(DEFAULT_CONFIGS)})",
-    )
+    add_helexa_args(parser, DEFAULT_CONFIGS)
     parser.add_argument("--streams", default="1,8,16", help="concurrent streams to measure, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=500)
