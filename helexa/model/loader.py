@@ -27,6 +27,7 @@ from helexa.model.quant.apply import (
     quantized_modules,
 )
 from helexa.model.quant.linear import QuantEmbedding, QuantLinear
+from helexa.model.quant.native_decode import native_decode_for
 from helexa.model.quant.weight import SUFFIXES, QuantizedWeight
 from helexa.model.transformer import CausalLM, copy_checked
 from helexa.parallel.comm import TensorParallel
@@ -311,6 +312,9 @@ def load_model(
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.prepare()
+    if quantized_modules(model) and device.type == "cpu":
+        model.native_decode, why_not = native_decode_for(model)
+        log.info(f"model: fused CPU decode step {'on' if model.native_decode else f'off ({why_not})'}")
     if mixed or skipped:
         log.info(f"model: left dense (mixed quantized layouts, or K not divisible by 32): {', '.join(mixed + skipped)}")
     quantized = quantized_modules(model)

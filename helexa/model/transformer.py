@@ -8,6 +8,7 @@ are computed per step from the token positions: no table to size, positions of a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -199,6 +200,11 @@ class CausalLM(nn.Module):
     here (`write_kv`, then `paged_attention`; no other attention path). The loader builds it on `meta`
     and may swap its linear layers and embedding for quantized ones (`helexa.model.quant`).
 
+    `native_decode`, when the loader sets it (a quantized model on the CPU with the reference
+    backend: `helexa.model.quant.native_decode`), runs decode steps — one new token per sequence —
+    through the whole decoder stack in one native call: the same K/V writes into the same caches and
+    the reference backend's attention, computed in C. Every other step takes the layers below.
+
     With `tp` (tensor parallelism, `helexa.parallel`) it holds one rank's shard (`plan`): its heads,
     MLP rows and vocabulary rows; o_proj and down_proj all-reduce, the embedding is vocab-parallel and
     the logits of every rank's vocabulary rows are gathered to rank 0. Every rank must run the same
@@ -217,6 +223,8 @@ class CausalLM(nn.Module):
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.plan = tp.plan if self.tp is not None and tp is not None else ShardPlan.for_model(config)
         self.model = _Backbone(config, attention_backend, self.plan, self.tp)
+        # (hidden, rope, attn, kv_caches) -> final-normed rows (B, E), or None to take the layers
+        self.native_decode: Callable[..., torch.Tensor | None] | None = None
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, self.plan.vocab_rows, bias=False)
         )
@@ -289,6 +297,10 @@ class CausalLM(nn.Module):
         sin = angles.sin()
         sin[:, : sin.shape[1] // 2].neg_()  # signed for `_apply_rope`
         rope = angles.cos().to(hidden.dtype), sin.to(hidden.dtype)  # (T, D) each
+        if self.native_decode is not None:
+            normed = self.native_decode(hidden, rope, attn, kv_caches)  # (T, E) on a decode step, else None
+            if normed is not None:
+                return self.logits(normed[logits_indices])  # (S, V)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(hidden, residual, rope, attn, kv_cache)

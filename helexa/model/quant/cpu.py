@@ -79,14 +79,15 @@ class CpuQuantMatmul:
         self._scales = (scales.float() if exact else scales.to(COMPUTE_DTYPE).float()).contiguous()
         zeros = weight.zeros
         self._zeros = None if zeros is None else (zeros.float() if exact else zeros.to(COMPUTE_DTYPE).float())
+        self.tiled: tuple[torch.Tensor, ...] | None = None  # the native kernel's layout (`native.tile_*`)
         self._run = self._native_run() if exact else self._torch_run()
 
     def _native_run(self) -> Callable[[torch.Tensor], torch.Tensor]:
         w, scales, zeros = self.weight, self._scales, self._zeros
         if zeros is None:
-            tiled = native.tile_int8(w.qweight, scales)
+            tiled = self.tiled = native.tile_int8(w.qweight, scales)
             return lambda x: native.int8_gemm(x, tiled)
-        tiled = native.tile_int4(w.qweight, scales, zeros)
+        tiled = self.tiled = native.tile_int4(w.qweight, scales, zeros)
         return lambda x: native.int4_gemm(x, tiled)
 
     def _torch_run(self) -> Callable[[torch.Tensor], torch.Tensor]:

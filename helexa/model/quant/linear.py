@@ -37,6 +37,10 @@ class QuantLinear(nn.Module):
     def weight_q(self) -> QuantizedWeight:  # the weight, as loaded
         return QuantizedWeight(self.qweight, self.scales, self.zeros)
 
+    @property
+    def cpu_matmul(self) -> CpuQuantMatmul | None:  # the prepared CPU execution (None on CUDA or before prepare)
+        return self._cpu
+
     def prepare(self) -> None:
         """Build the execution for the buffers' device (CPU: pack; CUDA: nothing). Call after loading."""
         self._cpu = None if self.qweight.is_cuda else CpuQuantMatmul(self.weight_q)

@@ -36,6 +36,7 @@ __all__ = [
     "available",
     "int4_gemm",
     "int8_gemm",
+    "library",
     "quantize_activations",
     "supports",
     "tile_int4",
@@ -44,7 +45,8 @@ __all__ = [
 ]
 
 _log = logging.getLogger("helexa.quant")
-_SOURCE = Path(__file__).with_name("csrc") / "wq_gemm.c"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / "wq_gemm.c", _CSRC / "decode.c"]  # one library; wq_gemm.h is shared by both
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 _LIBS = ["-lm"]
 _BLOCK = 32  # activation values per int8 block; K and G must be multiples
@@ -64,7 +66,7 @@ def _cpu_flags() -> set[str]:
 
 def _build(compiler: str) -> Path:
     """The compiled library's path, compiling it if this source and flags have not been built yet."""
-    source = _SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in [*_SOURCES, _CSRC / "wq_gemm.h"])
     key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
     out_dir = helexa_home() / "build"
     target = out_dir / f"wq_gemm-{key}.so"
@@ -74,7 +76,10 @@ def _build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *_FLAGS, "-o", str(built), str(_SOURCE), *_LIBS], capture_output=True, text=True, timeout=120
+            [compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES), *_LIBS],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
@@ -104,6 +109,10 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.helexa_int4_gemm.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
     lib.helexa_int8_gemm.argtypes = [p, i64, i64, p, p, i64, i64, p]
     lib.helexa_int4_gemm.restype = lib.helexa_int8_gemm.restype = None
+    lib.helexa_paged_decode.argtypes = [p, p, p, *[i64] * 8, p, i64, p, ctypes.c_float, p]
+    lib.helexa_paged_decode.restype = None
+    lib.helexa_decode_step.argtypes = [p, i64, p, p, p, p, p, i64, p, p]
+    lib.helexa_decode_step.restype = ctypes.c_int
     return lib, ""
 
 
@@ -161,7 +170,9 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inv) * d).reshape(m, k)
 
 
-def _lib() -> ctypes.CDLL:
+def library() -> ctypes.CDLL:
+    """The loaded library (for `helexa.model.quant.native_decode`); `RuntimeError` with the reason
+    when it is unavailable."""
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"helexa's CPU quant kernel is unavailable: {why}")
@@ -181,7 +192,7 @@ def _run(
             raise ValueError("tiled weights, scales and zero terms must be contiguous")
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     pointers = [t.data_ptr() for t in (tiled, scales, *extra)]
-    getattr(_lib(), name)(x.data_ptr(), x.shape[0], k, *pointers, n, k // groups, y.data_ptr())
+    getattr(library(), name)(x.data_ptr(), x.shape[0], k, *pointers, n, k // groups, y.data_ptr())
     return y
 
 

@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "wq_gemm.h"
+
 #define QK 32 /* activation values per block */
 #define NR 8  /* output columns per tile (one int32 lane each) */
 #define MR 4  /* activation rows per register tile */
@@ -106,10 +108,16 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
                 int32_t four;
                 memcpy(&four, xr[r] + k, sizeof four);
                 __m256i xv = _mm256_set1_epi32(four); /* these 4 k for all 8 columns */
-                if (!w4) xv = _mm256_sign_epi8(xv, w); /* carry w's sign onto x */
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
+                if (w4) { /* int16 lanes hold at most 8 chunks x 2 x 15 x 127 = 30480: no overflow */
+                    isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(wu, xv));
+                } else {
+                    xv = _mm256_sign_epi8(xv, w); /* carry w's sign onto x */
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
+                }
             }
         }
+        if (w4)
+            for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(isum[r], ones);
         for (int r = 0; r < R; r++) {
             const int64_t row = (m0 + r) * blocks + b;
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(sv, _mm256_set1_ps(d[row])), acc[r]);
@@ -119,8 +127,8 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
     for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
 }
 
-static void gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, const int8_t *q8, const float *scales,
-                 const float *zero_terms, int64_t N, int64_t G, float *y) {
+void helexa_wq_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, const int8_t *q8, const float *scales,
+                    const float *zero_terms, int64_t N, int64_t G, float *y) {
     const int64_t blocks = K / QK, groups = K / G;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *d = (float *)malloc(sizeof(float) * (size_t)(M * blocks));
@@ -146,10 +154,10 @@ static void gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, const 
 
 void helexa_int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *tiled, const float *scales,
                       const float *zero_terms, int64_t N, int64_t G, float *y) {
-    gemm(x, M, K, tiled, NULL, scales, zero_terms, N, G, y);
+    helexa_wq_gemm(x, M, K, tiled, NULL, scales, zero_terms, N, G, y);
 }
 
 void helexa_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *tiled, const float *scales, int64_t N,
                       int64_t G, float *y) {
-    gemm(x, M, K, NULL, tiled, scales, NULL, N, G, y);
+    helexa_wq_gemm(x, M, K, NULL, tiled, scales, NULL, N, G, y);
 }

@@ -1,0 +1,226 @@
+"""The fused CPU decode step (`csrc/decode.c`): every layer of a quantized model in one native call.
+
+On a CPU, a decode step of a small model is dominated not by its matmuls but by the few dozen torch
+operations around them in every layer (norms, RoPE, the cache write, attention, activations), each
+a dispatch of ~10 µs. When every sequence of a step brings one new token, `NativeDecode` runs the
+whole decoder stack in C instead: the same computation as `CausalLM`'s torch path with the
+reference attention backend, in float32, through the same quantized kernel (`native`), writing K/V
+into the same paged caches and attending through the same block tables. Other steps (prefill,
+extend, mixed batches) take the torch path.
+
+`native_decode_for(model)` decides once, at load, whether a model can use it and says why not:
+CPU, float32, no tensor parallelism, the reference attention backend, every decoder projection
+quantized for the native kernel, head_dim a multiple of 8 up to 512. Each step still checks what
+varies (float32 caches with a contiguous last dimension, int32 tables); a step that does not fit
+takes the torch path. `HELEXA_CPU_DECODE=torch` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import torch
+
+from helexa.kvcache.metadata import AttentionMetadata
+from helexa.model.quant import native
+from helexa.model.quant.linear import QuantLinear
+
+__all__ = ["NativeDecode", "native_decode_for", "paged_decode"]
+
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+_MAX_HEAD_DIM = 512  # the C code's per-head buffers
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("weight", _p), ("scales", _p), ("zero_terms", _p), ("bias", _p),
+        ("n", _i64), ("k", _i64), ("group", _i64), ("int4", _i64),
+    ]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
+        ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+        ("k_cache", _p), ("v_cache", _p), ("block_stride", _i64), ("row_stride", _i64), ("head_stride", _i64),
+    ]  # fmt: skip
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+        ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_double), ("final_norm", _p),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]  # fmt: skip
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear(module: Any, keep: list[torch.Tensor]) -> _Linear | None:
+    """The C view of a projection, or None when it is not a native-kernel quantized linear."""
+    cpu = module.cpu_matmul if isinstance(module, QuantLinear) else None
+    if cpu is None or cpu.tiled is None:
+        return None
+    tiled = cpu.tiled
+    bias = None if module.bias is None else module.bias.detach().float().contiguous()
+    keep.extend(t for t in (*tiled, bias) if t is not None)
+    n, k = cpu.shape
+    zero_terms = tiled[2] if len(tiled) == 3 else None
+    group = k // tiled[1].shape[1]
+    return _Linear(tiled[0].data_ptr(), tiled[1].data_ptr(), _ptr(zero_terms), _ptr(bias), n, k, group, len(tiled) == 3)
+
+
+def _norm_weight(module: Any, keep: list[torch.Tensor]) -> int | None:
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        return None
+    w = weight.detach().float().contiguous()
+    keep.append(w)
+    return w.data_ptr()
+
+
+def _cache_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
+    return (
+        k.dtype == v.dtype == torch.float32
+        and k.dim() == 4
+        and k.stride() == v.stride()
+        and k.stride(-1) == 1
+        and not k.is_cuda
+    )
+
+
+class NativeDecode:
+    """A model's decoder stack as one native call per decode step (build it with `native_decode_for`).
+    Holds its own float32 copies of the norm weights and biases; the projections' tiled weights are
+    the ones their `CpuQuantMatmul` prepared."""
+
+    def __init__(self, model: Any, layers: list[_Layer], keep: list[torch.Tensor], final_norm: int) -> None:
+        config, plan = model.config, model.plan
+        self._keep = keep  # everything the C structures point to
+        self._layers = (_Layer * len(layers))(*layers)
+        self._model = _Model(
+            len(layers), config.hidden_size, plan.num_heads, plan.num_kv_heads, config.head_dim,
+            plan.intermediate_size, 0, config.rms_norm_eps, final_norm, self._layers,
+        )  # fmt: skip
+        self._caches_key: tuple[int, ...] = ()
+        self._lib = native.library()
+
+    def _bind_caches(self, kv_caches: list[Any]) -> bool:
+        """Point the layers at these caches (once per pool); False when a cache does not fit."""
+        key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if key == self._caches_key:
+            return True
+        if len(kv_caches) != len(self._layers) or not all(_cache_ok(*pair) for pair in kv_caches):
+            return False
+        for layer, (k, v) in zip(self._layers, kv_caches):
+            layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
+            layer.block_stride, layer.row_stride, layer.head_stride = k.stride(0), k.stride(1), k.stride(2)
+        self._model.block_size = kv_caches[0][0].shape[1]
+        self._caches_key = key
+        return True
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+        kv_caches: list[Any],
+    ) -> torch.Tensor | None:
+        """The final-normed hidden states (B, E) float32 of a decode step (B sequences, one new token
+        each: hidden (B, E) their embeddings, rope their (cos, signed sin) (B, D)), the new K/V written
+        to the caches; None, with nothing written, when the step or the caches do not fit (then the
+        caller runs the torch path)."""
+        b = hidden.shape[0]
+        if attn.max_query_len != 1 or attn.num_seqs != b or attn.num_tokens != b or hidden.dtype != torch.float32:
+            return None
+        tables, lens, slots = attn.block_tables, attn.seq_lens, attn.slot_mapping
+        if tables.dtype != torch.int32 or lens.dtype != torch.int32 or slots.dtype != torch.int64:
+            return None
+        if tables.stride(-1) != 1 or not self._bind_caches(kv_caches):
+            return None
+        x = hidden.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place
+        cos, sin = (t.float().contiguous() for t in rope)
+        lens, slots = lens.contiguous(), slots.contiguous()
+        out = torch.empty_like(x)
+        rc = self._lib.helexa_decode_step(
+            ctypes.byref(self._model), b, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("the native decode step could not allocate its scratch memory")
+        return out
+
+
+def native_decode_for(model: Any) -> tuple[NativeDecode | None, str]:
+    """(the fused decode step for this `CausalLM`, "") or (None, why it cannot have one)."""
+    if os.environ.get("HELEXA_CPU_DECODE", "auto") == "torch":
+        return None, "HELEXA_CPU_DECODE=torch"
+    if not native.available():
+        return None, f"the native CPU kernel is unavailable ({native.unavailable_reason()})"
+    if model.tp is not None:
+        return None, "tensor parallelism"
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return None, f"it runs float32 on the CPU (this model: {model.dtype} on {model.device})"
+    head_dim = model.config.head_dim
+    if head_dim % 8 or head_dim > _MAX_HEAD_DIM:
+        return None, f"head_dim {head_dim} (it takes multiples of 8 up to {_MAX_HEAD_DIM})"
+    keep: list[torch.Tensor] = []
+    layers = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        if attn.backend.name not in ("auto", "torch"):
+            return None, f"attention backend {attn.backend.name!r} (it computes the reference backend's attention)"
+        parts = {
+            "qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj,
+            "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj,
+        }  # fmt: skip
+        linears = {name: _linear(module, keep) for name, module in parts.items()}
+        dense = [name for name, lin in linears.items() if lin is None]
+        if dense:
+            return None, f"layer {i}'s {', '.join(dense)} is not quantized for the native kernel"
+        layers.append(
+            _Layer(
+                _norm_weight(layer.input_layernorm, keep),
+                _norm_weight(layer.post_attention_layernorm, keep),
+                _norm_weight(attn.q_norm, keep),
+                _norm_weight(attn.k_norm, keep),
+                linears["qkv_proj"],
+                linears["o_proj"],
+                linears["gate_up_proj"],
+                linears["down_proj"],
+            )  # fmt: skip
+        )
+    final_norm = _norm_weight(model.model.norm, keep)
+    assert final_norm is not None
+    return NativeDecode(model, layers, keep, final_norm), ""
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The fused step's attention alone: q (B, H, D) float32, one query per sequence at position
+    seq_lens[b] - 1, over float32 caches (NB, BS, KVH, D) through block_tables (B, MB) int32 ->
+    (B, H, D). The same result as `helexa.kernels.reference.paged_attention` for such a batch."""
+    b, h, d = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    if q.dtype != torch.float32 or not _cache_ok(k_cache, v_cache) or d % 8 or d > _MAX_HEAD_DIM or h % kvh:
+        raise ValueError("paged_decode takes float32 q (B, H, D), D % 8 == 0, and float32 caches (NB, BS, KVH, D)")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        raise ValueError("block_tables and seq_lens must be int32 (tables with a contiguous last dimension)")
+    q, lens = q.contiguous(), seq_lens.contiguous()
+    out = torch.empty_like(q)
+    native.library().helexa_paged_decode(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3], block_size, b, h, kvh, d,
+        block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), d**-0.5 if scale is None else scale,
+        out.data_ptr(),
+    )  # fmt: skip
+    return out
