@@ -128,22 +128,33 @@ def _kernel_reference(run: CpuQuantMatmul, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kernel", ["native", "torch"])
-@pytest.mark.parametrize("layout", ["int4", "int8-channel", "int8-group"])
+@pytest.mark.parametrize("layout", ["int4", "int4-gguf", "int8-channel", "int8-group"])
 @pytest.mark.parametrize("rows", [1, 7, 19, DENSE_ROWS + 5])
 def test_cpu_matmul_matches_its_reference(kernel: str, layout: str, rows: int) -> None:
+    """GGUF-like layouts (float16 scales, Q4_1's zero = minimum + 8 * scale) take the native kernel's
+    float16 scale path; the others keep float32 scales."""
     if kernel == "native" and not native.available():
         pytest.skip(f"helexa's CPU kernel is unavailable here: {native.unavailable_reason()}")
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 128, generator=g)
     if layout == "int4":
         weight = quantize_int4(w, group_size=32)
+    elif layout == "int4-gguf":  # as GGUF Q4_1: float16 scale d and minimum m per 32, W = q * d + m
+        d, m = (torch.randn(96, 4, generator=g) * 0.02).half().float(), (torch.randn(96, 4, generator=g)).half().float()
+        q = torch.randint(0, 16, (96, 64), generator=g, dtype=torch.uint8) | (
+            torch.randint(0, 16, (96, 64), generator=g, dtype=torch.uint8) << 4
+        )
+        weight = QuantizedWeight.of(q, d, m + 8 * d)
     elif layout == "int8-channel":
         weight = quantize_int8(w)
-    else:  # as GGUF Q8_0: int8 with a scale per 32, -128 included
-        scales = torch.rand(96, 4, generator=g) * 0.02 + 0.001
+    else:  # as GGUF Q8_0: int8 with a float16 scale per 32, -128 included
+        scales = (torch.rand(96, 4, generator=g) * 0.02 + 0.001).half().float()
         weight = QuantizedWeight.of(torch.randint(-128, 128, (96, 128), generator=g, dtype=torch.int8), scales)
     x = torch.randn(rows, 128, generator=g)
     run = CpuQuantMatmul(weight, kernel=kernel)
+    if kernel == "native":
+        assert run.tiled is not None
+        assert run.tiled[1].dtype == (torch.float16 if layout in ("int4-gguf", "int8-group") else torch.float32)
     got = run(x)
     want = _kernel_reference(run, x)
     assert got.dtype == torch.float32 and got.shape == (rows, 96)

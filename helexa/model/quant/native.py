@@ -11,7 +11,7 @@ summation order.
 It is built with the machine's C compiler (`cc`, or `$CC`) into `$HELEXA_HOME/build/` (keyed by the
 source and flags, so a changed source rebuilds) the first time a process asks for it, and loaded
 with ctypes; calls release the GIL and run on torch's OpenMP threads. It needs an x86-64 CPU with
-AVX2 and FMA; elsewhere, or when no compiler works, `available()` is False with the reason in
+AVX2, FMA and F16C; elsewhere, or when no compiler works, `available()` is False with the reason in
 `unavailable_reason()`, and callers use torch's kernels.
 """
 
@@ -47,7 +47,7 @@ __all__ = [
 _log = logging.getLogger("helexa.quant")
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "wq_gemm.c", _CSRC / "decode.c"]  # one library; wq_gemm.h is shared by both
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 _LIBS = ["-lm"]
 _BLOCK = 32  # activation values per int8 block; K and G must be multiples
 _COLUMNS = 8  # output columns per tile of the weight layout; N must be a multiple
@@ -95,7 +95,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         return None, "HELEXA_CPU_QUANT_KERNEL=torch"
     if platform.machine() not in ("x86_64", "AMD64"):
         return None, f"the kernel is written for x86-64 (this is {platform.machine()})"
-    missing = {"avx2", "fma"} - _cpu_flags()
+    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
     if missing:
         return None, f"the CPU lacks {sorted(missing)}"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -106,8 +106,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"building it failed: {exc}"
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.helexa_int4_gemm.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
-    lib.helexa_int8_gemm.argtypes = [p, i64, i64, p, p, i64, i64, p]
+    lib.helexa_int4_gemm.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, p]
+    lib.helexa_int8_gemm.argtypes = [p, i64, i64, p, p, i64, i64, i64, p]
     lib.helexa_int4_gemm.restype = lib.helexa_int8_gemm.restype = None
     lib.helexa_paged_decode.argtypes = [p, p, p, *[i64] * 8, p, i64, p, ctypes.c_float, p]
     lib.helexa_paged_decode.restype = None
@@ -132,27 +132,31 @@ def _tile_values(q: torch.Tensor) -> torch.Tensor:
     return q.view(n // _COLUMNS, _COLUMNS, k // 4, 4).permute(0, 2, 1, 3).reshape(n // _COLUMNS, k // 4, 32)
 
 
-def _tile_groups(t: torch.Tensor) -> torch.Tensor:
-    """(N, groups) float32 -> (N/8, groups, 8): the kernel's layout of scales and zero terms."""
-    n, groups = t.shape
-    return t.float().view(n // _COLUMNS, _COLUMNS, groups).transpose(1, 2).contiguous()
+def _tile_groups(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """(N, groups) float32 each -> (N/8, groups, 8): the kernel's layout of scales and zero terms, in
+    float16 when every value of every tensor is exactly a float16 (GGUF scales are), else float32."""
+    exact = all(torch.equal(t.float().half().float(), t.float()) for t in ts)
+    dtype = torch.float16 if exact else torch.float32
+    n, groups = ts[0].shape
+    return [t.to(dtype).view(n // _COLUMNS, _COLUMNS, groups).transpose(1, 2).contiguous() for t in ts]
 
 
 def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The canonical int4 weight (qweight (N, K/2) uint8, even k in the low nibble; scales, zeros
-    (N, K/G)) in the kernel's tiled layout: (tiled bytes, tiled scales, tiled zero terms z - 8 s)."""
+    (N, K/G)) in the kernel's tiled layout: (tiled bytes, tiled scales, tiled zero terms z - 8 s), the
+    last two float16 when that is exact, else float32."""
     q = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).flatten(1)  # (N, K) in [0, 15]
     v = _tile_values(q)  # (N/8, K/4, 32)
     tiled = (v[..., :16] | (v[..., 16:] << 4)).contiguous()  # value j low nibble, j + 16 high
     s = scales.float()
-    return tiled, _tile_groups(s), _tile_groups(zeros.float() - 8 * s)
+    return tiled, *_tile_groups(s, zeros.float() - 8 * s)
 
 
 def tile_int8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The canonical int8 weight (qweight (N, K) int8; scales (N, K/G), or (N,) per channel) in the
-    kernel's tiled layout: (tiled bytes, tiled scales)."""
+    kernel's tiled layout: (tiled bytes, tiled scales), the scales float16 when that is exact."""
     scales = scales if scales.dim() == 2 else scales[:, None]
-    return _tile_values(qweight).contiguous(), _tile_groups(scales)
+    return _tile_values(qweight).contiguous(), *_tile_groups(scales)
 
 
 def supports(n: int, k: int, group: int) -> bool:
@@ -190,9 +194,12 @@ def _run(
     for t in (tiled, scales, *extra):
         if not t.is_contiguous():
             raise ValueError("tiled weights, scales and zero terms must be contiguous")
+    if scales.dtype not in (torch.float32, torch.float16) or any(t.dtype != scales.dtype for t in extra):
+        raise ValueError(f"scales and zero terms must be all float32 or all float16, got {scales.dtype}")
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     pointers = [t.data_ptr() for t in (tiled, scales, *extra)]
-    getattr(library(), name)(x.data_ptr(), x.shape[0], k, *pointers, n, k // groups, y.data_ptr())
+    half = scales.dtype == torch.float16
+    getattr(library(), name)(x.data_ptr(), x.shape[0], k, *pointers, half, n, k // groups, y.data_ptr())
     return y
 
 

@@ -36,7 +36,7 @@ _MAX_HEAD_DIM = 512  # the C code's per-head buffers
 class _Linear(ctypes.Structure):
     _fields_ = [
         ("weight", _p), ("scales", _p), ("zero_terms", _p), ("bias", _p),
-        ("n", _i64), ("k", _i64), ("group", _i64), ("int4", _i64),
+        ("n", _i64), ("k", _i64), ("group", _i64), ("int4", _i64), ("half", _i64),
     ]  # fmt: skip
 
 
@@ -71,7 +71,10 @@ def _linear(module: Any, keep: list[torch.Tensor]) -> _Linear | None:
     n, k = cpu.shape
     zero_terms = tiled[2] if len(tiled) == 3 else None
     group = k // tiled[1].shape[1]
-    return _Linear(tiled[0].data_ptr(), tiled[1].data_ptr(), _ptr(zero_terms), _ptr(bias), n, k, group, len(tiled) == 3)
+    half = tiled[1].dtype == torch.float16
+    return _Linear(
+        tiled[0].data_ptr(), tiled[1].data_ptr(), _ptr(zero_terms), _ptr(bias), n, k, group, len(tiled) == 3, half
+    )
 
 
 def _norm_weight(module: Any, keep: list[torch.Tensor]) -> int | None:

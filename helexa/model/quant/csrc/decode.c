@@ -26,10 +26,10 @@
 
 typedef struct {
     const void *weight;      /* tiled: uint8 (int4) or int8 */
-    const float *scales;     /* tiled scales */
-    const float *zero_terms; /* tiled zero terms (int4), NULL for int8 */
+    const void *scales;      /* tiled scales, float32 or float16 (half) */
+    const void *zero_terms;  /* tiled zero terms (int4) of the scales' dtype, NULL for int8 */
     const float *bias;       /* (N,) or NULL */
-    int64_t n, k, group, int4;
+    int64_t n, k, group, int4, half;
 } hx_linear;
 
 typedef struct {
@@ -66,7 +66,7 @@ static void rms_norm(const float *x, const float *w, int64_t n, double eps, floa
 
 static void linear(const hx_linear *l, const float *x, int64_t m, float *y) {
     helexa_wq_gemm(x, m, l->k, l->int4 ? (const uint8_t *)l->weight : NULL, l->int4 ? NULL : (const int8_t *)l->weight,
-                   l->scales, l->zero_terms, l->n, l->group, y);
+                   l->scales, l->zero_terms, l->half, l->n, l->group, y);
     if (l->bias)
         for (int64_t r = 0; r < m; r++)
             for (int64_t i = 0; i < l->n; i++) y[r * l->n + i] += l->bias[i];

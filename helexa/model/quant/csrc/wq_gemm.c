@@ -18,7 +18,9 @@
  * Weight layout ("tiled", made once by the caller), for each tile of 8 columns and each chunk of 4 k:
  * the 32 values v = 4 * column + k_in_chunk. int8: 32 bytes in that order. int4: 16 bytes, value v
  * in the low nibble of byte v (v < 16) or the high nibble of byte v - 16. Scales and zero terms
- * (z - 8 s) are laid out [tile][group][8].
+ * (z - 8 s) are laid out [tile][group][8], all float32 or all float16 (`half`: the caller stores them in
+ * half precision only when that is exact, as for GGUF files, whose scales are float16; it halves the
+ * bytes they add to each pass over the weight).
  * Requirements (checked by the caller): N % 8 == 0, K % G == 0, G % 32 == 0, arrays contiguous.
  * Threads: OpenMP over column tiles, in the runtime the process has loaded (torch's libgomp).
  */
@@ -68,12 +70,18 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
     }
 }
 
+/* 8 floats from float32 (half = 0) or float16 (half = 1) values at index i. */
+static inline __m256 load8(const void *p, int64_t i, const int half) {
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
 /* The rows [m0, m0 + R) of one tile of 8 columns. R is a constant at each call site, so the
  * accumulators stay in registers. `w4` (int4) or `w8` (int8) is the tile's weight. */
 static inline __attribute__((always_inline)) void tile(const int8_t *xq, const float *d, const float *xs, int64_t K,
-                                                       const uint8_t *w4, const int8_t *w8, const float *s,
-                                                       const float *zc, int64_t G, int64_t m0, const int R,
-                                                       int64_t N, int64_t n0, float *y) {
+                                                       const uint8_t *w4, const int8_t *w8, const void *s,
+                                                       const void *zc, const int half, int64_t G, int64_t m0,
+                                                       const int R, int64_t N, int64_t n0, float *y) {
     const int64_t blocks = K / QK, per_group = G / QK;
     const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
     __m256 acc[MR];
@@ -88,8 +96,8 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
         if (left-- == 0) {
             g++;
             left = per_group - 1;
-            sv = _mm256_loadu_ps(s + g * NR);
-            if (zc) zv = _mm256_loadu_ps(zc + g * NR);
+            sv = load8(s, g * NR, half);
+            if (zc) zv = load8(zc, g * NR, half);
         }
         __m256i isum[MR];
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
@@ -127,8 +135,9 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
     for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
 }
 
-void helexa_wq_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, const int8_t *q8, const float *scales,
-                    const float *zero_terms, int64_t N, int64_t G, float *y) {
+void helexa_wq_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, const int8_t *q8, const void *scales,
+                    const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
+    const size_t width = half ? 2 : 4; /* bytes per scale or zero term */
     const int64_t blocks = K / QK, groups = K / G;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *d = (float *)malloc(sizeof(float) * (size_t)(M * blocks));
@@ -138,10 +147,12 @@ void helexa_wq_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, con
     for (int64_t t = 0; t < N / NR; t++) {
         const uint8_t *w4 = q4 ? q4 + t * NR * (K / 2) : NULL;
         const int8_t *w8 = q8 ? q8 + t * NR * K : NULL;
-        const float *s = scales + t * groups * NR, *zc = zero_terms ? zero_terms + t * groups * NR : NULL;
+        const char *s = (const char *)scales + width * (size_t)(t * groups * NR);
+        const char *zc = zero_terms ? (const char *)zero_terms + width * (size_t)(t * groups * NR) : NULL;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             switch (M - m0 < MR ? M - m0 : MR) {
-#define TILE(R) case R: tile(xq, d, xs, K, w4, w8, s, zc, G, m0, R, N, t * NR, y); break;
+#define TILE(R) case R: if (half) tile(xq, d, xs, K, w4, w8, s, zc, 1, G, m0, R, N, t * NR, y); \
+                           else tile(xq, d, xs, K, w4, w8, s, zc, 0, G, m0, R, N, t * NR, y); break;
                 TILE(1) TILE(2) TILE(3) TILE(4)
 #undef TILE
             }
@@ -152,12 +163,12 @@ void helexa_wq_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, con
     free(xs);
 }
 
-void helexa_int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *tiled, const float *scales,
-                      const float *zero_terms, int64_t N, int64_t G, float *y) {
-    helexa_wq_gemm(x, M, K, tiled, NULL, scales, zero_terms, N, G, y);
+void helexa_int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *tiled, const void *scales,
+                      const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
+    helexa_wq_gemm(x, M, K, tiled, NULL, scales, zero_terms, half, N, G, y);
 }
 
-void helexa_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *tiled, const float *scales, int64_t N,
-                      int64_t G, float *y) {
-    helexa_wq_gemm(x, M, K, NULL, tiled, scales, NULL, N, G, y);
+void helexa_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *tiled, const void *scales, int64_t half,
+                      int64_t N, int64_t G, float *y) {
+    helexa_wq_gemm(x, M, K, NULL, tiled, scales, NULL, half, N, G, y);
 }
