@@ -210,3 +210,53 @@ def test_end_to_end_through_the_kernels(backend: str, kernels: str) -> None:
             torch.testing.assert_close(out[start : start + n], expected, rtol=1e-4, atol=1e-5)
             start += n
         builder.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_extend_equals_the_torch_ops(seed: int) -> None:
+    """The CPU's NumPy extend and the torch ops (CUDA's torch backend) leave the same state and emit the
+    same tables and slots, for random batches of prefills, extends and decodes popping random counts."""
+    from helexa.kernels import block_alloc
+
+    g = torch.Generator().manual_seed(seed)
+    num_blocks, block_size, rows_total, max_blocks = 64, 4, 8, 12
+    batch = int(torch.randint(1, rows_total + 1, (1,), generator=g))
+    rows = torch.randperm(rows_total, generator=g)[:batch].to(torch.int32)
+    old_lens = torch.randint(0, 20, (batch,), generator=g)
+    q_lens = torch.randint(0, 9, (batch,), generator=g)
+    q_lens[0] = max(1, int(q_lens[0]))
+    lens = old_lens + q_lens
+    need = (lens + block_size - 1) // block_size - (old_lens + block_size - 1) // block_size  # (B,)
+    top = int(need.sum()) + int(torch.randint(0, 10, (1,), generator=g))
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+
+    class State:
+        def __init__(self) -> None:
+            self.stack = perm.clone()
+            self.refcount = torch.zeros(num_blocks, dtype=torch.int32)
+            self.refcount[perm[top:].long()] = 1
+            self.top_counter = torch.tensor([top], dtype=torch.int32)
+            self.use_triton = False
+            self.tables = torch.randint(
+                0,
+                num_blocks,
+                (rows_total, max_blocks),
+                generator=torch.Generator().manual_seed(seed),
+                dtype=torch.int32,
+            )
+
+    host, ops = State(), State()
+    total_new = int(need.sum())
+
+    def step(state: State) -> block_alloc.ExtendStep:
+        return block_alloc.ExtendStep(
+            top, total_new, state.tables, rows, lens.to(torch.int32),
+            torch.cat((torch.zeros(1, dtype=torch.long), q_lens.cumsum(0))).to(torch.int32),
+            torch.cat((torch.zeros(1, dtype=torch.long), need.cumsum(0)[:-1])).to(torch.int32),
+            int(((lens + block_size - 1) // block_size).max()), int(q_lens.sum()), block_size,
+        )  # fmt: skip
+
+    got, want = block_alloc._extend_numpy(host, step(host)), block_alloc._extend_torch(ops, step(ops))
+    for a, b in [*zip(got, want), (host.tables, ops.tables), (host.refcount, ops.refcount)]:
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(host.stack, ops.stack) and int(host.top_counter) == int(ops.top_counter) == top - total_new
