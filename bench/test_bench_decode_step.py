@@ -4,8 +4,9 @@ model's torch layers (the same quantized matmuls, with norms, RoPE, the K/V writ
 torch operations), measured in the same run on the same weights and cache state.
 
 `make bench` runs it with pytest-benchmark and writes `bench/out/decode_step.md` and `.png`. Each
-step decodes one token for every sequence of the batch, each sequence holding `CONTEXT` tokens of
-context, and includes the logits head (what the engine runs per decode step, less sampling).
+step decodes one token for every sequence of the batch (`CASES`: sequences x tokens of context
+each; the long contexts are where attention, not the weights, dominates) and includes the logits
+head (what the engine runs per decode step, less sampling).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model
 from tests.support.models import PagedCache
 
 OUT_DIR = Path(__file__).parent / "out"
-BATCHES = [1, 8, 16]
-CONTEXT = 128
+CASES = [(1, 128), (8, 128), (16, 128), (1, 4096), (4, 4096)]  # (sequences, context tokens each)
+PREFILL_CHUNK = 1024
 IMPLS = ["fused", "layers"]
 _RESULTS: list[dict] = []
 
@@ -46,17 +47,20 @@ def _report():
 def _write_report(results: list[dict]) -> None:
     """`bench/out/decode_step.md` (a table with each step's speed-up over the layers) and `.png`."""
     OUT_DIR.mkdir(exist_ok=True)
-    by_key = {(r["batch"], r["impl"]): r["ms"] for r in results}
+    by_key = {(r["batch"], r["context"], r["impl"]): r["ms"] for r in results}
     lines = [
-        f"# decode step, default model, CPU ({torch.get_num_threads()} threads, context {CONTEXT} per sequence)",
+        f"# decode step, default model, CPU ({torch.get_num_threads()} threads)",
         "",
-        "| sequences | impl | median ms | tokens/s | vs layers |",
-        "|---:|---|---:|---:|---:|",
+        "| sequences | context | impl | median ms | tokens/s | vs layers |",
+        "|---:|---:|---|---:|---:|---:|",
     ]
     for r in results:
-        base = by_key.get((r["batch"], "layers"))
+        base = by_key.get((r["batch"], r["context"], "layers"))
         ratio = f"{base / r['ms']:.2f}x" if base else "-"
-        lines.append(f"| {r['batch']} | {r['impl']} | {r['ms']:.2f} | {1e3 * r['batch'] / r['ms']:.1f} | {ratio} |")
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['impl']} | {r['ms']:.2f} | {1e3 * r['batch'] / r['ms']:.1f} "
+            f"| {ratio} |"
+        )
     (OUT_DIR / "decode_step.md").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))
 
@@ -65,11 +69,12 @@ def _write_report(results: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.6))
+    fig, ax = plt.subplots(figsize=(6, 3.6))
     for i, impl in enumerate(IMPLS):
-        ms = [by_key.get((b, impl), 0.0) for b in BATCHES]
-        ax.bar([j + 0.4 * i for j in range(len(BATCHES))], ms, width=0.4, label=impl)
-    ax.set_xticks([j + 0.2 for j in range(len(BATCHES))], [f"{b} seqs" for b in BATCHES])
+        ms = [by_key.get((b, c, impl), 0.0) for b, c in CASES]
+        ax.bar([j + 0.4 * i for j in range(len(CASES))], ms, width=0.4, label=impl)
+    ax.set_xticks([j + 0.2 for j in range(len(CASES))], [f"{b} x {c}" for b, c in CASES], fontsize=8)
+    ax.set_xlabel("sequences x context tokens")
     ax.set_ylabel("ms per decode step (median)")
     ax.set_title("default model, one decode step", fontsize=9)
     ax.legend(fontsize=8)
@@ -79,13 +84,15 @@ def _write_report(results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("batch", BATCHES)
-def test_decode_step(benchmark, model, batch: int, impl: str) -> None:
-    cache = PagedCache(model.config, num_blocks=batch * (CONTEXT // 16 + 2) + 1, block_size=16)
+@pytest.mark.parametrize(("batch", "context"), CASES)
+def test_decode_step(benchmark, model, batch: int, context: int, impl: str) -> None:
+    cache = PagedCache(model.config, num_blocks=batch * (context // 16 + 2) + 1, block_size=16)
     g = torch.Generator().manual_seed(batch)
-    prompts = {i: torch.randint(0, model.config.vocab_size, (CONTEXT,), generator=g).tolist() for i in range(batch)}
-    prefill = cache.step(prompts)
-    model(prefill.input_ids, prefill.positions, prefill.attn, cache.kv_caches, prefill.logits_indices)
+    for i in range(batch):
+        prompt = torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist()
+        for start in range(0, context, PREFILL_CHUNK):
+            prefill = cache.step({i: prompt[start : start + PREFILL_CHUNK]})
+            model(prefill.input_ids, prefill.positions, prefill.attn, cache.kv_caches, prefill.logits_indices)
     step = cache.step({i: [7] for i in range(batch)})  # one decode step, re-run in place: same slots
     fused = model.native_decode
     model.native_decode = fused if impl == "fused" else None
@@ -99,4 +106,4 @@ def test_decode_step(benchmark, model, batch: int, impl: str) -> None:
         model.native_decode = fused
     stats = getattr(benchmark, "stats", None)
     if stats is not None:
-        _RESULTS.append({"batch": batch, "impl": impl, "ms": stats.stats.median * 1e3})
+        _RESULTS.append({"batch": batch, "context": context, "impl": impl, "ms": stats.stats.median * 1e3})

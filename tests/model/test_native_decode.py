@@ -18,10 +18,14 @@ from tests.support.models import PagedCache, make_tiny_model
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.unavailable_reason()}")
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "d", "block_size"), [(4, 2, 16, 4), (6, 6, 32, 8), (8, 1, 64, 16)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d", "block_size"), [(4, 2, 16, 4), (6, 6, 32, 8), (8, 1, 64, 16), (16, 1, 8, 4)]
+)
 def test_paged_decode_matches_the_reference(heads: int, kv_heads: int, d: int, block_size: int) -> None:
+    """Lengths across block boundaries and across the C code's chunks of 128 keys (merged by their
+    maxima and sums), GQA groups of 1 to 16 query heads per KV head."""
     g = torch.Generator().manual_seed(heads * d)
-    lens = [1, block_size, block_size + 1, 5 * block_size - 3, 37]
+    lens = [1, block_size, block_size + 1, 5 * block_size - 3, 37, 128, 129, 300]
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
     k_cache, v_cache = (torch.full((num_blocks, block_size, kv_heads, d), float("nan")) for _ in range(2))  # unwritten
     order = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # scattered blocks; block 0 pads

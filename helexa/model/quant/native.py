@@ -110,7 +110,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.helexa_int8_gemm.argtypes = [p, i64, i64, p, p, i64, i64, i64, p]
     lib.helexa_int4_gemm.restype = lib.helexa_int8_gemm.restype = None
     lib.helexa_paged_decode.argtypes = [p, p, p, *[i64] * 8, p, i64, p, ctypes.c_float, p]
-    lib.helexa_paged_decode.restype = None
+    lib.helexa_paged_decode.restype = ctypes.c_int
     lib.helexa_decode_step.argtypes = [p, i64, p, p, p, p, p, i64, p, p]
     lib.helexa_decode_step.restype = ctypes.c_int
     return lib, ""

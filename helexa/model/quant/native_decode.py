@@ -31,6 +31,7 @@ __all__ = ["NativeDecode", "native_decode_for", "paged_decode"]
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 _MAX_HEAD_DIM = 512  # the C code's per-head buffers
+_MAX_GROUP = 16  # query heads per KV head (GMAX)
 
 
 class _Linear(ctypes.Structure):
@@ -171,6 +172,8 @@ def native_decode_for(model: Any) -> tuple[NativeDecode | None, str]:
     head_dim = model.config.head_dim
     if head_dim % 8 or head_dim > _MAX_HEAD_DIM:
         return None, f"head_dim {head_dim} (it takes multiples of 8 up to {_MAX_HEAD_DIM})"
+    if model.plan.num_heads > _MAX_GROUP * model.plan.num_kv_heads:
+        return None, f"more than {_MAX_GROUP} query heads per KV head"
     keep: list[torch.Tensor] = []
     layers = []
     for i, layer in enumerate(model.model.layers):
@@ -217,13 +220,17 @@ def paged_decode(
     _, block_size, kvh, _ = k_cache.shape
     if q.dtype != torch.float32 or not _cache_ok(k_cache, v_cache) or d % 8 or d > _MAX_HEAD_DIM or h % kvh:
         raise ValueError("paged_decode takes float32 q (B, H, D), D % 8 == 0, and float32 caches (NB, BS, KVH, D)")
+    if h > _MAX_GROUP * kvh:
+        raise ValueError(f"paged_decode takes at most {_MAX_GROUP} query heads per KV head")
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.stride(-1) != 1:
         raise ValueError("block_tables and seq_lens must be int32 (tables with a contiguous last dimension)")
     q, lens = q.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(q)
-    native.library().helexa_paged_decode(
+    rc = native.library().helexa_paged_decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3], block_size, b, h, kvh, d,
         block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), d**-0.5 if scale is None else scale,
         out.data_ptr(),
     )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("paged_decode could not allocate its scratch memory")
     return out
