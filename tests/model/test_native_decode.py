@@ -131,3 +131,24 @@ def test_models_and_steps_the_fused_step_does_not_take(tmp_path: Path, monkeypat
     assert all(torch.equal(a, b) for a, b in zip(before, [t for pair in cache.kv_caches for t in pair]))
     monkeypatch.setenv("HELEXA_CPU_DECODE", "torch")
     assert native_decode_for(model) == (None, "HELEXA_CPU_DECODE=torch")
+
+
+def test_the_library_runs_on_torchs_thread_count() -> None:
+    """The kernels take torch's intra-op thread count at each call, whichever thread calls (an engine
+    thread gets OpenMP's default otherwise) and however often it changes."""
+    import threading
+
+    lib = native.library()
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            native.library()
+            seen.append(lib.helexa_threads())
+        worker = threading.Thread(target=lambda: (native.library(), seen.append(lib.helexa_threads())))
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2, 1, 1]

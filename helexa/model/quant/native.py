@@ -109,6 +109,9 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.helexa_int4_gemm.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, p]
     lib.helexa_int8_gemm.argtypes = [p, i64, i64, p, p, i64, i64, i64, p]
     lib.helexa_int4_gemm.restype = lib.helexa_int8_gemm.restype = None
+    lib.helexa_set_threads.argtypes = [i64]
+    lib.helexa_set_threads.restype = None
+    lib.helexa_threads.restype = ctypes.c_int
     lib.helexa_paged_decode.argtypes = [p, p, p, *[i64] * 8, p, i64, p, ctypes.c_float, p]
     lib.helexa_paged_decode.restype = ctypes.c_int
     lib.helexa_decode_step.argtypes = [p, i64, p, p, p, p, p, i64, p, p]
@@ -175,12 +178,20 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def library() -> ctypes.CDLL:
-    """The loaded library (for `helexa.model.quant.native_decode`); `RuntimeError` with the reason
-    when it is unavailable."""
+    """The loaded library (for `helexa.model.quant.native_decode`), set to run on as many threads as
+    torch's intra-op pool (`torch.get_num_threads()`, read at each call: it may change, and the thread
+    that calls may not be the one that set it); `RuntimeError` with the reason when it is unavailable."""
     lib, why = _library()
     if lib is None:
         raise RuntimeError(f"helexa's CPU quant kernel is unavailable: {why}")
+    threads = torch.get_num_threads()
+    if threads != _threads_set[0]:
+        lib.helexa_set_threads(threads)
+        _threads_set[0] = threads
     return lib
+
+
+_threads_set = [0]  # what `library()` last passed to helexa_set_threads
 
 
 def _run(

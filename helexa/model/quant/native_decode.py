@@ -111,7 +111,7 @@ class NativeDecode:
             plan.intermediate_size, 0, config.rms_norm_eps, final_norm, self._layers,
         )  # fmt: skip
         self._caches_key: tuple[int, ...] = ()
-        self._lib = native.library()
+        native.library()  # built and loaded now: the first step pays nothing
 
     def _bind_caches(self, kv_caches: list[Any]) -> bool:
         """Point the layers at these caches (once per pool); False when a cache does not fit."""
@@ -150,7 +150,7 @@ class NativeDecode:
         cos, sin = (t.float().contiguous() for t in rope)
         lens, slots = lens.contiguous(), slots.contiguous()
         out = torch.empty_like(x)
-        rc = self._lib.helexa_decode_step(
+        rc = native.library().helexa_decode_step(
             ctypes.byref(self._model), b, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
         )  # fmt: skip

@@ -193,7 +193,7 @@ static int attend_all(const float *q, int64_t q_stride, const hx_layer *L, const
         free(first);
         return -1;
     }
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(helexa_threads())
     for (int64_t t = 0; t < tasks; t++) {
         int64_t b = 0;
         while (first[b + 1] <= t) b++;

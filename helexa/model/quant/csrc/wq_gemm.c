@@ -22,14 +22,24 @@
  * half precision only when that is exact, as for GGUF files, whose scales are float16; it halves the
  * bytes they add to each pass over the weight).
  * Requirements (checked by the caller): N % 8 == 0, K % G == 0, G % 32 == 0, arrays contiguous.
- * Threads: OpenMP over column tiles, in the runtime the process has loaded (torch's libgomp).
+ * Threads: OpenMP over column tiles, in the runtime the process has loaded (torch's libgomp), as many
+ * as the caller last set with helexa_set_threads (torch's intra-op count: a thread that is not the
+ * one torch.set_num_threads ran on would otherwise get OpenMP's default, every core).
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "wq_gemm.h"
+
+static int threads = 0; /* set by the caller (torch's intra-op thread count); 0: OpenMP's default */
+
+void helexa_set_threads(int64_t n) { threads = n > 0 ? (int)n : 0; }
+
+int helexa_threads(void) { return threads > 0 ? threads : omp_get_max_threads(); }
 
 #define QK 32 /* activation values per block */
 #define NR 8  /* output columns per tile (one int32 lane each) */
@@ -41,7 +51,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
     const int64_t n = M * (K / QK);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undo the packs' lane interleave */
-#pragma omp parallel for schedule(static) if (n > 512)
+#pragma omp parallel for schedule(static) if (n > 512) num_threads(helexa_threads())
     for (int64_t i = 0; i < n; i++) {
         const float *v = x + i * QK;
         __m256 f[4];
@@ -143,7 +153,7 @@ void helexa_wq_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, con
     float *d = (float *)malloc(sizeof(float) * (size_t)(M * blocks));
     float *xs = (float *)malloc(sizeof(float) * (size_t)(M * blocks));
     quantize_rows(x, M, K, xq, d, xs);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(helexa_threads())
     for (int64_t t = 0; t < N / NR; t++) {
         const uint8_t *w4 = q4 ? q4 + t * NR * (K / 2) : NULL;
         const int8_t *w8 = q8 ? q8 + t * NR * K : NULL;

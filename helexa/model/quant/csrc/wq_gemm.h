@@ -9,4 +9,7 @@
 void helexa_wq_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, const int8_t *q8, const void *scales,
                     const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y);
 
+/* The thread count of every parallel region of the library (helexa_set_threads, else OpenMP's). */
+int helexa_threads(void);
+
 #endif
