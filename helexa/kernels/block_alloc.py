@@ -278,7 +278,7 @@ def extend_tables(
                 BLOCK_N=_BLOCK_N, BLOCK_W=_BLOCK_W, BLOCK_T=_BLOCK_T,
             )  # fmt: skip
         return out_tables, out_slots
-    if device.type == "cpu" and int(query_start_loc[-1]) == num_tokens:
+    if device.type == "cpu":
         return _extend_numpy(state, step)
     return _extend_torch(state, step)
 

@@ -312,12 +312,12 @@ def load_model(
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.prepare()
-    if quantized_modules(model) and device.type == "cpu":
+    quantized = quantized_modules(model)
+    if quantized and device.type == "cpu":
         model.native_decode, why_not = native_decode_for(model)
         log.info(f"model: fused CPU decode step {'on' if model.native_decode else f'off ({why_not})'}")
     if mixed or skipped:
         log.info(f"model: left dense (mixed quantized layouts, or K not divisible by 32): {', '.join(mixed + skipped)}")
-    quantized = quantized_modules(model)
     kinds = sorted({f"{w.kind}/g{w.group_size}" for w in quantized.values()})
     log.info(
         f"model: loaded {path} arch={config.architecture} params={config.num_parameters} "
