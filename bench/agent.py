@@ -31,10 +31,11 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helexa.config import EngineConfig, parse_size  # noqa: E402
+from helexa.config import EngineConfig  # noqa: E402
 from helexa.engine.engine import Engine  # noqa: E402
 from helexa.model.sampling import SamplingParams  # noqa: E402
 from helexa.model.text.tokenizer import Tokenizer  # noqa: E402
+from helexa.values import parse_size  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 

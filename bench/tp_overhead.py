@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helexa.config import EngineConfig  # noqa: E402
 from helexa.engine.engine import Engine  # noqa: E402
-from helexa.parallel import comm, step  # noqa: E402
+from helexa.engine.parallel import step  # noqa: E402
+from helexa.kvcache import BatchBuilder  # noqa: E402
+from helexa.model.parallel import comm  # noqa: E402
 from tests.support.models import build_tiny_tokenizer_dir, make_tiny_model  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -85,13 +87,14 @@ def _steps(engine: Engine, batch: list[int], repeats: int) -> list[float]:
     runner = engine.runner
     assert runner is not None
     times = []
+    builder = BatchBuilder(runner.pool, len(batch), engine.max_model_len)  # scratch tables on the idle pool
     for _ in range(repeats + 1):  # the first is a warm-up
-        tables = [runner.builder.new_table() for _ in batch]
+        tables = [builder.new_table() for _ in batch]
         try:
-            times.append(runner._time_forward(list(zip(tables, batch))))
+            times.append(runner._time_forward(builder, list(zip(tables, batch))))
         finally:
             for t in tables:
-                runner.builder.release(t)
+                runner.pool.decref(builder.release(t))
     return times[1:]
 
 
@@ -132,7 +135,7 @@ def _bare_all_reduce(size: int, hidden: int) -> float:
     """Seconds per bare gloo all-reduce of (8, hidden) over `size` fresh processes (the collective's floor here)."""
     import torch.multiprocessing as mp
 
-    from helexa.parallel import free_port
+    from helexa.engine.parallel import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "seconds")

@@ -52,9 +52,9 @@ class LLM:
     `get_default_sampling_params()`: the model's generation_config.json defaults (see
     `generation_config` in `EngineConfig`: "auto", "none" or a folder).
 
-    `tensor_parallel_size=N` shards the model over N processes (`helexa.parallel`); the script that
-    builds it must then guard its entry point with `if __name__ == "__main__":` (the workers are
-    spawned). `close()` (or a `with` block) stops them; they also stop when this process exits.
+    `tensor_parallel_size=N` shards the model over N processes (`helexa.engine.parallel`); the workers are
+    fresh interpreters that import nothing of the calling script, so no `if __name__ == "__main__":`
+    guard is needed. `close()` (or a `with` block) stops them; they also stop when this process exits.
     """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:

@@ -2,7 +2,7 @@
 
 Shape, dtype and device checks read tensor metadata only. Checks of tensor values (slot and
 block-id ranges, query lengths against context lengths, fp8 scales) copy to the host, so they run
-only when `helexa.config.debug_enabled()`.
+only when `helexa.values.debug_enabled()`.
 
 An fp8 KV cache (`FP8_KV_DTYPE`, e4m3) holds `x / scale` saturated to `±FP8_KV_MAX`; it comes with
 `k_scale` and `v_scale`, each `(KVH,)` float32 (one scale per KV head) on the caches' device. A
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from helexa.config import debug_enabled
+from helexa.values import debug_enabled
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_KV_DTYPE = torch.float8_e4m3fn  # `--kv-cache-dtype fp8`

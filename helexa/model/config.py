@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from helexa.config import check_int, is_int
+from helexa.values import check_int, is_int
 
 __all__ = ["DTYPES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling"]
 

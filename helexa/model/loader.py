@@ -18,6 +18,8 @@ from torch import nn
 
 from helexa.kernels import AttentionBackend
 from helexa.model.config import DTYPES, ModelConfig
+from helexa.model.parallel.comm import TensorParallel
+from helexa.model.parallel.sharding import ShardPlan
 from helexa.model.quant.apply import (
     QUANTIZATION_CHOICES,
     checkpoint_modules,
@@ -30,8 +32,6 @@ from helexa.model.quant.linear import QuantEmbedding, QuantLinear
 from helexa.model.quant.native_decode import native_decode_for
 from helexa.model.quant.weight import SUFFIXES, QuantizedWeight
 from helexa.model.transformer import CausalLM, copy_checked
-from helexa.parallel.comm import TensorParallel
-from helexa.parallel.sharding import ShardPlan
 
 __all__ = ["load_model", "resolve_dtype", "safetensors_files"]
 
@@ -228,7 +228,7 @@ def load_model(
     missing, unexpected, duplicated or misshaped. `quantization` ("auto", "none", "int8", "int4"; see
     `helexa.model.quant.apply`) decides which weights stay or become quantized.
 
-    With `tp` (tensor parallelism) the model holds that rank's shard (`helexa.parallel.sharding`) and
+    With `tp` (tensor parallelism) the model holds that rank's shard (`helexa.model.parallel.sharding`) and
     only the rows or columns of each tensor the rank keeps are read. Sharding is for dense weights:
     `ValueError` for int8/int4; weights a checkpoint stores quantized are dequantised at load under
     "auto" as under "none" (those are read whole, then sliced)."""

@@ -18,8 +18,8 @@ from torch import nn
 from helexa.kernels import AttentionBackend, get_attention_backend
 from helexa.kvcache.metadata import AttentionMetadata
 from helexa.model.config import ModelConfig, RopeScaling
-from helexa.parallel.comm import RowParallelLinear, TensorParallel, VocabParallelEmbedding
-from helexa.parallel.sharding import ShardPlan
+from helexa.model.parallel.comm import RowParallelLinear, TensorParallel, VocabParallelEmbedding
+from helexa.model.parallel.sharding import ShardPlan
 
 __all__ = ["CausalLM", "MergedLinear", "copy_checked", "rope_inv_freq"]
 
@@ -205,7 +205,7 @@ class CausalLM(nn.Module):
     through the whole decoder stack in one native call: the same K/V writes into the same caches and
     the reference backend's attention, computed in C. Every other step takes the layers below.
 
-    With `tp` (tensor parallelism, `helexa.parallel`) it holds one rank's shard (`plan`): its heads,
+    With `tp` (tensor parallelism, `helexa.model.parallel`) it holds one rank's shard (`plan`): its heads,
     MLP rows and vocabulary rows; o_proj and down_proj all-reduce, the embedding is vocab-parallel and
     the logits of every rank's vocabulary rows are gathered to rank 0. Every rank must run the same
     forward at the same time. Without `tp` the plan is the whole model and nothing communicates."""

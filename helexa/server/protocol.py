@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from helexa.config import is_int
 from helexa.model.sampling import MAX_LOGPROBS
 from helexa.model.sampling.grammar import GrammarError, json_schema_grammar
 from helexa.model.text.chat_template import validate_messages
 from helexa.model.tools import ToolSpecError, read_tools, tool_names
 from helexa.server.errors import APIError
+from helexa.values import is_int
 
 MAX_N = 128  # most choices one request may ask for
 MAX_STOP = 16  # most stop strings (OpenAI allows 4; vLLM has no limit)

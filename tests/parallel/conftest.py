@@ -3,8 +3,10 @@ and a check, after every test, that no worker process is left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,16 +50,47 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def child_pids() -> set[int]:
+    """The live (not zombie) child processes of this process: the workers are plain subprocesses, which
+    `multiprocessing.active_children()` does not list."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == os.getpid() and state != "Z":
+            found.add(int(entry))
+    return found
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[-80:]
+    except OSError:
+        return "?"
+
+
 @pytest.fixture(autouse=True)
 def no_orphans() -> Iterator[None]:
-    """Fails a test that leaves a child process running (and reaps it, so the next test starts clean)."""
-    before = {p.pid for p in mp.active_children()}
+    """Fails a test that leaves a child process running (and kills it, so the next test starts clean)."""
+    before = child_pids()
+    before_mp = {p.pid for p in mp.active_children()}
     yield
-    left = [p for p in mp.active_children() if p.pid not in before]
-    for proc in left:
+    left = sorted(child_pids() - before)
+    described = [(pid, _command(pid)) for pid in left]
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    left_mp = [p for p in mp.active_children() if p.pid not in before_mp]
+    for proc in left_mp:
         proc.kill()
         proc.join(5)
-    assert not left, f"worker processes left running: {[(p.name, p.pid) for p in left]}"
+    assert not left and not left_mp, f"processes left running: {described} {[(p.name, p.pid) for p in left_mp]}"
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch
 
 from helexa.kvcache import kv_budget
 from helexa.model.config import ModelConfig
-from helexa.parallel import ShardPlan
+from helexa.model.parallel import ShardPlan
 from tests.parallel.conftest import tp_engine
 
 

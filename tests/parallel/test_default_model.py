@@ -8,6 +8,7 @@ import multiprocessing as mp
 import pytest
 
 from helexa import LLM, SamplingParams
+from tests.parallel.conftest import child_pids
 
 pytestmark = pytest.mark.default_model
 
@@ -23,11 +24,12 @@ def _llm(model_dir, tensor_parallel_size: int) -> LLM:
 
 
 def test_default_model_at_tp2_is_refused_with_the_sizes_that_work(default_model_dir) -> None:
+    before = child_pids()
     with pytest.raises(
         ValueError, match=r"9 attention heads are not divisible by 2.*Sizes that work for this model: 1, 3$"
     ):
         _llm(default_model_dir, 2)
-    assert not mp.active_children()
+    assert child_pids() == before and not mp.active_children()
 
 
 @pytest.mark.slow

@@ -7,11 +7,12 @@ import torch
 import torch.distributed as dist
 
 from helexa.config import EngineConfig
+from helexa.engine.parallel import StepChannel, WorkerSpec, free_port
+from helexa.engine.parallel.group import destroy_group, fault_injection, group_address, init_group
+from helexa.engine.parallel.step import HEADER
 from helexa.kvcache.metadata import AttentionMetadata
 from helexa.model.config import ModelConfig
-from helexa.parallel import ShardPlan, StepChannel, WorkerSpec, check_tensor_parallel, free_port
-from helexa.parallel.group import destroy_group, fault_injection, group_address, init_group
-from helexa.parallel.step import HEADER
+from helexa.model.parallel import ShardPlan, check_tensor_parallel
 
 
 def _config(heads: int = 4, kv_heads: int = 2, inter: int = 128, vocab: int = 320, head_dim: int = 16) -> ModelConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from helexa.config import is_int, is_number
+from helexa.values import is_int, is_number
 
 __all__ = ["MAX_LOGPROBS", "SamplingParams"]
 

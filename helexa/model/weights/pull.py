@@ -29,7 +29,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from helexa import __version__
+from helexa._version import __version__
 from helexa.model.weights.gguf import convert_gguf
 
 __all__ = [

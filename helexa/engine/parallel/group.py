@@ -13,39 +13,48 @@ with `RANK`, `WORLD_SIZE` and `LOCAL_RANK` in every worker's environment, so a l
 ranks elsewhere later. The group's timeout is `--step-timeout-secs`: a rank that does not answer
 within it fails the collective on rank 0.
 
-Workers are `spawn`ed processes. Each has two pipes to rank 0: a report pipe (ready with its block
-count, or the text of the exception that ended it) and a lifeline that rank 0 never writes: when it
-closes — `close()`, or rank 0's death, even by SIGKILL — the worker exits at once, whatever its main
-thread is doing. So no worker outlives the engine process, and a hung worker is still stopped.
+Workers are fresh interpreters (`sys.executable -c`, a short bootstrap that runs
+`helexa.engine.parallel.worker`), not `multiprocessing` children: multiprocessing's `spawn` re-runs the
+parent's `__main__` in every child, which breaks a script without an `if __name__ == "__main__":` guard
+and code read from stdin (`python -`). A worker imports helexa (with rank 0's `sys.path`) and nothing of
+the user's. It reads its `WorkerSpec` (pickled) from its stdin, gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
+`MASTER_ADDR` and `MASTER_PORT` in its environment from the start, and has two pipes to rank 0: a report
+pipe (ready with its block count, or the text of the exception that ended it) and a lifeline that rank 0
+never writes: when it closes — `close()`, or rank 0's death, even by SIGKILL — the worker exits at once,
+whatever its main thread is doing. So no worker outlives the engine process, and a hung worker is still
+stopped. Its stderr passes through rank 0 (forwarded line by line to rank 0's `sys.stderr`), which keeps
+the last lines: a worker that dies without a report (it could not start, or crashed) is described with them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from helexa.config import EngineConfig
+from helexa.engine.parallel.step import StepChannel
 from helexa.kvcache.metadata import AttentionMetadata
-from helexa.parallel.comm import TensorParallel
-from helexa.parallel.sharding import ShardPlan
-from helexa.parallel.step import StepChannel
-
-if TYPE_CHECKING:  # helexa.model imports this package (the transformer's sharded layers)
-    from helexa.model.config import ModelConfig
+from helexa.model.config import ModelConfig
+from helexa.model.parallel.comm import TensorParallel
+from helexa.model.parallel.sharding import ShardPlan
 
 __all__ = [
     "LOAD_TIMEOUT_SECS",
@@ -65,7 +74,38 @@ logger = logging.getLogger("helexa.parallel")
 
 LOAD_TIMEOUT_SECS = 1800.0  # the longest a worker may take to load its shard before rank 0 gives up
 _JOIN_SECS = 5.0  # how long a stopped worker may take to exit before it is killed
+_STDERR_LINES = 20  # the last lines of a worker's stderr kept to describe its death
 T = TypeVar("T")
+
+# A worker's first instructions, before it imports anything of helexa or torch (argv: the report and
+# lifeline fds, then the worker's name for `ps`). Ctrl-C reaches the whole process group: rank 0 drives
+# the shutdown, so SIGINT is ignored; the lifeline thread exits the process when rank 0 closes the pipe
+# or dies. Then stdin gives rank 0's sys.path and the pickled spec, and the worker module takes over.
+_BOOTSTRAP = """\
+import os, pickle, signal, sys, threading
+from multiprocessing.connection import Connection
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+report_fd, lifeline_fd = int(sys.argv[1]), int(sys.argv[2])
+os.set_inheritable(report_fd, False)
+os.set_inheritable(lifeline_fd, False)
+def lifeline():
+    try:
+        while os.read(lifeline_fd, 64):
+            pass
+    except OSError:
+        pass
+    os._exit(0)
+threading.Thread(target=lifeline, name="lifeline", daemon=True).start()
+boot = pickle.load(sys.stdin.buffer)
+sys.stdin.close()
+sys.path[:] = boot["sys_path"]
+try:
+    from helexa.engine.parallel.worker import main
+except BaseException as exc:
+    Connection(report_fd, readable=False).send(("error", f"cannot import the worker: {type(exc).__name__}: {exc}"))
+    raise
+main(boot["rank"], boot["spec"], report_fd)
+"""
 
 
 class TensorParallelFault(RuntimeError):
@@ -98,7 +138,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs to load its shard and serve steps; pickled once, at spawn.
+    """Everything a worker needs to load its shard and serve steps; pickled once, to its stdin, at spawn.
 
     `config` is the engine's; `fault_steps` / `fault_mode` are the
     test hook (`HELEXA_FAULT_INJECT` with `HELEXA_FAULT_INJECT_RANK`): the rank that matches raises
@@ -172,6 +212,84 @@ def destroy_group(abort: bool = False) -> None:
         dist.destroy_process_group()
 
 
+class WorkerProcess:
+    """One worker rank's process as rank 0 holds it: its `Popen`, and the tail of its stderr, which a thread
+    forwards line by line to rank 0's `sys.stderr`. Reads as a `multiprocessing.Process` does (`pid`,
+    `exitcode` negative for a signal, `is_alive`, `join`, `kill`)."""
+
+    def __init__(self, rank: int, popen: subprocess.Popen[bytes]) -> None:
+        self.rank, self.popen = rank, popen
+        self.tail: deque[str] = deque(maxlen=_STDERR_LINES)
+        self._forwarder = threading.Thread(target=self._forward, name=f"helexa-tp{rank}-stderr", daemon=True)
+        self._forwarder.start()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            self.popen.kill()  # nothing once it has been reaped
+
+    def stderr_tail(self) -> str:
+        """The last lines the worker wrote to its stderr (all of them, once it has exited and they are read)."""
+        if not self.is_alive():
+            self._forwarder.join(timeout=1.0)  # a grandchild may hold the pipe open: do not wait for ever
+        return "\n".join(self.tail)
+
+    def _forward(self) -> None:
+        stream = self.popen.stderr
+        assert stream is not None
+        with contextlib.suppress(Exception), stream:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode(errors="replace")
+                self.tail.append(line.rstrip("\n")[:500])
+                with contextlib.suppress(Exception):
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+
+
+def _start_worker(spec: WorkerSpec, rank: int) -> tuple[WorkerProcess, Connection, Connection]:
+    """Start rank `rank` as a fresh interpreter (see the module docstring); returns it, the reading end of its
+    report pipe and the writing end of its lifeline. The parent's `__main__` is never imported there."""
+    report_r, report_w = os.pipe()
+    life_r, life_w = os.pipe()
+    env = {**os.environ, **spec.env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    # -E, -s, -X ... as the parent runs with (what multiprocessing passes its children too)
+    flags: list[str] = getattr(subprocess, "_args_from_interpreter_flags", list)()
+    argv = [sys.executable, *flags, "-c", _BOOTSTRAP, str(report_w), str(life_r), f"helexa-tp{rank}"]
+    try:
+        try:
+            popen = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env, pass_fds=(report_w, life_r)
+            )
+        except OSError as exc:
+            os.close(report_r)
+            os.close(life_w)
+            raise ValueError(f"cannot start tensor-parallel rank {rank} ({sys.executable!r}): {exc}") from exc
+    finally:
+        os.close(report_w)  # the worker holds the writing end now: EOF here means it is gone
+        os.close(life_r)
+    worker = WorkerProcess(rank, popen)
+    boot = {"sys_path": list(sys.path), "rank": rank, "spec": pickle.dumps(spec)}
+    assert popen.stdin is not None
+    with contextlib.suppress(OSError):  # it died at once: its exit (and stderr) is reported by `agree`
+        with popen.stdin:
+            popen.stdin.write(pickle.dumps(boot))
+    return worker, Connection(report_r, writable=False), Connection(life_w, readable=False)
+
+
 def _reap(procs: list[Any], lifelines: list[Connection]) -> None:
     """Close every lifeline (the workers exit), then wait for each worker and kill those that linger."""
     for conn in lifelines:
@@ -197,7 +315,7 @@ class TensorParallelGroup:
         self,
         spec: WorkerSpec,
         plan: ShardPlan,
-        procs: list[Any],
+        procs: list[WorkerProcess],
         reports: list[Connection],
         lifelines: list[Connection],
     ) -> None:
@@ -225,23 +343,21 @@ class TensorParallelGroup:
     def spawn(cls, spec: WorkerSpec, model_config: ModelConfig) -> TensorParallelGroup:
         """Start workers 1..N-1 (`spec.size` ranks in all) loading their shards; returns at once.
         `ValueError` (before anything starts) when `model_config` cannot be split over `spec.size` ranks."""
-        from helexa.parallel.worker import run_worker  # the spawn target, by its module path
-
         plan = ShardPlan.for_model(model_config, 0, spec.size)
-        ctx = mp.get_context("spawn")
-        procs, reports, lifelines = [], [], []
-        for rank in range(1, spec.size):
-            report_r, report_w = ctx.Pipe(duplex=False)
-            life_r, life_w = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=run_worker, args=(spec, rank, report_w, life_r), name=f"helexa-tp{rank}", daemon=True
-            )
-            proc.start()
-            report_w.close()  # the worker holds the writing end now: EOF here means it is gone
-            life_r.close()
-            procs.append(proc)
-            reports.append(report_r)
-            lifelines.append(life_w)
+        procs: list[WorkerProcess] = []
+        reports: list[Connection] = []
+        lifelines: list[Connection] = []
+        try:
+            for rank in range(1, spec.size):
+                proc, report, lifeline = _start_worker(spec, rank)
+                procs.append(proc)
+                reports.append(report)
+                lifelines.append(lifeline)
+        except BaseException:
+            _reap(procs, lifelines)
+            for conn in reports:
+                conn.close()
+            raise
         logger.info(
             "tensor parallel: spawned %d workers (pids %s) for %d ranks; group %s at %s:%d",
             len(procs), ",".join(str(p.pid) for p in procs), spec.size, spec.backend, spec.addr, spec.port,
@@ -291,8 +407,7 @@ class TensorParallelGroup:
                 raise ValueError(
                     f"tensor-parallel ranks {[i + 1 for i in pending]} did not load within {LOAD_TIMEOUT_SECS:g}s"
                 )
-            waitables = [self.reports[i] for i in pending] + [self.procs[i].sentinel for i in pending]
-            wait(waitables, timeout=min(left, 1.0))
+            wait([self.reports[i] for i in pending], timeout=min(left, 1.0))  # a report, or EOF: the worker ended
             for i in pending:
                 message = self._read_report(i)
                 if message is not None and message[0] == "ready":
@@ -364,8 +479,11 @@ class TensorParallelGroup:
         if code is None:
             return f"tensor-parallel rank {rank} (pid {proc.pid}) stopped answering"
         if code < 0:
-            return f"tensor-parallel rank {rank} (pid {proc.pid}) was killed by {signal.Signals(-code).name}"
-        return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status {code}"
+            text = f"tensor-parallel rank {rank} (pid {proc.pid}) was killed by {_signal_name(-code)}"
+        else:
+            text = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with status {code}"
+        tail = proc.stderr_tail()
+        return f"{text}; the end of its stderr:\n{tail}" if tail else text
 
     # ------------------------------------------------------------------ teardown
 
@@ -388,6 +506,13 @@ class TensorParallelGroup:
         logger.info(
             "tensor parallel: stopped %d workers (exit codes %s)", len(self.procs), [p.exitcode for p in self.procs]
         )
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def all_reduce_min(values: list[int]) -> list[int]:

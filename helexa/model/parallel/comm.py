@@ -2,7 +2,7 @@
 
 `TensorParallel` is held by the modules that communicate (row-parallel linears, the vocab-parallel
 embedding, the output head); it wraps the default `torch.distributed` group, which
-`helexa.parallel.group` sets up. Every rank calls the same collectives in the same order, because
+`helexa.engine.parallel.group` sets up. Every rank calls the same collectives in the same order, because
 every rank runs the same forward over the same step inputs.
 """
 
@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from helexa.parallel.sharding import ShardPlan
+from helexa.model.parallel.sharding import ShardPlan
 
 __all__ = ["RowParallelLinear", "TensorParallel", "VocabParallelEmbedding"]
 

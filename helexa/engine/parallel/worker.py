@@ -5,45 +5,39 @@ its own block count from its own totals, the agreed minimum, a pool of exactly t
 and then runs, step after step, the same forward as rank 0 over the inputs rank 0 broadcasts.
 It schedules, samples and streams nothing. Any exception is reported to rank 0 (its text) and ends
 the process; rank 0 then treats the whole group as faulted.
+
+It runs in a fresh interpreter that rank 0 starts (`group._start_worker`): the bootstrap there has
+already ignored SIGINT and started the lifeline thread, set rank 0's `sys.path`, and then calls `main`.
+Nothing of rank 0's `__main__` is imported here.
 """
 
 from __future__ import annotations
 
 import os
-import signal
+import pickle
 import sys
-import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
 
 import torch
 
-from helexa.parallel.group import WorkerSpec, all_reduce_min, destroy_group, init_group, rank_device
+from helexa.engine.parallel.group import WorkerSpec, all_reduce_min, destroy_group, init_group, rank_device
 
-__all__ = ["run_worker"]
-
-
-def _watch_lifeline(lifeline: Connection) -> None:
-    """Exit the process as soon as rank 0 closes the lifeline or dies (EOF), whatever the main thread does."""
-    try:
-        lifeline.recv()
-    except (EOFError, OSError):
-        pass
-    os._exit(0)
+__all__ = ["main"]
 
 
-def run_worker(spec: WorkerSpec, rank: int, report: Connection, lifeline: Connection) -> None:
-    """The spawn target of rank `rank`: serve until rank 0 sends STOP or closes the lifeline.
+def main(rank: int, spec_bytes: bytes, report_fd: int) -> None:
+    """Serve as rank `rank` until rank 0 sends STOP (exit status 0) or closes the lifeline (the bootstrap's
+    thread exits the process). `spec_bytes` is the pickled `WorkerSpec`; `report_fd` the report pipe.
 
     Reports `("ready", num_blocks)` once its shard is loaded and its own block count known, or
     `("error", "Type: message")` before it exits on any exception (exit status 1).
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 drives shutdown
-    threading.Thread(target=_watch_lifeline, args=(lifeline,), name="lifeline", daemon=True).start()
-    os.environ.update({**spec.env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-    torch.set_num_threads(max(1, spec.threads))
+    report = Connection(report_fd, readable=False)
     try:
+        spec: WorkerSpec = pickle.loads(spec_bytes)
+        torch.set_num_threads(max(1, spec.threads))
         _serve(spec, rank, report)
     except BaseException as exc:  # noqa: BLE001 — everything is reported, then the process ends
         text = f"{type(exc).__name__}: {exc}"
@@ -58,9 +52,9 @@ def run_worker(spec: WorkerSpec, rank: int, report: Connection, lifeline: Connec
 
 
 def _serve(spec: WorkerSpec, rank: int, report: Connection) -> None:
-    from helexa.engine.runner import load_shard  # heavy: only in the worker process
+    from helexa.engine.loading import load_shard  # heavy: only in the worker process
+    from helexa.engine.parallel.step import StepChannel
     from helexa.kvcache import BlockPool
-    from helexa.parallel.step import StepChannel
 
     device = rank_device(torch.device(spec.device_type), rank)
     if device.type == "cuda":
