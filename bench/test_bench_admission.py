@@ -183,7 +183,7 @@ def test_engine_poll_and_progress_per_step(benchmark) -> None:
     def step() -> None:
         c.poll()
         for t in running:
-            c.progress(t, tokens_generated=t.tokens_generated, blocks_allocated=1)
+            c.progress(t, tokens_generated=t.tokens_generated)
 
     benchmark(step)
     stats = getattr(benchmark, "stats", None)

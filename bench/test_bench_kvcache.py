@@ -125,7 +125,7 @@ def test_extend_batchbuilder_cpu(benchmark, monkeypatch: pytest.MonkeyPatch, con
 
     def setup() -> None:
         for t in state["tables"]:
-            builder.release(t)
+            pool.decref(builder.release(t))
         state["tables"] = [builder.new_table() for _ in range(NUM_SEQS)]
         builder.build([(t, context) for t in state["tables"]])
         state["batch"] = [(t, 1) for t in state["tables"]]

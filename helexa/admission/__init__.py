@@ -6,9 +6,9 @@
 - `lengths`     `AnswerLengths`: learned answer lengths, the expected output each estimate plans with.
 - `rates`       `EngineRates`, `RateTracker`: the engine's measured speed the estimates use.
 - `rejections`  `AdmissionRejected` (reason, message with the numbers, Retry-After, arithmetic).
-- `sharing`     `PrefixSharing`: what admission asks a prefix cache (hits at grant, orphans, block states).
 
-Plain Python, no torch. Its configuration is `helexa.config.AdmissionConfig`.
+Plain Python, no torch. Its configuration is `helexa.config.AdmissionConfig`; what it asks the KV owner
+(who holds which block) is the `KVHoldings` protocol of `helexa.kvprotocol`.
 """
 
 from helexa.admission.controller import AdmissionController, Capacity
@@ -16,7 +16,6 @@ from helexa.admission.estimator import FifoPlan, retry_after_seconds
 from helexa.admission.lengths import AnswerLengths
 from helexa.admission.rates import EngineRates, RateTracker
 from helexa.admission.rejections import REJECTION_REASONS, AdmissionIntegrityError, AdmissionRejected
-from helexa.admission.sharing import BlockStates, PrefixSharing, Share
 from helexa.admission.ticket import PollResult, Ticket, TicketState
 from helexa.config import AdmissionConfig
 
@@ -27,14 +26,11 @@ __all__ = [
     "AdmissionIntegrityError",
     "AdmissionRejected",
     "AnswerLengths",
-    "BlockStates",
     "Capacity",
     "EngineRates",
     "FifoPlan",
     "PollResult",
-    "PrefixSharing",
     "RateTracker",
-    "Share",
     "Ticket",
     "TicketState",
     "retry_after_seconds",

@@ -2,7 +2,7 @@
 
 Life of a request:
 
-1. `submit(prompt_tokens, max_tokens, payload=...)`: rejected at once and for good (`kv_unservable`)
+1. `submit(prompt_tokens, max_tokens, request_id=...)`: rejected at once and for good (`kv_unservable`)
    when `ceil((prompt + max_tokens) / block_size)` blocks can never fit this node (sharing never
    counts here); granted at once when nobody waits and both gates pass (sequences in flight <
    `max_num_seqs`, blocks available >= its reservation); rejected when the queue is full (`queue_full`, or
@@ -22,11 +22,13 @@ grows a reservation one whole block at a time (`grow`), and when the pool is sho
 preempts the most recently admitted request (`preempt`), which waits to resume ahead of the queue.
 
 Accounting: `blocks_available = blocks_total - blocks_reserved`, where `blocks_reserved` is the sum
-of live reservations plus the prefix cache's orphan blocks (in use by sharers, charged to no live
-reservation). With a prefix cache (`sharing`), a request's hit is measured when it is granted,
-under this lock: blocks of its prefix that running sequences hold (`shared_blocks`) are not reserved
-again; cached blocks it takes count like new ones. Cached blocks count as available. Wait estimates
-use the expected remaining output of each request (lengths.py), never its worst case.
+of live reservations plus the KV owner's orphan blocks (in use by sharers, charged to no live
+reservation). Who holds which block is the KV owner's record (`kv`, the `KVHoldings` protocol of
+`helexa.kvprotocol`), asked under this lock: a request's prefix hit is looked up and pinned when it is
+granted, atomically with its reservation — blocks of its prefix that running requests hold (its
+`shared_blocks`) are not reserved again; cached blocks it takes count like new ones. Cached blocks
+count as available. Wait estimates use the expected remaining output of each request (lengths.py),
+never its worst case.
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ from helexa.admission.estimator import FifoPlan, retry_after_seconds
 from helexa.admission.lengths import AnswerLengths
 from helexa.admission.rates import EngineRates
 from helexa.admission.rejections import REJECTION_REASONS, AdmissionIntegrityError, AdmissionRejected, RecentRejection
-from helexa.admission.sharing import BlockStates, PrefixSharing, Share
 from helexa.admission.ticket import PollResult, Ticket, TicketState
-from helexa.config import AdmissionConfig, check_int, debug_enabled
+from helexa.config import AdmissionConfig
+from helexa.kvprotocol import BlockStates, KVHoldings, Share
+from helexa.values import check_int, debug_enabled
 
 logger = logging.getLogger("helexa.admission")
 
@@ -84,6 +87,14 @@ def _seconds(x: float) -> float:
     return round(x, 3)
 
 
+class _Measured(NamedTuple):
+    """A ticket's prefix lookup at a grant attempt, and whether its hit is now pinned (it is granted)."""
+
+    hit_blocks: int
+    shared_blocks: int
+    pinned: bool
+
+
 class AdmissionView(NamedTuple):
     """One reading of admission under its lock, for display (`AdmissionController.view`).
 
@@ -109,9 +120,9 @@ class AdmissionController:
 
     - `clock`: monotonic seconds (tests inject a fake); `rates`: the engine's speed until it measures.
     - `wakeup()`: called after `submit`, `cancel` or `release` changed something the engine loop should see.
-    - `blocks_free()`: the pool's exact physical free count for `snapshot()` (else `total - allocated`),
-      used when there is no `sharing`.
-    - `sharing`: the prefix cache (see sharing.py): hits measured at grant, block states, orphans.
+    - `kv`: the KV owner (`KVHoldings`): prefix hits looked up and pinned at grant, block states,
+      orphans, each request's shared and charged blocks. Without one (standalone use) nothing is shared
+      and a block counts as in use from the moment it is reserved.
     - `reload_status()`: None while the model serves, else the estimated seconds until it serves again
       (a full queue then answers `model_reloading`).
     - `lengths`: the learned answer lengths estimates are made from (a fresh window by default).
@@ -127,8 +138,7 @@ class AdmissionController:
         clock: Callable[[], float] = time.monotonic,
         rates: EngineRates | None = None,
         wakeup: Callable[[], None] | None = None,
-        blocks_free: Callable[[], int] | None = None,
-        sharing: PrefixSharing | None = None,
+        kv: KVHoldings | None = None,
         reload_status: Callable[[], float | None] | None = None,
         lengths: AnswerLengths | None = None,
         debug: bool | None = None,
@@ -139,8 +149,7 @@ class AdmissionController:
         self._clock = clock
         self._rates = rates if rates is not None else EngineRates()
         self._wakeup = wakeup
-        self._blocks_free = blocks_free
-        self._sharing = sharing
+        self._kv = kv
         self._reload_status: Callable[[], float | None] = reload_status or (lambda: None)
         self._debug = debug_enabled() if debug is None else debug
         self._lengths = lengths if lengths is not None else AnswerLengths()
@@ -152,7 +161,6 @@ class AdmissionController:
         self._resume: collections.OrderedDict[int, Ticket] = collections.OrderedDict()
         self._running: dict[int, Ticket] = {}  # granted, not yet released
         self._reserved = 0  # sum of blocks_reserved over _running
-        self._allocated = 0  # sum of blocks_allocated over _running
         self._next_id = 1
         self._new_grants: list[Ticket] = []  # granted since the last poll
         self._new_cancels: list[Ticket] = []  # granted, seen by the engine, then cancelled
@@ -180,7 +188,12 @@ class AdmissionController:
     # ------------------------------------------------------------------ server side
 
     def submit(
-        self, prompt_tokens: int, max_tokens: int | None = None, *, stops_early: bool = True, payload: Any = None
+        self,
+        prompt_tokens: int,
+        max_tokens: int | None = None,
+        *,
+        stops_early: bool = True,
+        request_id: str | None = None,
     ) -> Ticket:
         """Admit a tokenised request: returns its `Ticket` (granted or queued) or raises `AdmissionRejected`.
 
@@ -188,14 +201,15 @@ class AdmissionController:
         tokens. With a prefix cache, the blocks of its prefix that running sequences hold are measured
         when it is granted and not reserved again. `stops_early=False` says the request can only end at its
         limit (it ignores EOS and has no stop condition): its estimates are exact, not learned, and
-        its length teaches nothing. Raises `ValueError` for malformed numbers. A granted ticket also
+        its length teaches nothing. `request_id` is the key the KV owner knows the request by (registered
+        there first) and what its rejection names. Raises `ValueError` for malformed numbers. A granted ticket also
         appears in the engine's next `poll().granted`.
         """
         check_int(prompt_tokens, "prompt_tokens")
         if max_tokens is not None:
             check_int(max_tokens, "max_tokens")
         with self._critical:
-            outcome = self._submit_locked(self._clock(), prompt_tokens, max_tokens, bool(stops_early), payload)
+            outcome = self._submit_locked(self._clock(), prompt_tokens, max_tokens, bool(stops_early), request_id)
             self._wake_due = isinstance(outcome, Ticket)
         if isinstance(outcome, AdmissionRejected):
             raise outcome
@@ -264,18 +278,12 @@ class AdmissionController:
         return PollResult(granted, expired, cancelled)
 
     def progress(
-        self,
-        ticket: Ticket,
-        *,
-        tokens_generated: int | None = None,
-        prompt_prefilled: int | None = None,
-        blocks_allocated: int | None = None,
+        self, ticket: Ticket, *, tokens_generated: int | None = None, prompt_prefilled: int | None = None
     ) -> None:
         """Record a running ticket's progress (absolute values, not deltas).
 
         Raises `ValueError` when a value leaves its bounds: `tokens_generated <= max_tokens`,
-        `prompt_prefilled <= prompt_tokens`, `blocks_allocated <= blocks_reserved` (a sequence never
-        allocates beyond its reservation).
+        `prompt_prefilled <= prompt_tokens`. (The blocks it holds are the KV owner's to count.)
         """
         with self._critical:
             self._check_owned(ticket)
@@ -284,15 +292,11 @@ class AdmissionController:
             for name, value, limit, what in (
                 ("tokens_generated", tokens_generated, ticket.max_tokens, "its max_tokens"),
                 ("prompt_prefilled", prompt_prefilled, ticket.prompt_tokens, "the tokens of its prompt"),
-                ("blocks_allocated", blocks_allocated, ticket.blocks_reserved, "the blocks of its reservation"),
             ):
                 if value is not None:
                     check_int(value, name, 0)
                     if value > limit:
                         raise ValueError(f"ticket {ticket.id}: {name}={value} exceeds {what} ({limit})")
-            if blocks_allocated is not None:
-                self._allocated += blocks_allocated - ticket.blocks_allocated
-                ticket.blocks_allocated = blocks_allocated
             if tokens_generated is not None:
                 ticket.tokens_generated = tokens_generated
             if prompt_prefilled is not None:
@@ -328,7 +332,7 @@ class AdmissionController:
         True when it now is (at once when it already was); False, with nothing changed, when too few
         blocks are available — the engine then preempts the most recently admitted request and asks
         again. Raises `ValueError` beyond the ticket's own bound
-        (`ceil((prompt + max_tokens) / block_size) - shared_blocks`) — which is what `reserve` and
+        (`ceil((prompt + max_tokens) / block_size)` less its shared blocks) — which is what `reserve` and
         `backfill` reserve up front, so under them a reservation never grows.
         """
         with self._critical:
@@ -373,11 +377,8 @@ class AdmissionController:
             freed = ticket.blocks_reserved
             del self._running[ticket.id]
             self._reserved -= freed
-            self._allocated -= ticket.blocks_allocated
-            if self._sharing is not None:
-                self._sharing.let_go(ticket)
-            ticket.blocks_allocated = ticket.prompt_prefilled = 0
-            ticket.shared_blocks = ticket.hit_blocks = 0
+            self._let_go(ticket)
+            ticket.prompt_prefilled = 0
             ticket.blocks_reserved = self._reservation(
                 ticket.prompt_tokens, ticket.max_tokens, 0, ticket.tokens_generated, ticket.stops_early
             )
@@ -397,20 +398,26 @@ class AdmissionController:
                 )
                 self._effects.append(lambda: logger.info("admission: preempted ticket=%d %s", ticket.id, fields))
 
-    def unshare(self, ticket: Ticket) -> bool:
-        """Make a running ticket reserve the blocks it shared (after a device fault its replay computes
-        them itself): True when it now does (at once when it shared none); False, with nothing changed,
-        when too few blocks are available — the engine then preempts the most recent request."""
+    def refit(self, ticket: Ticket) -> bool:
+        """Make a running ticket's reservation cover its bound again after the KV owner stopped sharing blocks
+        with it (a device fault dropped the pool: its replay computes them itself). Under `reserve` and
+        `backfill` the reservation grows to the bound; under `adaptive` reservations grow step by step
+        anyway (`grow`), so nothing changes. True when it now covers it (at once when it already did);
+        False, with nothing changed, when too few blocks are available — the engine then preempts the
+        most recent request."""
         with self._critical:
             self._check_owned(ticket)
             if ticket.state is not TicketState.GRANTED:
-                raise ValueError(f"unshare() of ticket {ticket.id} in state {ticket.state.value}; it must be granted")
-            extra = ticket.shared_blocks
+                raise ValueError(f"refit() of ticket {ticket.id} in state {ticket.state.value}; it must be granted")
+            if self._adaptive and ticket.stops_early:
+                return True
+            extra = self._bound(ticket) - ticket.blocks_reserved
+            if extra <= 0:
+                return True
             if extra > self._available():
                 return False
             ticket.blocks_reserved += extra
             self._reserved += extra
-            ticket.shared_blocks = ticket.hit_blocks = ticket.prompt_prefilled = 0
             self._plan_drifted = True
         return True
 
@@ -418,16 +425,19 @@ class AdmissionController:
         """Measure a granted ticket's prefix hit again before its sequence starts: its pins are let go and
         taken anew with its reservation, atomically. Blocks another sequence finished computing since the
         grant are then shared instead of reserved (the engine holds back a request whose prompt a running
-        sequence is still prefilling, then calls this). What is available afterwards is served."""
+        sequence is still prefilling, then calls this, before the sequence starts). What is available
+        afterwards is served."""
         with self._critical:
             self._check_owned(ticket)
-            if ticket.state is not TicketState.GRANTED or ticket.blocks_allocated:
+            if ticket.state is not TicketState.GRANTED:
                 raise ValueError(f"reshare() of ticket {ticket.id}: only a granted ticket that has not started")
-            if self._sharing is None:
+            if self._kv is None:
                 return
             self._reserved -= ticket.blocks_reserved
-            self._sharing.let_go(ticket)
-            self._measure(ticket, lambda hit, shared: True)  # fits: blocks it held are reserved or available
+            self._let_go(ticket)
+            # Always fits (the blocks it held are reserved or available), and nothing else changes the cache
+            # meanwhile: the engine's thread is the caller.
+            self._measure(ticket, lambda hit, shared: True)
             self._reserved += ticket.blocks_reserved
             self._plan_stale = True
             self._pump(self._clock())
@@ -527,7 +537,7 @@ class AdmissionController:
         `blocks_empty + blocks_cached + blocks_in_use == blocks_total` and `blocks_available ==
         blocks_total - blocks_reserved` in every snapshot: the block states come from one reading of the
         pool (never from progress reported a step ago), under the lock that orders every reservation.
-        `blocks_free` and `blocks_allocated` are the older names of `blocks_empty` and `blocks_in_use`.
+        `blocks_free` (the contract's name) equals `blocks_empty`.
         """
         with self._lock:
             return self._snapshot_locked()
@@ -565,7 +575,6 @@ class AdmissionController:
             "blocks_available": total - self._reserved - orphans,
             "blocks_orphaned": orphans,
             "blocks_free": states.empty,
-            "blocks_allocated": states.in_use,
             "in_flight": len(self._running),
             "max_in_flight": cfg.max_num_seqs,
             "queue_depth": len(self._queue) + len(self._resume),
@@ -599,7 +608,7 @@ class AdmissionController:
     # ------------------------------------------------------------------ internals (lock held)
 
     def _submit_locked(
-        self, now: float, prompt: int, max_tokens: int | None, stops_early: bool, payload: Any
+        self, now: float, prompt: int, max_tokens: int | None, stops_early: bool, request_id: str | None
     ) -> Ticket | AdmissionRejected:
         cfg, cap = self.config, self.capacity
         m = max_tokens if max_tokens is not None else max(1, min(cap.max_model_len - prompt, cfg.default_max_tokens))
@@ -607,9 +616,9 @@ class AdmissionController:
         if prompt >= cap.max_model_len or prompt + m > cap.max_model_len or bound > cap.num_blocks:
             message = why.unservable_message(prompt, m, bound, cap.block_size, cap.num_blocks, cap.max_model_len)
             arith = self._arith(prompt, m, 0, bound, None, max_model_len=cap.max_model_len)
-            return self._reject("kv_unservable", arith, None, message, payload)
+            return self._reject("kv_unservable", arith, None, message, request_id)
 
-        ticket = self._new_ticket(now, prompt, m, stops_early, payload)
+        ticket = self._new_ticket(now, prompt, m, stops_early, request_id)
         expected = self._lengths.expected_remaining(0, m) if stops_early else float(m)
         waiting = bool(self._queue or self._resume)
         if not waiting or cfg.policy == "backfill":
@@ -627,8 +636,8 @@ class AdmissionController:
         else:
             share = None
         if share is None:  # not looked up yet: what it would reserve, for the plan
-            self._measure(ticket, lambda hit, shared: False)
-        shared, blocks = ticket.shared_blocks, ticket.blocks_reserved
+            share = self._measure(ticket, lambda hit, shared: False)
+        shared, blocks = share.shared_blocks, ticket.blocks_reserved
 
         depth = len(self._queue)
         if depth >= cfg.max_queue_depth:
@@ -641,9 +650,9 @@ class AdmissionController:
             message = why.queue_full_message(depth, cfg.max_queue_depth, len(self._running), wait, reload_left)
             if reload_left is not None:
                 arith = self._arith(prompt, m, shared, blocks, wait, reload_left_s=_seconds(reload_left))
-                return self._reject("model_reloading", arith, retry_after_seconds(reload_left), message, payload)
+                return self._reject("model_reloading", arith, retry_after_seconds(reload_left), message, request_id)
             arith = self._arith(prompt, m, shared, blocks, wait, **self._basis(expected, []))
-            return self._reject("queue_full", arith, retry_after_seconds(wait), message, payload)
+            return self._reject("queue_full", arith, retry_after_seconds(wait), message, request_id)
 
         plan = self._ensure_plan(now)
         run_seconds = self._rates.run_seconds(ticket.prefill_tokens_left, expected)
@@ -652,7 +661,7 @@ class AdmissionController:
         if not appended:
             message = why.too_long_message(blocks, wait, cfg.max_wait_secs, self._available(), cap.num_blocks, depth)
             arith = self._arith(prompt, m, shared, blocks, wait, **self._basis(expected, plan.last_waited_on))
-            return self._reject("kv_timeout", arith, retry_after_seconds(wait), message, payload)
+            return self._reject("kv_timeout", arith, retry_after_seconds(wait), message, request_id)
         self._next_id += 1
         ticket.est_wait_at_arrival = wait
         ticket.est_start = max(start, now)
@@ -663,53 +672,48 @@ class AdmissionController:
             self._effects.append(lambda: logger.debug("admission: queued ticket=%d %s", ticket.id, fields))
         return ticket
 
-    def _new_ticket(self, now: float, prompt: int, m: int, stops_early: bool, payload: Any) -> Ticket:
+    def _new_ticket(self, now: float, prompt: int, m: int, stops_early: bool, request_id: str | None) -> Ticket:
         """A ticket with the next id (taken only once it is kept: `_next_id` moves on then), reserving its bound."""
         return Ticket(
             id=self._next_id,
             prompt_tokens=prompt,
             max_tokens=m,
-            shared_blocks=0,
             blocks_reserved=self.capacity.blocks_for(prompt + m),
             stops_early=stops_early,
-            payload=payload,
+            request_id=request_id,
             arrival=now,
             deadline=now + self.config.max_wait_secs,
             est_wait_at_arrival=0.0,
         )
 
-    def _measure(self, ticket: Ticket, decide: Callable[[int, int], bool]) -> Share:
-        """Look up the ticket's prefix now and size its reservation for it; `decide(hit, shared)` says
-        whether to grant (the hit is pinned then). Sets shared/hit blocks, reservation and prefilled tokens."""
+    def _measure(self, ticket: Ticket, decide: Callable[[int, int], bool]) -> _Measured:
+        """Look up the ticket's prefix now and size its reservation and prefilled tokens for it; when
+        `decide(hit, shared)` says grant, pin the hit (a lookup the engine's thread outdated is taken again,
+        at most three times). Returns the lookup and whether it is pinned."""
         bs = self.capacity.block_size
-
-        def reserve(hit: int, shared: int) -> int:
-            ticket.shared_blocks, ticket.hit_blocks = shared, hit
-            ticket.prompt_prefilled = min(ticket.prompt_tokens, hit * bs)
-            ticket.blocks_reserved = self._reservation(
-                ticket.prompt_tokens, ticket.max_tokens, shared, ticket.tokens_generated, ticket.stops_early
-            )
-            return ticket.blocks_reserved
-
-        def decide_with(hit: int, shared: int) -> bool:
-            reserve(hit, shared)
-            return decide(hit, shared)
-
-        if self._sharing is None:
-            return Share(0, 0, decide_with(0, 0))
-        share = self._sharing.share(ticket, decide_with)
-        reserve(share.hit_blocks if share.pinned else 0, share.shared_blocks)
-        if not share.pinned:  # an estimate for the plan; re-measured when it is granted
+        for _ in range(3):
+            share = self._kv.lookup(ticket.request_id) if self._kv is not None and ticket.request_id else Share(0, 0)
             ticket.prompt_prefilled = min(ticket.prompt_tokens, share.hit_blocks * bs)
-        return share
+            ticket.blocks_reserved = self._reservation(
+                ticket.prompt_tokens,
+                ticket.max_tokens,
+                share.shared_blocks,
+                ticket.tokens_generated,
+                ticket.stops_early,
+            )
+            if not decide(share.hit_blocks, share.shared_blocks):
+                return _Measured(share.hit_blocks, share.shared_blocks, False)
+            if self._kv is None or not ticket.request_id or self._kv.pin(ticket.request_id, share):
+                return _Measured(share.hit_blocks, share.shared_blocks, True)
+        return _Measured(share.hit_blocks, share.shared_blocks, False)
 
-    def _try_grant(self, ticket: Ticket, now: float, also: Callable[[int], bool] | None = None) -> Share | None:
+    def _try_grant(self, ticket: Ticket, now: float, also: Callable[[int], bool] | None = None) -> _Measured | None:
         """Measure the ticket's hit and grant it when both gates pass (and `also(hit_blocks)`); the lookup's
-        `Share` (`pinned`: granted). None, with no lookup, when no seat is free or it could not fit even
+        `_Measured` (`pinned`: granted). None, with no lookup, when no seat is free or it could not fit even
         with every full block of its prefix shared (a blocked head costs no lookup per release)."""
         if len(self._running) >= self.config.max_num_seqs:
             return None
-        if self._sharing is not None:
+        if self._kv is not None:
             shareable = (ticket.prompt_tokens + ticket.tokens_generated - 1) // self.capacity.block_size
             least = self._reservation(
                 ticket.prompt_tokens, ticket.max_tokens, shareable, ticket.tokens_generated, ticket.stops_early
@@ -763,10 +767,19 @@ class AdmissionController:
 
     def _bound(self, ticket: Ticket) -> int:
         """The most blocks a ticket can ever need: prompt + max_tokens, less the shared ones."""
-        return self.capacity.blocks_for(ticket.prompt_tokens + ticket.max_tokens) - ticket.shared_blocks
+        return self.capacity.blocks_for(ticket.prompt_tokens + ticket.max_tokens) - self._shared(ticket)
+
+    def _shared(self, ticket: Ticket) -> int:
+        """Blocks the ticket's request holds that other requests are charged for (the KV owner's count)."""
+        return self._kv.shared_blocks(ticket.request_id) if self._kv is not None and ticket.request_id else 0
+
+    def _let_go(self, ticket: Ticket) -> None:
+        """The KV owner drops the ticket's cache holds and pins (orphans where sharers remain), atomically."""
+        if self._kv is not None and ticket.request_id:
+            self._kv.let_go(ticket.request_id)
 
     def _ticket_arith(self, t: Ticket, **extra: Any) -> dict[str, Any]:
-        return self._arith(t.prompt_tokens, t.max_tokens, t.shared_blocks, t.blocks_reserved, None, **extra)
+        return self._arith(t.prompt_tokens, t.max_tokens, self._shared(t), t.blocks_reserved, None, **extra)
 
     def _backfill_fits(self, now: float, run_seconds: float) -> bool:
         """True when a request of `run_seconds` started now is estimated to end by the head's estimated start."""
@@ -846,9 +859,7 @@ class AdmissionController:
     def _end(self, ticket: Ticket, now: float, state: TicketState) -> None:
         del self._running[ticket.id]
         self._reserved -= ticket.blocks_reserved
-        self._allocated -= ticket.blocks_allocated
-        if self._sharing is not None:  # its cache blocks go (orphans where sharers remain), atomically
-            self._sharing.let_go(ticket)
+        self._let_go(ticket)
         ticket.state, ticket.ended_at = state, now
         if ticket in self._new_grants:  # granted (or, preempted, regranted) and never picked up
             self._new_grants.remove(ticket)
@@ -864,17 +875,15 @@ class AdmissionController:
         message = why.expired_message(
             waited, ticket.blocks_reserved, arith["blocks_available"], self.capacity.num_blocks, left
         )
-        ticket.error = self._reject("kv_timeout", arith, retry_after_seconds(left), message, ticket.payload)
+        ticket.error = self._reject("kv_timeout", arith, retry_after_seconds(left), message, ticket.request_id)
 
     def _reject(
-        self, reason: str, arith: dict[str, Any], retry_after: int | None, message: str, payload: Any = None
+        self, reason: str, arith: dict[str, Any], retry_after: int | None, message: str, request_id: str | None = None
     ) -> AdmissionRejected:
         if retry_after is not None:
             arith["retry_after_s"] = retry_after
         error = AdmissionRejected(reason, message, retry_after, arith)
         self._rejected[reason] += 1
-        request_id = getattr(payload, "request_id", None)  # the engine's Request carries one
-        request_id = request_id if isinstance(request_id, str) else None
         self._recent.append(RecentRejection(time.time(), reason, message, retry_after, dict(arith), request_id))
         if logger.isEnabledFor(logging.WARNING):
             fields = _Fields(error.arithmetic)
@@ -882,18 +891,16 @@ class AdmissionController:
         return error
 
     def _orphans(self) -> int:
-        return self._sharing.orphan_blocks() if self._sharing is not None else 0
+        return self._kv.orphan_blocks() if self._kv is not None else 0
 
     def _available(self) -> int:
         """Blocks the next grant may reserve: total less live reservations and orphan blocks."""
         return self.capacity.num_blocks - self._reserved - self._orphans()
 
     def _block_states(self) -> BlockStates:
-        if self._sharing is not None:
-            return self._sharing.block_states()
-        total = self.capacity.num_blocks
-        empty = self._blocks_free() if self._blocks_free is not None else total - self._allocated
-        return BlockStates(empty, 0, total - empty, 0)
+        if self._kv is not None:
+            return self._kv.block_states()
+        return BlockStates(self.capacity.num_blocks - self._reserved, 0, self._reserved, 0)
 
     def _gauges(self) -> dict[str, Any]:
         total, orphans = self.capacity.num_blocks, self._orphans()
@@ -965,7 +972,6 @@ class AdmissionController:
     def _check_integrity_locked(self) -> None:
         cfg, problems = self.config, []
         reserved = sum(t.blocks_reserved for t in self._running.values())
-        allocated = sum(t.blocks_allocated for t in self._running.values())
         if reserved != self._reserved:
             problems.append(f"sum of live reservations {reserved} != blocks_reserved {self._reserved}")
         orphans = self._orphans()
@@ -974,8 +980,6 @@ class AdmissionController:
                 f"blocks_reserved {self._reserved} + orphaned {orphans} "
                 f"outside [0, blocks_total={self.capacity.num_blocks}]"
             )
-        if allocated != self._allocated:
-            problems.append(f"sum of allocated blocks {allocated} != blocks_allocated {self._allocated}")
         if len(self._running) > cfg.max_num_seqs:
             problems.append(f"in_flight {len(self._running)} > max_num_seqs {cfg.max_num_seqs}")
         if len(self._queue) > cfg.max_queue_depth:
@@ -983,8 +987,9 @@ class AdmissionController:
         for t in self._running.values():
             if t.state is not TicketState.GRANTED:
                 problems.append(f"running ticket {t.id} in state {t.state.value}")
-            if t.blocks_allocated > t.blocks_reserved:
-                problems.append(f"ticket {t.id} allocated {t.blocks_allocated} > its reservation {t.blocks_reserved}")
+            charged = self._kv.charged_blocks(t.request_id) if self._kv is not None and t.request_id else 0
+            if charged > t.blocks_reserved:
+                problems.append(f"ticket {t.id} is charged {charged} blocks > its reservation {t.blocks_reserved}")
             if t.blocks_reserved > self._bound(t):
                 problems.append(f"ticket {t.id} reserves {t.blocks_reserved} > its bound {self._bound(t)}")
             if t.id in self._queue:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from helexa.admission.rejections import AdmissionRejected
 
@@ -31,21 +31,20 @@ class Ticket:
     `max_tokens` is the output limit admission decided (the request's, or the default for a request
     that gave none): the one place it is decided, and where the engine stops the sequence.
     `blocks_reserved` is the reservation: under the `reserve` and `backfill` policies the worst case,
-    `ceil((prompt_tokens + max_tokens) / block_size) - shared_blocks`, fixed while it runs;
-    under `adaptive` the prompt plus a learned output allowance, grown a whole block at a time (`grow`)
-    and given back when the ticket is preempted (`preemptions` counts those). `payload` is the submitter's
-    own object (the engine's request), carried untouched. Progress fields are set through
-    `AdmissionController.progress`. With a prefix cache, `hit_blocks` full blocks of its prefix were
-    pinned from the cache when it was granted, `shared_blocks` of them held by running sequences
-    (measured at grant; an estimate while it waits).
+    `ceil((prompt_tokens + max_tokens) / block_size)` less the blocks of its prefix that other requests
+    held when it was granted (the KV owner's `shared_blocks`), fixed while it runs; under `adaptive` the
+    prompt plus a learned output allowance, grown a whole block at a time (`grow`) and given back when the
+    ticket is preempted (`preemptions` counts those); while it waits, what it would reserve now.
+    `request_id` is the submitter's id for it: the key the KV owner knows the request by, and what
+    rejections name. Which blocks it holds is not recorded here: the KV owner records that. Progress
+    fields are set through `AdmissionController.progress`.
     """
 
     id: int
     prompt_tokens: int
     max_tokens: int
-    shared_blocks: int  # blocks of its prefix other sequences hold: not part of its reservation
     blocks_reserved: int
-    payload: Any
+    request_id: str | None
     arrival: float  # clock time of submit
     deadline: float  # arrival + max_wait_secs: a queued ticket expires here
     est_wait_at_arrival: float  # seconds, 0.0 when granted at once
@@ -55,10 +54,8 @@ class Ticket:
     backfilled: bool = False  # granted ahead of the queue's head under policy "backfill"
     stops_early: bool = True  # False: it ignores EOS with no stop condition, so it runs to max_tokens
     preemptions: int = 0  # times its blocks were taken back to let older requests grow (policy "adaptive")
-    hit_blocks: int = 0  # full blocks pinned from the prefix cache at grant: their tokens are not computed
     tokens_generated: int = 0
     prompt_prefilled: int = 0  # prompt tokens whose K/V is in the cache (shared ones included)
-    blocks_allocated: int = 0  # physical blocks taken from the reservation so far
     cancel_requested: bool = False  # cancelled while the engine runs it: the engine must abort, then release
     error: AdmissionRejected | None = None  # set when the ticket expired in the queue
     est_start: float = field(default=0.0, repr=False)  # latest estimated grant time while queued

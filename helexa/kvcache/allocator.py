@@ -17,8 +17,8 @@ from typing import Literal
 
 import torch
 
-from helexa.config import check_int, debug_enabled
 from helexa.kernels import block_alloc
+from helexa.values import check_int, debug_enabled
 
 __all__ = ["AllocatorBackend", "BlockAllocator", "BlockIds", "OutOfBlocks"]
 

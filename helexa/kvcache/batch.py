@@ -3,11 +3,12 @@
     builder = BatchBuilder(pool, max_num_seqs=256, max_model_len=8192)
     table = builder.new_table()                        # when a sequence starts running
     attn = builder.build([(table, 7), (other, 1)])     # every step: (table, new tokens) pairs
-    builder.release(table)                             # when the sequence ends (or is preempted)
+    pool.decref(builder.release(table))                # when the sequence ends: its row goes, its ids return
 
-Blocks a prefix cache indexes are held through the cache, not the allocator: a table starts with them
-(`new_table(cached_blocks=...)`) or hands one over once the cache indexed it (`hand_over`); `release`
-drops allocator references only for the blocks the table owns and returns the others.
+The builder keeps tables, not references: `build` allocates a table's new blocks (each with one
+allocator reference, which the caller then owns), a table may start with blocks the caller already
+holds (`new_table(start_blocks)`, e.g. a prefix-cache hit), and `release` hands every id back for the
+caller to let go. `KVManager` is the caller that decides, for every block, who holds it.
 
 A step's device work is one host-to-device copy of 4B+1 int32s and one allocator launch; block ids
 come from the allocator's host mirror, so nothing waits for the device.
@@ -19,10 +20,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from helexa.config import check_int
 from helexa.kvcache.allocator import BlockIds, OutOfBlocks
 from helexa.kvcache.metadata import AttentionMetadata
 from helexa.kvcache.pool import BlockPool
+from helexa.values import check_int
 
 __all__ = ["BlockTable", "BatchBuilder"]
 
@@ -38,21 +39,18 @@ def _ids(block_ids: BlockIds) -> list[int]:
 class BlockTable:
     """One sequence's blocks, in order: token `i` lives in block `block_ids[i // block_size]`.
 
-    Made by `BatchBuilder.new_table`, grown by `build`, ended by `release`. It holds exactly
+    Made by `BatchBuilder.new_table`, grown by `build`, ended by `release`. It lists exactly
     `cdiv(num_tokens, block_size)` blocks (`num_tokens`: the tokens with a slot), a host copy of
     row `row` of the builder's device tables.
     """
 
-    __slots__ = ("_builder", "row", "_block_ids", "num_tokens", "_cached")
+    __slots__ = ("_builder", "row", "_block_ids", "num_tokens")
 
-    def __init__(
-        self, builder: BatchBuilder, row: int, block_ids: list[int], num_tokens: int, cached: set[int]
-    ) -> None:
+    def __init__(self, builder: BatchBuilder, row: int, block_ids: list[int], num_tokens: int) -> None:
         self._builder = builder
         self.row = row
         self._block_ids = block_ids
         self.num_tokens = num_tokens
-        self._cached = cached  # block ids held through a prefix cache (no allocator reference of ours)
 
     @property
     def block_ids(self) -> tuple[int, ...]:
@@ -63,11 +61,6 @@ class BlockTable:
     def num_blocks(self) -> int:
         """Blocks held: `cdiv(num_tokens, block_size)`."""
         return len(self._block_ids)
-
-    @property
-    def cached_block_ids(self) -> frozenset[int]:
-        """The blocks held through a prefix cache rather than by an allocator reference of the table's."""
-        return frozenset(self._cached)
 
     @property
     def released(self) -> bool:
@@ -89,7 +82,7 @@ class BatchBuilder:
 
     `tables`: (max_num_seqs, cdiv(max_model_len, block_size)) int32 on the pool's device, one row per
     live `BlockTable`. Guarantees (checked by `check_integrity`): a live table's device row starts
-    with its host block ids, each of which holds a reference for it. Not thread-safe.
+    with its host block ids, every one allocated (a shared block may be in several). Not thread-safe.
     """
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_model_len: int) -> None:
@@ -108,49 +101,34 @@ class BatchBuilder:
         """Tables created and not yet released."""
         return len(self._live)
 
-    def new_table(self, shared_blocks: BlockIds = (), *, cached_blocks: BlockIds = ()) -> BlockTable:
-        """A table for a new sequence, starting with full, allocated blocks: `shared_blocks` each gain an
-        allocator reference; `cached_blocks` (after them) are held through a prefix cache and gain none.
-        Raises `ValueError` when all rows are in use or a block is invalid (free, repeated)."""
+    def new_table(self, start_blocks: BlockIds = ()) -> BlockTable:
+        """A table for a new sequence, starting with full, allocated blocks the caller holds (`start_blocks`: a
+        prefix-cache hit; they gain no reference here). Raises `ValueError` when all rows are in use or a
+        block is invalid (free, repeated)."""
         if not self._free_rows:
             raise ValueError(f"all {self.max_num_seqs} block-table rows are in use (max_num_seqs)")
-        shared, cached = (
-            b.tolist() if isinstance(b, torch.Tensor) else list(b) for b in (shared_blocks, cached_blocks)
-        )
-        ids = shared + cached
+        ids = _ids(start_blocks)
         if len(ids) > self.max_blocks_per_seq:
             raise ValueError(f"{len(ids)} starting blocks exceed max_model_len {self.max_model_len}")
         if len(set(ids)) != len(ids):
             raise ValueError(f"a table cannot start with the same block twice: {ids}")
-        for b in cached:
+        for b in ids:
             if not 0 <= b < self.pool.num_blocks or self.pool.refcount(b) == 0:
-                raise ValueError(f"cached block {b} is free or out of range; only allocated blocks can be shared")
-        self.pool.incref(shared)  # validates before any change
+                raise ValueError(f"block {b} is free or out of range; a table starts only with allocated blocks")
         row = self._free_rows.pop()
         if ids:
             self.tables[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32).to(self.pool.device, non_blocking=True)
-        table = BlockTable(self, row, ids, len(ids) * self.pool.block_size, set(cached))
+        table = BlockTable(self, row, ids, len(ids) * self.pool.block_size)
         self._live[row] = table
         return table
 
-    def hand_over(self, table: BlockTable, block_id: int) -> None:
-        """Record that a prefix cache took over the table's allocator reference to `block_id` (it indexed
-        the block): from now on the table holds it through the cache. Raises `ValueError` for a block
-        the table does not own."""
-        self._check_live(table)
-        if block_id not in table._block_ids or block_id in table._cached:
-            raise ValueError(f"{table!r} does not own block {block_id}")
-        table._cached.add(block_id)
-
     def release(self, table: BlockTable) -> list[int]:
-        """Drop the table's allocator reference to each block it owns and free its row (no device sync);
-        blocks no one else holds return to the pool. Returns the blocks it held through a prefix cache,
-        in position order, for the caller to release there. Releasing a table twice raises `ValueError`."""
+        """Free the table's row and return its block ids, in position order, for the caller to let go (no device
+        sync, no reference dropped here). Releasing a table twice raises `ValueError`."""
         self._check_live(table)
-        self.pool.decref([b for b in table._block_ids if b not in table._cached])
         del self._live[table.row]
         self._free_rows.append(table.row)
-        return [b for b in table._block_ids if b in table._cached]
+        return list(table._block_ids)
 
     def blocks_needed(self, batch: Iterable[tuple[BlockTable, int]]) -> int:
         """Blocks `build(batch)` would allocate (the check half of check/commit)."""
@@ -214,7 +192,6 @@ class BatchBuilder:
     def check_integrity(self) -> None:
         """Raise `RuntimeError` unless the pool's and every live table's invariants hold (syncs)."""
         self.pool.check_integrity()
-        holders: dict[int, int] = {}
         rows = self.tables.tolist()
         for row, table in self._live.items():
             expected = _cdiv(table.num_tokens, self.pool.block_size)
@@ -225,14 +202,8 @@ class BatchBuilder:
             if rows[row][: len(table._block_ids)] != table._block_ids:
                 raise RuntimeError(f"{table!r}: device row {rows[row][: len(table._block_ids)]} differs")
             for b in table._block_ids:
-                if b in table._cached:  # held through a prefix cache, which checks its own references
-                    if self.pool.refcount(b) < 1:
-                        raise RuntimeError(f"{table!r}: cached block {b} is free")
-                    continue
-                holders[b] = holders.get(b, 0) + 1
-        for b, count in holders.items():
-            if self.pool.refcount(b) < count:
-                raise RuntimeError(f"block {b} is held by {count} tables but has refcount {self.pool.refcount(b)}")
+                if self.pool.refcount(b) < 1:
+                    raise RuntimeError(f"{table!r}: block {b} is free")
         if len(self._live) + len(self._free_rows) != self.max_num_seqs:
             raise RuntimeError("block-table rows lost or duplicated")
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from helexa.config import check_int, parse_size
 from helexa.kernels import FP8_KV_DTYPE
+from helexa.values import check_int, parse_size
 
 __all__ = ["CPU_DEFAULT_CAP", "CPU_DEFAULT_FRACTION", "DEFAULT_GPU_MEMORY_UTILIZATION", "KVBudget",
            "estimate_activation_bytes", "kv_budget", "kv_bytes_per_block", "kv_scale_bytes"]  # fmt: skip

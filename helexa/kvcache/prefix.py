@@ -13,12 +13,12 @@
     >>> allocator.free(ids[2:])                        # the partial block stays the sequence's own
     >>> cache.release(ids[:2], owner="a")              # it ends: its full blocks stay cached
     >>> cache.counts()
-    BlockCounts(empty=6, cached=2, in_use=0, retained=0)
+    BlockStates(empty=6, cached=2, in_use=0, retained=0)
     >>> hit = cache.acquire(prompt + [99], owner="b")  # the next turn starts with the same 10 tokens
     >>> hit.block_ids, hit.num_tokens, hit.shared      # blocks 0 and 1, charged to "b" now
     ((0, 1), 8, 0)
     >>> cache.counts()
-    BlockCounts(empty=6, cached=0, in_use=2, retained=0)
+    BlockStates(empty=6, cached=0, in_use=2, retained=0)
 
 Block states (`counts()`): *empty* (on the allocator's free stack), *cached* (full, hashed, held by
 no sequence: evictable, and counted as available by admission) and *in use* (held by at least one
@@ -57,10 +57,11 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from helexa.config import check_int
 from helexa.kvcache.allocator import BlockAllocator, OutOfBlocks
+from helexa.kvprotocol import BlockStates
+from helexa.values import check_int
 
-__all__ = ["BlockCounts", "CacheSurvey", "CachedBlock", "PrefixCache", "PrefixHit"]
+__all__ = ["CacheSurvey", "CachedBlock", "PrefixCache", "PrefixHit"]
 
 _ORPHAN = object()  # the charge of an in-use block whose owner released it while others share it
 
@@ -78,15 +79,6 @@ class CacheSurvey(NamedTuple):
     evictable: list[int]
     retained: list[int]
     sessions: dict[Hashable, list[int]]
-
-
-class BlockCounts(NamedTuple):
-    """One consistent reading of the pool: `empty + cached + in_use == total`; `retained <= cached`."""
-
-    empty: int
-    cached: int
-    in_use: int
-    retained: int
 
 
 @dataclass(eq=False)
@@ -197,12 +189,12 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ reading
 
-    def counts(self) -> BlockCounts:
+    def counts(self) -> BlockStates:
         """Empty, cached, in-use and retained blocks, from one reading under the lock."""
         with self._lock:
             empty = self.allocator.num_free_blocks
             cached = len(self._lru) + len(self._retained)
-            return BlockCounts(empty, cached, self.allocator.num_blocks - empty - cached, len(self._retained))
+            return BlockStates(empty, cached, self.allocator.num_blocks - empty - cached, len(self._retained))
 
     @property
     def num_cached(self) -> int:
@@ -272,14 +264,15 @@ class PrefixCache:
         *,
         salt: str | None = None,
         max_blocks: int | None = None,
-        decide: Callable[[int, int], bool] | None = None,
+        expect: tuple[int, int] | None = None,
         session: Hashable | None = None,
     ) -> PrefixHit | None:
         """Pin the longest cached prefix of `tokens` for `owner`, leaving at least the last token to compute.
 
         At most `(len(tokens) - 1) // block_size` blocks (and `max_blocks`) are taken.
-        `decide(hit, shared)`, called under the lock with the number of hit blocks and how many of them
-        are already in use, may refuse: then nothing is pinned and None is returned. On success every
+        With `expect=(hit, shared)` (what an earlier `match` found), the hit is pinned only when it is still
+        exactly that many blocks with that many of them in use; otherwise nothing is pinned and None is
+        returned (the check and the pin are one step under the lock). On success every
         hit block gains a holder; a cached one leaves the evictable set and is charged to `owner`.
         With a `session`, that session's previously retained blocks that this prompt no longer matches
         lose their retention.
@@ -290,7 +283,7 @@ class PrefixCache:
         with self._lock:
             hits = self._match(tokens, salt, limit)
             shared = sum(1 for node in hits if node.holders > 0)
-            if decide is not None and not decide(len(hits), shared):
+            if expect is not None and (len(hits), shared) != tuple(expect):
                 return None
             for node in hits:
                 if node.holders == 0:

@@ -20,7 +20,7 @@ from helexa.admission import (
 )
 from helexa.engine.faults import ModelHealth
 from helexa.server.errors import from_admission
-from tests.support.admission import FakeClock, FakeEngine, FixedSharing, controller
+from tests.support.admission import FakeClock, FakeEngine, FixedKV, controller
 
 EXACT = EngineRates(decode_step_seconds=0.5, prefill_token_seconds=0.0)
 
@@ -124,35 +124,35 @@ def test_unservable_rejected_at_once_without_touching_the_queue(caplog: pytest.L
 
 
 def test_shared_blocks_reduce_the_reservation() -> None:
-    sharing = FixedSharing(16, 100)
-    c = make(sharing=sharing)
+    kv = FixedKV(16, 100)
+    c = make(kv=kv)
     # 1500 tokens = 94 blocks; 10 of the prompt's blocks held by running sequences -> 84 reserved
-    t = c.submit(1300, 200, payload={"shared": 10})
-    assert (t.blocks_reserved, t.shared_blocks, t.hit_blocks) == (84, 10, 10)
-    assert t.prompt_prefilled == 160 and t.state is TicketState.GRANTED and sharing.pinned == {t.id: 10}
+    t = c.submit(1300, 200, request_id=kv.request(1300, shared=10))
+    assert (t.blocks_reserved, kv.shared_blocks(t.request_id)) == (84, 10)
+    assert t.prompt_prefilled == 160 and t.state is TicketState.GRANTED and kv.pinned == {t.request_id: 10}
     # a 32-token prompt fills 2 blocks, but its last token is always computed: only the first is shared
-    u = c.submit(32, 5, payload={"shared": 3})
-    assert (u.hit_blocks, u.blocks_reserved) == (1, 2)
+    u = c.submit(32, 5, request_id=kv.request(32, shared=3))
+    assert (kv.shared_blocks(u.request_id), u.blocks_reserved) == (1, 2)
     # a request that does not fit pins nothing; measured again (and pinned) when it is granted
-    v = c.submit(1300, 200, payload={"shared": 10})
-    assert v.state is TicketState.QUEUED and v.blocks_reserved == 84 and v.id not in sharing.pinned
+    v = c.submit(1300, 200, request_id=kv.request(1300, shared=10))
+    assert v.state is TicketState.QUEUED and v.blocks_reserved == 84 and v.request_id not in kv.pinned
     c.release(t)
-    assert sharing.released == [t.id] and v.state is TicketState.GRANTED and sharing.pinned[v.id] == 10
+    assert kv.released == [t.request_id] and v.state is TicketState.GRANTED and kv.pinned[v.request_id] == 10
     c.check_integrity()
 
 
 def test_a_head_that_cannot_fit_even_fully_shared_costs_no_lookup() -> None:
-    sharing = FixedSharing(16, 100)
-    c = make(sharing=sharing)
-    a = c.submit(1300, 200)  # 94 blocks
-    small = c.submit(40, 40)  # 5 blocks: 1 available
-    big = c.submit(800, 700, payload={"shared": 2})  # 94 blocks, at best 94 - 49 = 45 with its prefix shared
+    kv = FixedKV(16, 100)
+    c = make(kv=kv)
+    a = c.submit(1300, 200, request_id=kv.request(1300))  # 94 blocks
+    small = c.submit(40, 40, request_id=kv.request(40))  # 5 blocks: 1 available
+    big = c.submit(800, 700, request_id=kv.request(800, shared=2))  # 94 blocks, at best 45 with its prefix shared
     assert big.state is TicketState.QUEUED and big.blocks_reserved == 92  # measured once, for the plan
-    lookups = sharing.lookups
+    lookups = kv.lookups
     c.release(small)  # 6 available: far below its best case, so the queue's head is not looked up
-    assert sharing.lookups == lookups and big.state is TicketState.QUEUED
+    assert kv.lookups == lookups and big.state is TicketState.QUEUED
     c.release(a)  # 100 available: looked up, granted with its 2 shared blocks
-    assert sharing.lookups == lookups + 1 and big.state is TicketState.GRANTED and big.blocks_reserved == 92
+    assert kv.lookups == lookups + 1 and big.state is TicketState.GRANTED and big.blocks_reserved == 92
     c.check_integrity()
 
 
@@ -298,7 +298,7 @@ def test_cancel_while_queued_and_while_granted() -> None:
     assert c.cancel(b) is True and b.state is TicketState.CANCELLED and c.blocks_reserved == 75
     assert c.poll().granted == []
     # the running one: cancel requests an abort; blocks stay reserved until the engine releases
-    c.progress(running, blocks_allocated=70, tokens_generated=12)
+    c.progress(running, tokens_generated=12)
     assert c.cancel(running) is True and running.cancel_requested and c.cancel(running) is False
     assert running.state is TicketState.GRANTED and c.blocks_reserved == 75
     res = c.poll()
@@ -313,21 +313,21 @@ def test_cancel_while_queued_and_while_granted() -> None:
 
 
 def test_progress_bounds_and_integrity() -> None:
-    c = make()
-    t = c.submit(100, 10)  # 7 blocks
-    with pytest.raises(ValueError, match="reservation"):
-        c.progress(t, blocks_allocated=8)
+    kv = FixedKV(16, 100)
+    c = make(kv=kv)
+    t = c.submit(100, 10, request_id=kv.request(100))  # 7 blocks
     with pytest.raises(ValueError, match="max_tokens"):
         c.progress(t, tokens_generated=11)
     with pytest.raises(ValueError, match="prompt"):
         c.progress(t, prompt_prefilled=101)
-    c.progress(t, blocks_allocated=7, tokens_generated=10, prompt_prefilled=100)
+    kv.allocate(t.request_id, 7)
+    c.progress(t, tokens_generated=10, prompt_prefilled=100)
     c.check_integrity()
     other = make()
     with pytest.raises(ValueError, match="does not belong"):
         other.release(t)
-    t.blocks_allocated = 9  # corrupt it behind the controller's back
-    with pytest.raises(AdmissionIntegrityError, match="allocated 9 > its reservation 7"):
+    kv.allocate(t.request_id, 9)  # the KV owner charges it more than admission reserved
+    with pytest.raises(AdmissionIntegrityError, match="charged 9 blocks > its reservation 7"):
         c.check_integrity()
 
 
@@ -356,12 +356,10 @@ def test_model_reloading_rejection_uses_the_last_reload_duration() -> None:
 
 
 def test_snapshot_has_the_v1_admission_fields() -> None:
-    free = {"n": 93}
-    c = controller(
-        16, 100, 4096, max_num_seqs=3, max_queue_depth=5, rates=EXACT, blocks_free=lambda: free["n"], debug=True
-    )
-    t = c.submit(100, 10)
-    c.progress(t, blocks_allocated=7)
+    kv = FixedKV(16, 100)
+    c = controller(16, 100, 4096, max_num_seqs=3, max_queue_depth=5, rates=EXACT, kv=kv, debug=True)
+    t = c.submit(100, 10, request_id=kv.request(100))
+    kv.allocate(t.request_id, 7)
     s = c.snapshot()
     expected = {
         "block_size": 16,
@@ -420,7 +418,7 @@ def test_threads_submitting_and_cancelling() -> None:
                         running.remove(t)
                         c.release(t)
                     else:
-                        c.progress(t, tokens_generated=t.tokens_generated + 1, blocks_allocated=1)
+                        c.progress(t, tokens_generated=t.tokens_generated + 1)
                 c.check_integrity()
                 if not running:
                     wake.wait(0.005)

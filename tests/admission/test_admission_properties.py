@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from helexa.admission import AdmissionRejected, EngineRates, TicketState, retry_after_seconds
-from tests.support.admission import FakeClock, FakeEngine, FixedSharing, SeqWork, controller, estimate_starts
+from tests.support.admission import FakeClock, FakeEngine, FixedKV, SeqWork, controller, estimate_starts
 
 BS, NB, MML, SEQS, QD, WAIT, DEFAULT_MAX = 4, 24, 64, 3, 3, 30.0, 16
 RATES = EngineRates(decode_step_seconds=1.0, prefill_token_seconds=0.25)
@@ -54,7 +54,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             replan_interval_secs=0.0,
             clock=self.clock,
             rates=RATES,
-            sharing=FixedSharing(BS, NB),
+            kv=FixedKV(BS, NB),
             debug=True,
         )
         self.tickets = {}  # id -> Ticket
@@ -120,7 +120,8 @@ class AdmissionMachine(RuleBasedStateMachine):
             if wait > WAIT:
                 expect, retry = "kv_timeout", retry_after_seconds(wait)
         try:
-            ticket = self.c.submit(prompt, max_tokens, payload={"shared": shared})
+            kv = self.c._kv
+            ticket = self.c.submit(prompt, max_tokens, request_id=kv.request(prompt, shared=shared))
         except AdmissionRejected as e:
             assert (e.reason, e.retry_after) == (expect, retry), (e.arithmetic, expect, retry)
             event(f"submit {expect}")
@@ -170,12 +171,8 @@ class AdmissionMachine(RuleBasedStateMachine):
             r, t = self.running[rid], self.tickets[rid]
             r.generated += 1
             r.prefilled = r.prompt
-            self.c.progress(
-                t,
-                tokens_generated=r.generated,
-                prompt_prefilled=r.prompt,
-                blocks_allocated=-(-(r.prompt + r.generated) // BS) - r.shared,
-            )
+            self.c._kv.allocate(t.request_id, -(-(r.prompt + r.generated) // BS) - r.shared)
+            self.c.progress(t, tokens_generated=r.generated, prompt_prefilled=r.prompt)
             if r.generated == r.max_tokens:
                 self.engine.remove(rid)
                 assert self.c.release(t)
@@ -225,7 +222,7 @@ class AdmissionMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for t in list(self.tickets.values()):
             self.c.cancel(t)
-        engine = FakeEngine(self.c, self.clock)
+        engine = FakeEngine(self.c, self.clock, kv=self.c._kv)
         engine.running = [self.tickets[i] for i in self.engine]
         engine.run_until_idle(max_steps=100)
         self.c.check_integrity()

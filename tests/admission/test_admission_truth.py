@@ -11,7 +11,7 @@ import pytest
 
 from helexa.admission import AdmissionRejected, EngineRates, TicketState
 from helexa.admission.lengths import AnswerLengths
-from tests.support.admission import FakeClock, FakeEngine, controller
+from tests.support.admission import FakeClock, FakeEngine, FixedKV, controller
 
 EXACT = EngineRates(decode_step_seconds=1.0, prefill_token_seconds=0.0)
 
@@ -160,13 +160,13 @@ def test_preempted_ticket_waits_ahead_of_the_queue_never_expires_and_resumes_fir
     c = _make(_short_answers(8), clock, policy="adaptive", num_blocks=10, max_wait_secs=10.0)
     a, b = c.submit(20, 120), c.submit(20, 120)
     c.poll()
-    c.progress(b, tokens_generated=4, prompt_prefilled=20, blocks_allocated=2)
+    c.progress(b, tokens_generated=4, prompt_prefilled=20)
     assert c.grow(a, 8)
     with caplog.at_level(logging.INFO, logger="helexa.admission"):
         c.preempt(b)  # the engine freed b's blocks to let a grow
     assert c.grow(a, 9)  # a takes one of them: 1 block left, too few for b to resume
     assert b.state is TicketState.QUEUED and b.preemptions == 1
-    assert (b.blocks_allocated, b.prompt_prefilled, b.tokens_generated) == (0, 0, 4)
+    assert (b.prompt_prefilled, b.tokens_generated) == (0, 4)
     # resumes with prompt + its 4 tokens + the allowance given 4 generated (8): ceil(28 / 16) = 2
     assert b.blocks_reserved == 2
     snap = c.snapshot()
@@ -216,14 +216,14 @@ def test_preempt_only_running_tickets() -> None:
 
 
 def test_snapshot_blocks_add_up_from_one_pool_reading() -> None:
-    free = {"n": 100}
-    c = controller(16, 100, 4096, blocks_free=lambda: free["n"], rates=EXACT)
-    t = c.submit(10, 100)
+    kv = FixedKV(16, 100)
+    c = controller(16, 100, 4096, kv=kv, rates=EXACT)
+    t = c.submit(10, 100, request_id=kv.request(10))
     c.poll()
-    free["n"] = 97  # the engine allocated 3 blocks and has not reported progress yet
+    kv.allocate(t.request_id, 3)  # the engine allocated 3 blocks: the KV owner's reading says so at once
     snap = c.snapshot()
-    assert snap["blocks_free"] + snap["blocks_allocated"] + snap["blocks_cached"] == snap["blocks_total"]
-    assert (snap["blocks_free"], snap["blocks_allocated"]) == (97, 3)
+    assert snap["blocks_free"] + snap["blocks_in_use"] + snap["blocks_cached"] == snap["blocks_total"]
+    assert (snap["blocks_free"], snap["blocks_empty"], snap["blocks_in_use"]) == (97, 97, 3)
     c.release(t)
 
 

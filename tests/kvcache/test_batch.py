@@ -39,7 +39,7 @@ def test_exact_tables_and_slots(backend: str) -> None:
     assert (a.num_tokens, b.num_tokens, pool.num_free_blocks) == (9, 5, 11)
     builder.check_integrity()
 
-    builder.release(a)  # 0, 1, 4 go back (pushed in that order)
+    pool.decref(builder.release(a))  # 0, 1, 4 go back (pushed in that order)
     assert pool.num_free_blocks == 14 and a.released
     c = builder.new_table()
     attn = builder.build([(c, 9)])
@@ -79,19 +79,20 @@ def test_out_of_blocks_changes_nothing(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_shared_blocks(backend: str) -> None:
+def test_a_table_starts_with_blocks_its_caller_holds(backend: str) -> None:
     pool, builder = _builder(backend)
     a = builder.new_table()
     builder.build([(a, 8)])  # blocks 0, 1 full
-    b = builder.new_table(shared_blocks=a.block_ids)  # b starts with a's two full blocks
-    assert b.num_tokens == 8 and pool.refcount(0) == 2 and pool.refcount(1) == 2
+    b = builder.new_table(a.block_ids)  # b starts with a's two full blocks; the builder takes no reference
+    assert b.num_tokens == 8 and pool.refcount(0) == 1 and pool.refcount(1) == 1
     attn = builder.build([(b, 2)])
     assert b.block_ids == (0, 1, 2) and attn.slot_mapping.tolist() == [8, 9]
     assert attn.block_tables.tolist() == [[0, 1, 2]]
-    builder.release(a)  # shared blocks stay allocated for b
-    assert pool.num_free_blocks == 13 and pool.refcount(0) == 1
+    assert builder.release(a) == [0, 1]  # the ids come back; nothing is dropped by the builder
+    assert pool.num_free_blocks == 13
     builder.check_integrity()
-    builder.release(b)
+    assert builder.release(b) == [0, 1, 2]
+    pool.decref([0, 1, 2])
     assert pool.num_free_blocks == 16
     builder.check_integrity()
 
@@ -113,13 +114,13 @@ def test_bad_batches_raise_and_change_nothing() -> None:
     other_pool, other = _builder("torch")
     with pytest.raises(ValueError, match="does not belong"):
         other.build([(a, 1)])
-    builder.release(a)
+    assert builder.release(a) == []
     with pytest.raises(ValueError, match="released"):
         builder.release(a)
     with pytest.raises(ValueError, match="released"):
         builder.build([(a, 1)])
     with pytest.raises(ValueError, match="is free"):
-        builder.new_table(shared_blocks=[3])
+        builder.new_table([3])
     assert builder.num_live_tables == 1
     builder.check_integrity()
 
@@ -190,7 +191,7 @@ def test_end_to_end_through_the_kernels(backend: str, kernels: str) -> None:
     ]
     for step in steps:
         if isinstance(step, str):
-            builder.release(tables[1])
+            pool.decref(builder.release(tables[1]))
             history.pop(1, None)
             tables[1] = builder.new_table()
             continue

@@ -65,12 +65,13 @@ def test_a_hit_is_the_longest_verified_run_and_leaves_the_last_token() -> None:
     cache.check_integrity()
 
 
-def test_decide_can_refuse_and_then_nothing_is_pinned() -> None:
+def test_an_expected_hit_that_changed_pins_nothing() -> None:
     allocator, cache, _ = _cache()
     cache.release(_compute(allocator, cache, list(range(9)), "a"), "a")
-    seen = []
-    assert cache.acquire(list(range(9)), "b", decide=lambda hit, shared: seen.append((hit, shared)) or False) is None
-    assert seen == [(2, 0)] and cache.counts().cached == 2
+    assert cache.acquire(list(range(9)), "b", expect=(2, 1)) is None  # both blocks are cached, none in use
+    assert cache.acquire(list(range(9)), "b", expect=(1, 0)) is None  # and two match, not one
+    assert cache.counts().cached == 2
+    assert cache.acquire(list(range(9)), "b", expect=(2, 0)).block_ids == (0, 1)
     cache.check_integrity()
 
 

@@ -121,8 +121,8 @@ def test_random_operations_keep_invariants_and_backends_agree(data: st.DataObjec
             if not tables:
                 continue
             key = data.draw(st.sampled_from(sorted(tables)), label="release")
-            for b, t in zip(builders, tables.pop(key)):
-                b.release(t)
+            for p, b, t in zip(pools, builders, tables.pop(key)):
+                p.decref(b.release(t))
             ids, _ = model.tables.pop(key)
             model.release(ids)
             results, expected = [("ok", None)] * 2, ("ok", None)
@@ -158,13 +158,15 @@ def test_everything_returns_after_all_sequences_end(backend: str) -> None:
     pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, 1, 1, 4, torch.float32, "cpu", backend=backend)
     builder = BatchBuilder(pool, max_num_seqs=MAX_SEQS, max_model_len=MAX_LEN)
     loose = pool.allocate(2).tolist()
-    a, b = builder.new_table(), builder.new_table(shared_blocks=loose)
+    pool.incref(loose)  # b's own references to them
+    a, b = builder.new_table(), builder.new_table(loose)
     builder.build([(a, 5), (b, 3)])
-    c = builder.new_table(shared_blocks=a.block_ids[:1])
+    pool.incref(a.block_ids[:1])  # c's reference to a's first block
+    c = builder.new_table(a.block_ids[:1])
     builder.build([(c, 9), (a, 1)])
     pool.free(loose)
     for t in (a, b, c):
-        builder.release(t)
+        pool.decref(builder.release(t))
     builder.check_integrity()
     assert pool.num_free_blocks == NUM_BLOCKS and builder.num_live_tables == 0
     assert pool.allocator.refcount.sum().item() == 0

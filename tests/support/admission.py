@@ -10,22 +10,15 @@ its prefill and gains one token, reported for all of them before the ones that r
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from helexa.admission import (
-    AdmissionConfig,
-    AdmissionController,
-    BlockStates,
-    Capacity,
-    EngineRates,
-    FifoPlan,
-    Share,
-    Ticket,
-)
+from helexa.admission import AdmissionConfig, AdmissionController, Capacity, EngineRates, FifoPlan, Ticket
 from helexa.admission.lengths import AnswerLengths
+from helexa.kvprotocol import BlockStates, Share
 
 
 def controller(
@@ -36,8 +29,7 @@ def controller(
     clock: Any = None,
     rates: Any = None,
     wakeup: Any = None,
-    blocks_free: Any = None,
-    sharing: Any = None,
+    kv: Any = None,
     reload_status: Any = None,
     lengths: AnswerLengths | None = None,
     debug: bool | None = None,
@@ -54,8 +46,7 @@ def controller(
         Capacity(block_size, num_blocks, max_model_len),
         rates=rates,
         wakeup=wakeup,
-        blocks_free=blocks_free,
-        sharing=sharing,
+        kv=kv,
         reload_status=reload_status,
         lengths=lengths if lengths is not None else AnswerLengths(prior_mean=math.inf),
         debug=debug,
@@ -63,36 +54,56 @@ def controller(
     )
 
 
-class FixedSharing:
-    """A stand-in prefix cache for admission tests: a ticket whose payload is `{"shared": n}` finds `n` full
-    blocks of its prefix cached and held by running sequences (at most all but its last token's);
-    nothing is ever orphaned or cached. Records what it pinned and let go."""
+class FixedKV:
+    """A stand-in KV owner for admission tests (the `KVHoldings` protocol). A request registered with
+    `request(prompt_tokens, shared=n)` finds `n` full blocks of its prefix cached and held by running requests
+    (at most all but its last token's); nothing is ever orphaned or cached. `allocate(key, n)` says a request
+    now holds `n` blocks of its own, as the engine's table would. Records what it pinned and let go."""
 
     def __init__(self, block_size: int, num_blocks: int) -> None:
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.pinned: dict[int, int] = {}  # ticket id -> blocks pinned
-        self.released: list[int] = []  # ticket ids let go, in order
-        self.in_use = 0  # blocks allocated, as the test reports them
-        self.lookups = 0  # share() calls
+        self._keys = itertools.count(1)
+        self.wanted: dict[str, tuple[int, int]] = {}  # key -> (prompt tokens, shared blocks its lookup finds)
+        self.pinned: dict[str, int] = {}  # key -> shared blocks pinned
+        self.own: dict[str, int] = {}  # key -> blocks of its own, as the test reports them
+        self.released: list[str] = []  # keys let go, in order
+        self.lookups = 0  # lookup() calls
 
-    def share(self, ticket: Ticket, decide: Any) -> Share:
+    def request(self, prompt_tokens: int, shared: int = 0) -> str:
+        key = f"r{next(self._keys)}"
+        self.wanted[key] = (prompt_tokens, shared)
+        return key
+
+    def allocate(self, key: str, blocks: int) -> None:
+        self.own[key] = blocks
+
+    def lookup(self, key: str) -> Share:
         self.lookups += 1
-        want = ticket.payload.get("shared", 0) if isinstance(ticket.payload, dict) else 0
-        n = min(want, (ticket.prompt_tokens + ticket.tokens_generated - 1) // self.block_size)
-        if not decide(n, n):
-            return Share(n, n, False)
-        self.pinned[ticket.id] = n
-        return Share(n, n, True)
+        prompt, want = self.wanted.get(key, (1, 0))
+        n = min(want, (prompt - 1) // self.block_size)
+        return Share(n, n)
 
-    def let_go(self, ticket: Ticket) -> None:
-        if self.pinned.pop(ticket.id, None) is not None:
-            self.released.append(ticket.id)
+    def pin(self, key: str, share: Share) -> bool:
+        self.pinned[key] = share.shared_blocks
+        return True
+
+    def let_go(self, key: str) -> None:
+        self.own.pop(key, None)
+        if self.pinned.pop(key, None) is not None:
+            self.released.append(key)
+
+    def shared_blocks(self, key: str) -> int:
+        return self.pinned.get(key, 0)
+
+    def charged_blocks(self, key: str) -> int:
+        return self.own.get(key, 0)
 
     def orphan_blocks(self) -> int:
         return 0
 
     def block_states(self) -> BlockStates:
-        return BlockStates(self.num_blocks - self.in_use, 0, self.in_use, 0)
+        in_use = sum(self.own.values()) + sum(self.pinned.values())
+        return BlockStates(self.num_blocks - in_use, 0, in_use, 0)
 
 
 class SeqWork(NamedTuple):
@@ -138,6 +149,7 @@ class FakeClock:
 class FakeEngine:
     controller: AdmissionController
     clock: FakeClock
+    kv: FixedKV | None = None  # told of the blocks each running request holds
     step_seconds: float = 1.0
     running: list[Ticket] = field(default_factory=list)
     granted_at: dict[int, float] = field(default_factory=dict)  # ticket id -> clock at grant pick-up
@@ -160,8 +172,10 @@ class FakeEngine:
         self.clock.advance(self.step_seconds)
         for t in self.running:  # report the whole step's progress first, then release what finished
             n = t.tokens_generated + 1
-            blocks = self.controller.capacity.blocks_for(t.prompt_tokens + n) - t.shared_blocks
-            self.controller.progress(t, tokens_generated=n, prompt_prefilled=t.prompt_tokens, blocks_allocated=blocks)
+            if self.kv is not None and t.request_id:
+                shared = self.kv.shared_blocks(t.request_id)
+                self.kv.allocate(t.request_id, self.controller.capacity.blocks_for(t.prompt_tokens + n) - shared)
+            self.controller.progress(t, tokens_generated=n, prompt_prefilled=t.prompt_tokens)
         for t in [t for t in self.running if t.tokens_generated >= self.stop_early.get(t.id, t.max_tokens)]:
             self._end(t)
 
