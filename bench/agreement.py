@@ -98,29 +98,28 @@ def helexa_outputs(
 def helexa_teacher_forced(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
     """Argmax next-token prediction at every position of `ids`, from the engine's own model and KV pool.
 
-    The text goes through one block table of the runner's batch builder in `chunk`-token steps (as a
+    The text goes through one block table the engine's KV owner holds for it, in `chunk`-token steps (as a
     chunked prefill does), each step asking for the logits of all its rows. The table's blocks go
     back to the pool after; the engine must be idle (it is, between `generate` calls)."""
-    runner = llm.engine.runner
+    runner, kv = llm.engine.runner, llm.engine.kv
     assert runner is not None, "the engine has no loaded model (poisoned)"
-    builder, device = runner.builder, runner.device
-    kv_caches = runner.pool.kv_caches()
-    table = builder.new_table()
+    device, kv_caches = runner.device, runner.pool.kv_caches()
+    key = "agreement-teacher-forced"
+    kv.open(key, list(ids))
+    kv.start(key, list(ids))  # no pin: nothing shared, the whole text is computed
     preds = []
     try:
         for start in range(0, len(ids), chunk):
             piece = ids[start : start + chunk]
-            batch = [(table, len(piece))]
-            if runner.cache is not None:
-                runner.cache.ensure_free(builder.blocks_needed(batch))
-            attn = builder.build(batch)
+            attn = kv.build_step([(key, len(piece))])  # evicts cached blocks when the empty ones are short
             input_ids = torch.tensor(piece, dtype=torch.int64, device=device)
             positions = torch.arange(start, start + len(piece), dtype=torch.int64, device=device)
             rows = torch.arange(len(piece), dtype=torch.int64, device=device)
             logits = runner.model(input_ids, positions, attn, kv_caches, rows)  # (n, V) float32
             preds.append(logits.argmax(dim=-1).cpu())
     finally:
-        builder.release(table)
+        kv.drop_table(key)
+        kv.close(key)
     return torch.cat(preds)
 
 

@@ -71,21 +71,24 @@ class Forced:
 @torch.inference_mode()
 def teacher_forced(llm: LLM, ids: list[int]) -> Forced:
     """Every position's next-token log-probabilities, the text fed through the engine's own model, pool
-    and batch builder in chunks of `CHUNK` tokens (blocks released after)."""
-    runner = llm.engine.runner
+    and KV owner in chunks of `CHUNK` tokens (blocks released after)."""
+    runner, kv = llm.engine.runner, llm.engine.kv
     assert runner is not None
-    table = runner.builder.new_table()
+    key = "fp8-teacher-forced"
+    kv.open(key, list(ids))
+    kv.start(key, list(ids))  # no pin: nothing shared, the whole text is computed
     out = []
     try:
         for start in range(0, len(ids), CHUNK):
             chunk = ids[start : start + CHUNK]
-            attn = runner.builder.build([(table, len(chunk))])
+            attn = kv.build_step([(key, len(chunk))])
             tokens = torch.tensor(chunk, dtype=torch.int64)
             positions = torch.arange(start, start + len(chunk), dtype=torch.int64)
             logits = runner.model(tokens, positions, attn, runner.pool.kv_caches(), torch.arange(len(chunk)))
             out.append(logits[:, : runner.sample_vocab_size].log_softmax(dim=-1))
     finally:
-        runner.builder.release(table)
+        kv.drop_table(key)
+        kv.close(key)
     return Forced(torch.cat(out))
 
 

@@ -1,30 +1,38 @@
-"""The engine: one loop that admits, schedules, runs and streams every request (continuous batching)."""
+"""The engine: one loop that admits, schedules, runs and streams every request (continuous batching).
+
+`Engine.step()` is the spine: take what admission granted, schedule, let the KV owner build the step's
+tables, run the model, offer the filled blocks, stream. Who holds which block is the KV owner's
+(`helexa.kvcache.KVManager`, `self.kv`); reservations are admission's (`self.admission`); a device fault
+goes to `FaultRecovery` (`self.recovery`), which reloads the model, after which the engine replays.
+"""
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from helexa.admission import AdmissionController, Capacity, RateTracker, Ticket, TicketState
+from helexa.admission import AdmissionController, Capacity, Ticket, TicketState
 from helexa.admission.estimator import RequestSizes
 from helexa.cluster import KVEventRecorder
 from helexa.config import EngineConfig
 from helexa.engine.faults import FaultInjector, ModelHealth
+from helexa.engine.loading import kv_calibration_ids, load
 from helexa.engine.output import append_token
-from helexa.engine.runner import ModelRunner, StepInputs, kv_calibration_ids
+from helexa.engine.parallel.group import fault_injection
+from helexa.engine.recovery import FaultRecovery
+from helexa.engine.runner import ModelRunner, StepInputs
 from helexa.engine.scheduler import ScheduledChunk, schedule
 from helexa.engine.sequence import Request, Sequence
-from helexa.engine.sharing import CacheSharing
 from helexa.engine.step_budget import MeasuredStepCost, StepBudget
 from helexa.engine.stream import RequestStream, TokenEvent
-from helexa.kvcache import BlockPool, BlockTable, KVBudget, PrefixCache, PrefixHit
+from helexa.engine.view import EngineView
+from helexa.kvcache import BlockPool, KVBudget, KVManager
 from helexa.model.config import ModelConfig
 from helexa.model.generation_defaults import SamplingDefaults, resolve_sampling_defaults
 from helexa.model.loader import resolve_dtype
@@ -34,7 +42,6 @@ from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.text.stopping import StopChecker
 from helexa.model.text.tokenizer import Tokenizer
 from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model
-from helexa.parallel.group import fault_injection
 
 logger = logging.getLogger("helexa.engine")
 
@@ -59,7 +66,8 @@ class DeviceFault(EngineError):
 class RequestHandle:
     """A submitted request: read its `stream` until the final event; `abort` it by `request_id`.
 
-    `max_tokens` is the output limit admission decided (the request's, or the node's default).
+    `max_tokens` is the output limit admission granted (the request's, or the node's default);
+    `request` is what was submitted.
     """
 
     request_id: str
@@ -67,6 +75,7 @@ class RequestHandle:
     prompt_tokens: int
     max_tokens: int
     ticket: Ticket
+    request: Request = field(repr=False)
 
 
 @dataclass
@@ -121,43 +130,49 @@ class Engine:
         self.runner: ModelRunner | None = self._load_runner()
         self.first_num_blocks = self.runner.budget.num_blocks
         self.health = ModelHealth()
+        # The one cost model of a step: it sizes prefill chunks and gives admission its rates.
         try:
-            self.rates = self._calibrate(self.runner)
+            self.step_cost = self._calibrate(self.runner)
         except BaseException:
             self.runner.close(graceful=False)  # no tensor-parallel worker outlives a failed start
             raise
-        # Prefill chunks sized to a step time while requests decode (`--target-step-secs`), from the same rates.
         self.target_step_secs = _target_step_secs(config, self.device)
         self.step_budget = StepBudget(
-            config.max_num_batched_tokens, self.target_step_secs, config.block_size, MeasuredStepCost(self.rates)
+            config.max_num_batched_tokens, self.target_step_secs, config.block_size, self.step_cost
         )
         self.counters = EngineCounters()
-        self._preempted: dict[int, Sequence] = {}  # by ticket id: blocks freed, waiting in admission to resume
-        self.sharing = (
-            CacheSharing(lambda: self.runner.cache if self.runner is not None else None, self._lookup_tokens,
-                         self.first_num_blocks)
-            if config.prefix_cache
-            else None
-        )  # fmt: skip
+        self.kv = KVManager(
+            self.runner.pool,
+            max_num_seqs=config.admission.max_num_seqs,
+            max_model_len=self.max_model_len,
+            prefix_cache=config.prefix_cache,
+            retention_secs=config.prefix_retention_secs,
+        )
         self.admission = AdmissionController(
             config.admission,
             Capacity(config.block_size, self.first_num_blocks, self.max_model_len),
-            rates=self.rates.rates(),
+            rates=self.step_cost.rates(),
             wakeup=self._wake,
             reload_status=self.health.reload_seconds_left,
-            blocks_free=lambda: self.runner.pool.num_free_blocks if self.runner is not None else 0,
-            sharing=self.sharing,
+            kv=self.kv,
+        )
+        self.recovery = FaultRecovery(
+            lambda: self._load_runner(),  # looked up at each reload (tests replace the loader)
+            self.health,
+            first_num_blocks=self.first_num_blocks,
+            max_retries=config.max_fault_retries,
+            backoff_secs=config.fault_backoff_secs,
+            device=self.device,
         )
         self._adaptive = config.admission.policy == "adaptive"
         # HELEXA_FAULT_INJECT fires here (rank 0), or on the worker rank HELEXA_FAULT_INJECT_RANK names.
         self._faults = FaultInjector.from_env() if fault_rank == 0 else FaultInjector()
         self._last_end: float | None = None  # when the previous step that ran the model ended (None: idle since)
         self._step_no = 0  # steps that ran the model, counted from 1 (HELEXA_FAULT_INJECT counts these)
-        self._consecutive_faults = 0
-        self._evictions_before = 0  # prefix-cache evictions of the caches reloads dropped
+        self._preempted: dict[int, Sequence] = {}  # by ticket id: blocks freed, waiting in admission to resume
         self._running: list[Sequence] = []  # in admission order: the last is the most recently admitted
-        # Granted, held back until a running sequence has computed more of their prompt (see `_hold_back`).
-        self._deferred: dict[int, tuple[Ticket, Sequence, int]] = {}  # ticket id -> (ticket, source, blocks)
+        # Granted, held back until a running request has computed more of their prompt (see `_hold_back`).
+        self._deferred: dict[int, tuple[Ticket, str, int]] = {}  # ticket id -> (ticket, source request id, blocks)
         self._pending: dict[str, RequestHandle] = {}  # submitted, not ended; any thread, under _lock
         self._aborts: set[str] = set()  # abort requests for running sequences, under _lock
         self._ids = itertools.count(1)
@@ -175,7 +190,7 @@ class Engine:
                 topic=config.kv_events_topic or "", block_size=config.block_size,
                 queue_batches=config.kv_events_queue_batches, buffer_batches=config.kv_events_buffer_batches,
             )  # fmt: skip
-            self.kv_events.start(self.runner.cache)
+            self.kv_events.start(self.kv.prefix_cache)
         self.load_seconds = time.perf_counter() - load_start
         logger.info(
             f"engine: loaded {self.model_name} on {self.device} {_dtype_name(self.dtype)} in {self.load_seconds:.2f}s; "
@@ -184,19 +199,19 @@ class Engine:
             f"attention={config.attention_backend} tensor_parallel_size={config.tensor_parallel_size}"
         )
 
-    def _calibrate(self, runner: ModelRunner) -> RateTracker:
-        """The step costs wait estimates start from, measured on this model and device before any request."""
-        measured = runner.calibrate(min(256, self.config.max_num_batched_tokens), 8)
+    def _calibrate(self, runner: ModelRunner) -> MeasuredStepCost:
+        """The step costs estimates start from, measured on this model and device before any request."""
+        measured = runner.calibrate(min(256, self.config.max_num_batched_tokens), 8, self.max_model_len)
         if measured is None:
             logger.info("engine: pool too small to calibrate on; estimates start from the priors")
-            return RateTracker()
+            return MeasuredStepCost()
         decode, prefill = measured
         logger.info(f"engine: calibrated decode_step={decode * 1e3:.2f}ms prefill={prefill * 1e6:.1f}us/token")
-        return RateTracker.calibrated(decode, prefill)
+        return MeasuredStepCost.calibrated(decode, prefill)
 
     def _load_runner(self) -> ModelRunner:
         """The model and its KV pool, loaded from the config (at start and on every reload)."""
-        return ModelRunner(
+        loaded = load(
             self.config,
             self.model_dir,
             self.model_config,
@@ -207,6 +222,7 @@ class Engine:
             # `--kv-cache-dtype fp8`: the fp8 scales are calibrated on this text at every load
             calibration_ids=kv_calibration_ids(self.tokenizer) if self.config.kv_cache_dtype != "auto" else None,
         )
+        return ModelRunner(loaded)
 
     @property
     def budget(self) -> KVBudget:
@@ -216,12 +232,7 @@ class Engine:
     @property
     def pool(self) -> BlockPool:
         """The KV block pool (rebuilt with the same block count after a device fault)."""
-        return self._live_runner().pool
-
-    def _lookup_tokens(self, ticket: Ticket) -> list[int]:
-        """The tokens a ticket's prefix lookup covers: a resuming sequence's prompt and output, else its prompt."""
-        seq = self._preempted.get(ticket.id)
-        return seq.token_ids if seq is not None else ticket.payload.prompt
+        return self.kv.pool
 
     def _live_runner(self) -> ModelRunner:
         if self.runner is None:
@@ -241,7 +252,7 @@ class Engine:
     ) -> RequestHandle:
         """Queue a tokenised request for generation; thread-safe.
 
-        `params.max_tokens=None` lets admission reserve the node's default. The prefix cache shares
+        `params.max_tokens=None` lets admission grant the node's default. The prefix cache shares
         blocks only between requests with the same `cache_salt` (or none); a `prompt_cache_key` names
         an agent session whose blocks are retained when the request ends. Raises `AdmissionRejected`
         (never fits, queue full, wait beyond the deadline), `ValueError` (empty prompt, token ids
@@ -270,14 +281,18 @@ class Engine:
             request_id = request_id or f"req-{next(self._ids)}"
             if request_id in self._pending:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            stream = RequestStream(request_id)
-            ticket = self.admission.submit(
-                len(prompt),
-                params.max_tokens,
-                stops_early=not params.runs_to_limit,
-                payload=Request(request_id, prompt, params, stream, cache_salt, prompt_cache_key, constraint),
+            req = Request(
+                request_id, prompt, params, RequestStream(request_id), cache_salt, prompt_cache_key, constraint
             )
-            handle = RequestHandle(request_id, stream, len(prompt), ticket.max_tokens, ticket)
+            self.kv.open(request_id, req.prompt, salt=cache_salt, session=prompt_cache_key)
+            try:
+                ticket = self.admission.submit(
+                    len(prompt), params.max_tokens, stops_early=not params.runs_to_limit, request_id=request_id
+                )
+            except BaseException:
+                self.kv.close(request_id)  # a rejected request never holds a block, nor a registration
+                raise
+            handle = RequestHandle(request_id, req.stream, len(prompt), ticket.max_tokens, ticket, req)
             self.request_sizes.observe(len(prompt), ticket.max_tokens)
             self._pending[request_id] = handle
         return handle
@@ -305,10 +320,18 @@ class Engine:
             "model_state": self.health.state,
         }
 
-    def running_blocks(self) -> list[tuple[Ticket, tuple[int, ...]]]:
-        """Each running sequence's ticket and the block ids of its table (shared and cached ones included), in
-        admission order. Read without a lock from any thread: a moment's view for display, never bookkeeping."""
-        return [(seq.ticket, seq.table.block_ids) for seq in list(self._running)]
+    def view(self) -> EngineView:
+        """One typed reading for the operator page: admission's view and its `/v1/admission` body, then the KV
+        owner's survey (None while no pool is loaded) and the budget line. Any thread; for display, never
+        bookkeeping (`EngineView.consistent` says whether the two readings still agree)."""
+        admission = self.admission.view()
+        snapshot = {**self.snapshot(), **admission.snapshot}  # the engine's own fields around admission's reading
+        try:
+            survey = self.kv.survey()
+        except RuntimeError:  # reloading: no pool to survey
+            survey = None
+        runner = self.runner
+        return EngineView(admission, snapshot, survey, runner.budget.describe() if runner is not None else None)
 
     # ------------------------------------------------------------------ the loop
 
@@ -321,8 +344,8 @@ class Engine:
         begin, self._last_end = self._last_end or time.perf_counter(), None
         if self.health.fault_cause is not None or self.runner is None:
             return False
-        self._take_admitted(self.runner)
-        self._release_deferred(self.runner)
+        self._take_admitted()
+        self._release_deferred()
         self._apply_aborts()
         chunks = schedule(self._running, self.config.max_num_batched_tokens, self.step_budget.prefill_limit)
         if self._adaptive:
@@ -332,7 +355,8 @@ class Engine:
         self._step_no += 1
         t0 = time.perf_counter()
         try:
-            inputs = self.runner.prepare(chunks)
+            attn = self.kv.build_step([(c.seq.request_id, c.num_new) for c in chunks])  # evict, then grow tables
+            inputs = self.runner.prepare(chunks, attn)
             for chunk in chunks:
                 chunk.seq.num_computed += chunk.num_new
             t1 = time.perf_counter()
@@ -342,12 +366,10 @@ class Engine:
             self._on_device_fault(exc, chunks)
             return True
         t2 = time.perf_counter()
-        self._consecutive_faults = 0
-        if self.runner.cache is not None:
-            self.counters.prefix_cache_evictions = self._evictions_before + self.runner.cache.evictions
-        if self.sharing is not None:  # every block the step filled is now computed: offer it to the cache
-            for chunk in chunks:
-                self.sharing.offer(chunk.seq, self.runner.builder)
+        self.recovery.succeeded()
+        self.counters.prefix_cache_evictions = self.kv.evictions
+        for chunk in chunks:  # every block the step filled is now computed: offer it to the prefix cache
+            self.kv.offer(chunk.seq.request_id, chunk.seq.num_computed)
         self._postprocess(inputs, samples, failures)
         if self.kv_events is not None:  # this step's stored and evicted blocks, as one batch (never blocks)
             self.kv_events.end_step()
@@ -403,57 +425,38 @@ class Engine:
             self.kv_events.close()  # sends what is queued, then closes its sockets
 
     def check_integrity(self) -> None:
-        """Engine-level invariants: pool, prefix cache and admission consistent; tables cover exactly the
-        computed tokens, within their reservations; preempted sequences hold no blocks and wait in
-        admission (or were just regranted). With the prefix cache: every in-use block is charged to
-        exactly one reservation or is an orphan (so a granted request can never run out of blocks),
-        and each sequence holds through the cache exactly the blocks the cache counts for it."""
-        runner = self._live_runner()
-        runner.pool.check_integrity()
-        runner.builder.check_integrity()
+        """Engine-level invariants: the KV owner's (every in-use block charged to exactly one request or
+        orphaned, every table's blocks held for it) and admission's (each reservation covers the blocks its
+        request is charged for); each running table covers exactly the computed tokens; preempted
+        sequences hold no blocks and wait in admission (or were just regranted); the KV owner knows exactly
+        the requests that have not ended."""
+        self.kv.check_integrity()
         self.admission.check_integrity()
         for seq in self._running:
-            if seq.table.num_tokens != seq.num_computed:
+            if self.kv.num_tokens(seq.request_id) != seq.num_computed:
                 raise AssertionError(
-                    f"{seq.request_id}: block table covers {seq.table.num_tokens} tokens, {seq.num_computed} computed"
+                    f"{seq.request_id}: block table covers {self.kv.num_tokens(seq.request_id)} tokens, "
+                    f"{seq.num_computed} computed"
                 )
-            if seq.table.num_blocks - seq.ticket.shared_blocks > seq.ticket.blocks_reserved:
-                raise AssertionError(
-                    f"{seq.request_id}: {seq.table.num_blocks} blocks ({seq.ticket.shared_blocks} shared) over its "
-                    f"reservation of {seq.ticket.blocks_reserved}"
-                )
-        if runner.cache is not None and self.sharing is not None:
-            self._check_sharing(runner.cache, self.sharing)
         for seq in self._preempted.values():
-            if not seq.table.released or seq.num_computed or seq.ticket.state.ended:  # (granted: resumes next step)
+            holding = self.kv.holding(seq.request_id)
+            if holding is None or holding.block_ids or seq.num_computed or seq.ticket.state.ended:
                 raise AssertionError(f"{seq.request_id}: preempted but holds blocks or has ended")
-
-    def _check_sharing(self, cache: PrefixCache, sharing: CacheSharing) -> None:
-        cache.check_integrity()
-        counts = cache.counts()
-        pins = sharing.pinned_unattached()
-        charged = sum(s.table.num_blocks - s.ticket.shared_blocks for s in self._running)
-        charged += sum(len(hit.block_ids) - hit.shared for hit in pins.values())
-        if charged + cache.orphan_blocks != counts.in_use:
+        with self._lock:
+            pending, known = set(self._pending), set(self.kv.keys())
+        if pending != known:
             raise AssertionError(
-                f"prefix cache: {counts.in_use} blocks in use, but {charged} charged to running requests "
-                f"+ {cache.orphan_blocks} orphaned"
+                f"KV owner's requests {sorted(known - pending)} have ended; {sorted(pending - known)} are unknown to it"
             )
-        for seq in self._running:
-            if sorted(seq.table.cached_block_ids) != sorted(sharing.held(seq.ticket)):
-                raise AssertionError(f"{seq.request_id}: holds {sorted(seq.table.cached_block_ids)} through the cache, "
-                                     f"the cache counts {sorted(sharing.held(seq.ticket))}")  # fmt: skip
-            if seq.table.cached_block_ids and seq.ticket.id in pins:
-                raise AssertionError(f"{seq.request_id}: running, but its hit is still pinned unattached")
 
     # ------------------------------------------------------------------ step phases
 
-    def _take_admitted(self, runner: ModelRunner) -> None:
+    def _take_admitted(self) -> None:
         """Turn newly granted tickets into running sequences (starting from their prefix-cache hit);
         end expired and cancelled ones."""
         polled = self.admission.poll()
         for ticket in polled.expired:
-            handle = self._pending.get(ticket.payload.request_id)
+            handle = self._pending.get(ticket.request_id or "")
             if handle is not None:
                 self._end_unstarted(handle, TokenEvent(finish_reason="error", error=ticket.error))
         for ticket in polled.granted:
@@ -461,92 +464,67 @@ class Engine:
             if held_back is not None:
                 self._deferred[ticket.id] = (ticket, *held_back)
             else:
-                self._begin(ticket, runner)
+                self._begin(ticket)
         for ticket in polled.cancelled:
             with self._lock:
-                self._aborts.add(ticket.payload.request_id)
+                self._aborts.add(ticket.request_id or "")
 
-    def _begin(self, ticket: Ticket, runner: ModelRunner) -> None:
+    def _begin(self, ticket: Ticket) -> None:
         """Start a granted ticket: a new sequence, or a preempted one resuming (recomputing what the cache no
         longer holds), from a block table that begins with the hit pinned at its grant."""
-        hit = self.sharing.attach(ticket) if self.sharing is not None else None
-        table = runner.builder.new_table(cached_blocks=hit.block_ids if hit is not None else ())
         seq = self._preempted.pop(ticket.id, None)
         if seq is None:
-            req: Request = ticket.payload
+            req = self._pending[ticket.request_id or ""].request
             seq = Sequence(
-                request_id=req.request_id,
-                prompt_len=len(req.prompt),
-                token_ids=list(req.prompt),
-                params=req.params,
+                request=req,
                 ticket=ticket,
-                stream=req.stream,
+                token_ids=list(req.prompt),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt, req.params.skip_special_tokens),
                 stop_checker=StopChecker(req.params.stop),
-                table=table,
                 generator=make_generator(req.params.seed, self.device) if req.params.seed is not None else None,
-                cache_salt=req.cache_salt,
-                session=req.session,
-                constraint=req.constraint,
             )
-        self._start(seq, table, hit)
-
-    def _hold_back(self, ticket: Ticket) -> tuple[Sequence, int] | None:
-        """`(source, blocks)` when a running sequence is prefilling more full blocks of this new request's prompt
-        than its hit holds (the choices of one `n > 1` request, or concurrent turns of one session): the
-        request then waits for `source` to compute `blocks` of them, and shares them instead of computing
-        them again. None: start now."""
-        if self.sharing is None or ticket.preemptions or ticket.id in self._deferred:
-            return None
-        req: Request = ticket.payload
-        bs = self.config.block_size
-        limit = (len(req.prompt) - 1) // bs
-        best: tuple[Sequence, int] | None = None
-        for seq in self._running:
-            if seq.cache_salt != req.cache_salt or not seq.offering or not seq.in_prefill:
-                continue
-            blocks = _common_blocks(seq.token_ids, seq.prompt_len, req.prompt, bs, limit)
-            if blocks > max(ticket.hit_blocks, seq.blocks_offered) and (best is None or blocks > best[1]):
-                best = (seq, blocks)
-        return best
-
-    def _release_deferred(self, runner: ModelRunner) -> None:
-        """Start held-back requests whose source has offered the blocks they wait for (or stopped running);
-        each measures its hit again first, so what it now shares is not reserved twice."""
-        for tid, (ticket, source, blocks) in list(self._deferred.items()):
-            waiting = source in self._running and source.offering and source.blocks_offered < blocks
-            if waiting or ticket.cancel_requested:  # (a cancelled one ends in `_apply_aborts`)
-                continue
-            del self._deferred[tid]
-            self.admission.reshare(ticket)
-            self._begin(ticket, runner)
-
-    def _start(self, seq: Sequence, table: BlockTable, hit: PrefixHit | None) -> None:
-        """Run a granted sequence from its new block table, which starts with the prefix-cache hit pinned at
-        its grant (those tokens are not computed again)."""
-        seq.table = table
-        seq.num_computed = hit.num_tokens if hit is not None else 0
-        seq.prefix_parent = hit.nodes[-1] if hit is not None and hit.nodes else None
-        seq.blocks_offered, seq.offering = len(hit.block_ids) if hit is not None else 0, True
+        seq.num_computed = self.kv.start(seq.request_id, seq.token_ids)
         self._running.append(seq)
-        if seq.ticket.preemptions:
+        if ticket.preemptions:
             self.counters.recomputed_tokens += max(0, seq.dropped_tokens - seq.num_computed)
-        elif self.sharing is not None:
+        elif self.kv.prefix_caching:
             seq.cached_tokens = seq.num_computed
             self.counters.prefix_cache_query_tokens += seq.prompt_len
             self.counters.prefix_cache_hit_tokens += seq.cached_tokens
             logger.debug(
                 "engine: prefix cache request=%s prompt=%d hit_tokens=%d computed=%d shared_blocks=%d",
                 seq.request_id, seq.prompt_len, seq.cached_tokens, seq.prompt_len - seq.cached_tokens,
-                seq.ticket.shared_blocks,
+                self.kv.shared_blocks(seq.request_id),
             )  # fmt: skip
-        if hit is None and seq.ticket.hit_blocks:  # its pinned hit was in a cache a reload dropped
-            self._unshare(seq)
+        self._refit(seq)  # a hit a reload dropped is computed, and so reserved, by the sequence itself
 
-    def _unshare(self, seq: Sequence) -> None:
-        """Make a running sequence reserve the blocks it shared (its replay computes them), preempting the most
-        recently admitted sequences while the pool is short (possibly this one)."""
-        while seq.ticket.state is TicketState.GRANTED and not self.admission.unshare(seq.ticket):
+    def _hold_back(self, ticket: Ticket) -> tuple[str, int] | None:
+        """`(source request, blocks)` when a running request is prefilling more full blocks of this new request's
+        prompt than its hit holds (the choices of one `n > 1` request, or concurrent turns of one session):
+        the request then waits for the source to compute `blocks` of them, and shares them instead of
+        computing them again. None: start now."""
+        if not self.kv.prefix_caching or ticket.preemptions or ticket.id in self._deferred:
+            return None
+        prefilling = [s.request_id for s in self._running if s.in_prefill]
+        return self.kv.source_for(ticket.request_id or "", prefilling) if prefilling else None
+
+    def _release_deferred(self) -> None:
+        """Start held-back requests whose source has offered the blocks they wait for (or stopped running);
+        each measures its hit again first, so what it now shares is not reserved twice."""
+        running = {s.request_id for s in self._running}
+        for tid, (ticket, source, blocks) in list(self._deferred.items()):
+            waiting = source in running and self.kv.offered_blocks(source) < blocks
+            if waiting or ticket.cancel_requested:  # (a cancelled one ends in `_apply_aborts`)
+                continue
+            del self._deferred[tid]
+            self.admission.reshare(ticket)
+            self._begin(ticket)
+
+    def _refit(self, seq: Sequence) -> None:
+        """Make a running sequence's reservation cover every block it will be charged for (after a reload it
+        shares nothing), preempting the most recently admitted sequences while the pool is short (possibly
+        this one)."""
+        while seq.ticket.state is TicketState.GRANTED and not self.admission.refit(seq.ticket):
             victim = self._running[-1]
             self._preempt(victim)
             if victim is seq:
@@ -560,13 +538,13 @@ class Engine:
         for seq in [s for s in [*self._running, *self._preempted.values()] if s.request_id in aborts]:
             self._finish(seq, _final(seq, "abort"))
         for tid, (ticket, _, _) in list(self._deferred.items()):
-            if ticket.payload.request_id in aborts:  # held back, never started: its reservation and pins return
+            if ticket.request_id in aborts:  # held back, never started: its reservation and pins return
                 self._end_deferred(tid, TokenEvent(finish_reason="abort"))
 
     def _end_deferred(self, ticket_id: int, final: TokenEvent) -> None:
         ticket = self._deferred.pop(ticket_id)[0]
         self.admission.release(ticket)
-        handle = self._pending.get(ticket.payload.request_id)
+        handle = self._pending.get(ticket.request_id or "")
         if handle is not None:
             self._end_unstarted(handle, final)
 
@@ -598,10 +576,7 @@ class Engine:
         for seq in self._running:
             if id(seq) not in ending:
                 self.admission.progress(
-                    seq.ticket,
-                    prompt_prefilled=min(seq.num_computed, seq.prompt_len),
-                    tokens_generated=seq.num_output,
-                    blocks_allocated=seq.table.num_blocks - seq.ticket.shared_blocks,
+                    seq.ticket, prompt_prefilled=min(seq.num_computed, seq.prompt_len), tokens_generated=seq.num_output
                 )
         for seq, event in finished:
             self._finish(seq, event)
@@ -611,14 +586,14 @@ class Engine:
 
         While the pool has too few blocks available, the most recently admitted sequence is preempted
         (possibly the one asking). Returns the chunks of the sequences still running; afterwards every
-        one of them has its blocks reserved, so `prepare` never runs out.
+        one of them has its blocks reserved, so the step's tables never run out.
         """
         block_size, by_seq = self.config.block_size, {id(c.seq): c for c in chunks}
         for seq in list(self._running):
             chunk = by_seq.get(id(seq))
             if chunk is None or seq.ticket.id in self._preempted:
                 continue
-            need = -(-(seq.num_computed + chunk.num_new) // block_size) - seq.ticket.shared_blocks
+            need = -(-(seq.num_computed + chunk.num_new) // block_size) - self.kv.shared_blocks(seq.request_id)
             while need > seq.ticket.blocks_reserved and not self.admission.grow(seq.ticket, need):
                 victim = self._running[-1]
                 self._preempt(victim)
@@ -630,126 +605,84 @@ class Engine:
         """Free a running sequence's blocks and hand its reservation back; it resumes when admission regrants it."""
         self._running.remove(seq)
         self.counters.preemptions += 1
-        self._live_runner().builder.release(seq.table)
+        self.kv.drop_table(seq.request_id)
         seq.dropped_tokens, seq.num_computed = seq.num_computed, 0
         self._preempted[seq.ticket.id] = seq
-        self.admission.preempt(seq.ticket)
+        self.admission.preempt(seq.ticket)  # its cache holds go with the reservation
 
     def _finish(self, seq: Sequence, final: TokenEvent) -> None:
         """End a running (or preempted) sequence: its blocks and reservation return, its stream gets the final
         event, and a natural end or the length limit teaches admission one answer length."""
         if self._preempted.pop(seq.ticket.id, None) is None:
             self._running.remove(seq)
-        if self.runner is not None and not seq.table.released and seq.table._builder is self.runner.builder:
-            self.runner.builder.release(seq.table)  # (tables of a pool dropped by a reload need no release)
+        self.kv.drop_table(seq.request_id)  # its own blocks; those it shares go with the reservation
         if seq.ticket.state is TicketState.QUEUED:  # preempted, waiting to resume
             self.admission.cancel(seq.ticket)
         else:
             self.admission.release(seq.ticket, finish_reason=final.finish_reason, output_tokens=seq.num_output)
-        with self._lock:
-            self._pending.pop(seq.request_id, None)
-            self._aborts.discard(seq.request_id)
+        self._forget(seq.request_id)
         seq.stream.put(final)
 
     def _end_unstarted(self, handle: RequestHandle, final: TokenEvent) -> None:
         if self._preempted.pop(handle.ticket.id, None) is not None and handle.ticket.state is TicketState.GRANTED:
             self.admission.release(handle.ticket)  # preempted, regranted, never resumed: its blocks return
-        with self._lock:
-            self._pending.pop(handle.request_id, None)
-            self._aborts.discard(handle.request_id)
+        self._forget(handle.request_id)
         handle.stream.put(final)
 
+    def _forget(self, request_id: str) -> None:
+        """The request has ended: the KV owner and the engine forget it."""
+        with self._lock:
+            self.kv.close(request_id)
+            self._pending.pop(request_id, None)
+            self._aborts.discard(request_id)
+
     def _record(self, inputs: StepInputs, cadence_seconds: float, step_seconds: float, model_seconds: float) -> None:
-        """Counters get the step's own time; the rate estimates get the loop's cadence (see `step`)."""
+        """Counters get the step's own time; the cost model gets the loop's cadence (see `step`)."""
         self.counters.steps += 1
         self.counters.step_seconds += step_seconds
         self.counters.model_seconds += model_seconds
         self.counters.prompt_tokens += inputs.num_prefill_tokens
         self.step_budget.observe(cadence_seconds, inputs.num_decode_tokens, inputs.num_prefill_tokens)
-        self.rates.observe_step(cadence_seconds, inputs.num_decode_tokens, inputs.num_prefill_tokens)
-        self.admission.set_rates(self.rates.rates())
+        self.admission.set_rates(self.step_cost.rates())
 
     # ------------------------------------------------------------------ device faults
 
     def _on_device_fault(self, exc: BaseException, chunks: list[ScheduledChunk[Sequence]]) -> None:
-        """Log the fault with its cause and the batch shape, then reload and replay, or give up."""
-        self.counters.device_faults += 1
-        self._consecutive_faults += 1
-        cause = f"{type(exc).__name__}: {exc}"
+        """Drop what lived in the pool, let `FaultRecovery` reload the model (or give up), then replay."""
         batch = f"{len(chunks)} sequences, {sum(c.num_new for c in chunks)} tokens"
-        retries = f"{self._consecutive_faults}/{self.config.max_fault_retries}"
-        logger.error(
-            f"engine: device fault at step {self._step_no} (batch: {batch}; consecutive={retries}): {cause}",
-            exc_info=exc,
-        )
-        self.health.set("poisoned")
-        if self._consecutive_faults > self.config.max_fault_retries:
-            self._give_up(f"device fault not recovered after {self.config.max_fault_retries} reloads: {cause}")
-        else:
-            self._reload(cause)
-
-    def _reload(self, cause: str) -> None:
-        """Rebuild the runner (model + pool) with the same config and replay every running sequence.
-
-        Reservations in admission survive unchanged; only the physical blocks are rebuilt. A block
-        count different from the first load's keeps the node poisoned rather than serve another budget.
-        """
-        self.health.set("reloading")
-        backoff = self.config.fault_backoff_secs * 2 ** (self._consecutive_faults - 1)
-        while True:
-            time.sleep(min(backoff, 30.0))
-            try:
-                if self.sharing is not None:
-                    self.sharing.reset()  # pins and holds were in the pool being dropped
-                self._evictions_before = self.counters.prefix_cache_evictions
-                if self.kv_events is not None and self.runner is not None:  # every cached block goes with the pool
-                    self.kv_events.cache_dropped(self.runner.cache)
-                old, self.runner = self.runner, None  # drop the model and the pool, and give their device memory back
-                if old is not None:  # tensor parallelism: every worker stops; the reload respawns the group
-                    old.close(graceful=False)
-                del old
-                gc.collect()
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                self.runner = self._load_runner()
-                break
-            except Exception as exc:  # a failed reload is one more consecutive fault
-                self.counters.device_faults += 1
-                self._consecutive_faults += 1
-                cause = f"{type(exc).__name__}: {exc}"
-                retries = f"{self._consecutive_faults}/{self.config.max_fault_retries}"
-                logger.error(f"engine: reload failed (consecutive={retries}): {cause}", exc_info=exc)
-                if self._consecutive_faults > self.config.max_fault_retries:
-                    self._give_up(f"model reload failed {self._consecutive_faults} times in a row: {cause}")
-                    return
-                backoff *= 2
-        if self.kv_events is not None:
-            self.kv_events.attach(self.runner.cache)
-        num_blocks = self.runner.budget.num_blocks
-        if num_blocks != self.first_num_blocks:
-            logger.error(
-                f"engine: reload gave {num_blocks} KV blocks, first load {self.first_num_blocks}; staying poisoned"
-            )
-            self._give_up(
-                f"KV budget changed across reload ({self.first_num_blocks} -> {num_blocks} blocks) "
-                f"after device fault: {cause}"
-            )
+        if self.kv_events is not None:  # every cached block goes with the pool
+            self.kv_events.cache_dropped(self.kv.prefix_cache)
+        self.kv.reset(None)  # pins and holds were in the pool being dropped
+        old, self.runner = self.runner, None  # drop the model and the pool, and give their device memory back
+        if old is not None:  # tensor parallelism: every worker stops; the reload respawns the group
+            old.close(graceful=False)
+        del old
+        outcome = self.recovery.recover(exc, f"step {self._step_no} (batch: {batch})")
+        self.counters.device_faults, self.counters.model_reloads = self.recovery.faults, self.recovery.reloads
+        if outcome.runner is None:
+            self._give_up(outcome.cause)
             return
-        for seq in self._running:  # replay: re-prefill prompt + tokens generated so far, into an empty cache
-            seq.num_computed, seq.table = 0, self.runner.builder.new_table()
-            seq.prefix_parent, seq.blocks_offered, seq.offering = None, 0, True
-            self.admission.progress(seq.ticket, prompt_prefilled=0, blocks_allocated=0)
-        for seq in list(self._running):  # blocks it shared are not there to share: it reserves them itself
-            if seq in self._running and seq.ticket.hit_blocks:
-                self._unshare(seq)
-        for tid in list(self._deferred):  # their pins were in the dropped cache: they start (and unshare) now
-            self._begin(self._deferred.pop(tid)[0], self.runner)
-        self.counters.model_reloads += 1
-        self.health.set("loaded")
+        self.runner = outcome.runner
+        self.kv.reset(self.runner.pool)
+        if self.kv_events is not None:
+            self.kv_events.attach(self.kv.prefix_cache)
+        self._replay()
         logger.warning(
-            f"engine: reloaded after device fault in {self.health.last_reload_seconds:.2f}s ({num_blocks} KV blocks, "
-            f"as at first load); replaying {len(self._running)} sequences"
+            f"engine: reloaded after device fault in {self.health.last_reload_seconds:.2f}s "
+            f"({self.runner.budget.num_blocks} KV blocks, as at first load); replaying {len(self._running)} sequences"
         )
+
+    def _replay(self) -> None:
+        """Every running sequence recomputes its prompt and the tokens it generated so far into the new, empty
+        pool; reservations in admission survive, grown where they had shared blocks."""
+        for seq in self._running:
+            seq.num_computed = self.kv.start(seq.request_id, seq.token_ids)
+            self.admission.progress(seq.ticket, prompt_prefilled=0)
+        for seq in list(self._running):
+            if seq in self._running:
+                self._refit(seq)
+        for tid in list(self._deferred):  # their pins were in the dropped pool: they start (and refit) now
+            self._begin(self._deferred.pop(tid)[0])
 
     def _give_up(self, cause: str) -> None:
         """Stay poisoned: fail running and queued requests with `DeviceFault`; refuse new ones."""
@@ -795,18 +728,6 @@ class Engine:
                 if not self._woken and not self._stopping:
                     self._wakeup.wait(timeout)
                 self._woken = False
-
-
-def _common_blocks(tokens: list[int], prompt_len: int, prompt: list[int], block_size: int, limit: int) -> int:
-    """Full blocks (at most `limit`) at the start of `prompt` equal to those of `tokens[:prompt_len]`."""
-    lo, hi = 0, min(limit, prompt_len // block_size)
-    while lo < hi:  # the longest equal run of whole blocks, by bisection over C-speed slice compares
-        mid = (lo + hi + 1) // 2
-        if tokens[: mid * block_size] == prompt[: mid * block_size]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _final(seq: Sequence, reason: str, error: BaseException | None = None) -> TokenEvent:

@@ -31,7 +31,7 @@ def append_token(seq: Sequence, samples: SampleResult, row: int, eos_token_ids: 
     """
     token = samples.token_ids[row]
     seq.token_ids.append(token)
-    reason = finish_reason(token, seq.num_output, seq.max_tokens, seq.params, eos_token_ids)
+    reason = finish_reason(token, seq.num_output, seq.granted_max_tokens, seq.params, eos_token_ids)
     text = ""
     if reason != "stop":
         result = seq.stop_checker.feed(seq.detokenizer.push(token))

@@ -1,4 +1,4 @@
-"""A request as the engine carries it through admission (`Request`), and once it runs (`Sequence`)."""
+"""A request as the engine carries it until it runs (`Request`), and once it runs (`Sequence`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch
 
 from helexa.admission import Ticket
 from helexa.engine.stream import RequestStream
-from helexa.kvcache import BlockTable, CachedBlock
 from helexa.model.sampling import SamplingParams
 from helexa.model.sampling.grammar import TokenConstraint
 from helexa.model.text.detokenizer import IncrementalDetokenizer
@@ -17,46 +16,62 @@ from helexa.model.text.stopping import StopChecker
 
 @dataclass(frozen=True)
 class Request:
-    """What a submitted request carries through admission (a ticket's `payload`) until it runs."""
+    """What a submitted request is: its id, prompt, sampling parameters (`params.max_tokens` is the output
+    limit it *requested*, None for the node's default), stream and structured-output constraint.
+
+    `cache_salt` and `session` (its prompt_cache_key) are what the KV owner was told at submit: blocks are
+    shared only between requests of one salt, and a session's blocks are retained when it ends.
+    """
 
     request_id: str
     prompt: list[int]
     params: SamplingParams
     stream: RequestStream
-    cache_salt: str | None = None  # blocks are shared only between requests with the same salt
-    session: str | None = None  # the prompt_cache_key whose blocks are retained when it ends
-    constraint: TokenConstraint | None = None  # structured output: the grammar its tokens must follow
+    cache_salt: str | None = None
+    session: str | None = None
+    constraint: TokenConstraint | None = None
 
 
 @dataclass(eq=False)
 class Sequence:
     """One request being generated.
 
-    `token_ids` is prompt + output so far; `num_computed` counts the leading tokens whose K/V are in
-    the cache (the next step computes from there). It stops at `ticket.max_tokens`, the output limit
-    admission sized its reservation for. `prefix_parent` is the prefix-cache entry of its last full
-    block offered to the cache (`blocks_offered` of them); `cached_tokens` were found in the cache.
+    `token_ids` is prompt + output so far (the KV owner's holding reads this same list); `num_computed`
+    counts the leading tokens whose K/V are in the cache (the next step computes from there). It stops at
+    `granted_max_tokens`, the output limit admission granted and sized its reservation for; `cached_tokens`
+    of its prompt were found in the prefix cache. Which blocks it holds is the KV owner's record, by
+    `request_id`.
     """
 
-    request_id: str
-    prompt_len: int
-    token_ids: list[int]
-    params: SamplingParams
+    request: Request
     ticket: Ticket
-    stream: RequestStream
+    token_ids: list[int]
     detokenizer: IncrementalDetokenizer
     stop_checker: StopChecker
-    table: BlockTable
     generator: torch.Generator | None = None
     num_computed: int = 0
-    cache_salt: str | None = None
-    session: str | None = None
-    prefix_parent: CachedBlock | None = None
-    blocks_offered: int = 0
-    offering: bool = True  # False after a hash collision: its later blocks are not indexed
     cached_tokens: int = 0
-    constraint: TokenConstraint | None = None
     dropped_tokens: int = 0  # computed tokens a preemption dropped; those the cache no longer holds are recomputed
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def stream(self) -> RequestStream:
+        return self.request.stream
+
+    @property
+    def constraint(self) -> TokenConstraint | None:
+        return self.request.constraint
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt)
 
     @property
     def num_tokens(self) -> int:
@@ -69,8 +84,8 @@ class Sequence:
         return len(self.token_ids) - self.prompt_len
 
     @property
-    def max_tokens(self) -> int:
-        """The output limit admission decided."""
+    def granted_max_tokens(self) -> int:
+        """The output limit admission granted (the request's own, or the node's default when it gave none)."""
         return self.ticket.max_tokens
 
     @property

@@ -3,7 +3,8 @@
 A prefill chunk of `max_num_batched_tokens` keeps a fast device busy, but on a slow one (a CPU) it
 holds every decoding stream for the whole step: 10-20 s for 2,048 tokens. `StepBudget` sizes the
 prefill part of a step that runs decodes so the step takes about `target_seconds`, from a
-`StepCost`; the engine's is `MeasuredStepCost`: what the steps it runs measure (decode-only steps,
+`StepCost`; the engine's is `MeasuredStepCost`, its one model of what a step costs (it also gives
+admission the rates its wait estimates use): what the steps it runs measure (decode-only steps,
 big prefills, and what each chunk added to a step that decoded), starting from the rates calibrated
 at load. A step without decodes keeps the whole budget: no stream is waiting on it.
 
@@ -19,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol
 
-from helexa.admission.rates import RateTracker
+from helexa.admission.rates import EngineRates, RateTracker
 
 logger = logging.getLogger("helexa.engine")
 
@@ -79,15 +80,26 @@ class MeasuredStepCost:
     Thread-safe: the engine's thread observes, a snapshot may estimate from any thread.
     """
 
-    def __init__(self, rates: RateTracker, *, window: int = 16, recent: int = 3, big_prefill: int = 256) -> None:
-        self.rates = rates
+    def __init__(
+        self, rates: RateTracker | None = None, *, window: int = 16, recent: int = 3, big_prefill: int = 256
+    ) -> None:
+        self.tracker = rates if rates is not None else RateTracker()  # admission's medians, from the same steps
         self.big_prefill = big_prefill
-        self._calibrated = max(rates.prefill_token_seconds, 1e-9)  # read once: at load, the calibrated cost
+        self._calibrated = max(self.tracker.prefill_token_seconds, 1e-9)  # read once: at load, the calibrated cost
         self._decode: collections.deque[float] = collections.deque(maxlen=recent)  # decode-only step seconds
         self._full: collections.deque[float] = collections.deque(maxlen=window)  # seconds per token, big prefills
         self._added: collections.deque[float] = collections.deque(maxlen=recent)  # seconds per token, mixed steps
         self._mixed: collections.deque[float] = collections.deque(maxlen=recent)  # seconds of mixed steps
         self._lock = threading.Lock()
+
+    @classmethod
+    def calibrated(cls, decode_step_seconds: float, prefill_token_seconds: float) -> MeasuredStepCost:
+        """A cost model starting from costs measured at load (`ModelRunner.calibrate`), not from the priors."""
+        return cls(RateTracker.calibrated(decode_step_seconds, prefill_token_seconds))
+
+    def rates(self) -> EngineRates:
+        """What admission's wait estimates use now: the median decode step and prompt-token costs."""
+        return self.tracker.rates()
 
     def estimate(self) -> StepEstimate:
         with self._lock:
@@ -95,7 +107,7 @@ class MeasuredStepCost:
 
     def _estimate(self) -> StepEstimate:
         decode = (
-            min(statistics.median(self._decode), self._decode[-1]) if self._decode else self.rates.decode_step_seconds
+            min(statistics.median(self._decode), self._decode[-1]) if self._decode else self.tracker.decode_step_seconds
         )
         if self._mixed:
             decode = min(decode, min(self._mixed))
@@ -106,6 +118,7 @@ class MeasuredStepCost:
     def observe(self, seconds: float, num_decode: int, num_prefill: int) -> None:
         if seconds <= 0 or (num_decode <= 0 and num_prefill <= 0):
             return
+        self.tracker.observe_step(seconds, num_decode, num_prefill)
         with self._lock:
             if num_prefill <= 0:
                 self._decode.append(seconds)

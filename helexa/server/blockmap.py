@@ -20,14 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from helexa.admission import Ticket
-
-if TYPE_CHECKING:
-    from helexa.engine import Engine
+from helexa.engine.view import EngineView
 
 __all__ = ["CELL_STATES", "BlockMap", "expected_counts", "read_block_map", "runs"]
 
@@ -87,41 +84,34 @@ def runs(block_ids: Iterable[int] | np.ndarray) -> list[int]:
     return np.column_stack((starts, ends - starts + 1)).ravel().tolist()
 
 
-def read_block_map(engine: Engine, snapshot: dict[str, Any], granted: Iterable[Ticket]) -> BlockMap:
-    """Read every block's state and holders now, for a pool `snapshot` (`engine.snapshot()`'s dict) taken
-    just before; `granted` are the tickets holding reservations in it (for the owners of pinned blocks).
+def read_block_map(view: EngineView) -> BlockMap:
+    """Every block's state and holders in one `EngineView` (`Engine.view()`): the KV owner's survey, drawn
+    against the view's admission snapshot.
 
-    The pool is read in one instant (the prefix cache's lock and one copy of the free stack: under a
+    The survey was read in one instant (under the KV owner's lock, with one copy of the free stack: under a
     millisecond for 100,000 blocks); the rest is vectorised (tens of milliseconds for 100,000 blocks,
-    outside every lock). When the reading no longer matches `snapshot`'s block states (the engine moved
+    outside every lock). When the survey no longer matches the snapshot's block states (the engine moved
     on in between) the map is still a true reading, with `exact` False: the caller reads both again.
     """
+    snapshot = view.snapshot
     total = snapshot["blocks_total"]
     pending = max(0, snapshot["blocks_reserved"] - snapshot["blocks_in_use"])
-    runner = engine.runner
     sessions: dict[Hashable, list[int]] = {}
     cells = np.full(total, _U, dtype=np.uint8)  # (blocks_total,) one state character per block id
-    if runner is None:  # reloading: no pool to read, only the snapshot's counts (which agree with themselves)
+    if view.kv is None:  # reloading: no pool to read, only the snapshot's counts (which agree with themselves)
         empty, cached, retained_n = snapshot["blocks_empty"], snapshot["blocks_cached"], snapshot["blocks_retained"]
         cells[:empty] = _E
         cells[empty : empty + cached - retained_n] = _C
         cells[empty + cached - retained_n : empty + cached] = _S
         free = np.arange(empty - 1, -1, -1)  # so that the reserved cells are the first empty ones
         evictable = np.arange(empty, empty + cached)
-        exact = True
     else:
-        if runner.cache is not None:
-            survey = runner.cache.survey()
-            free_ids, evictable_ids, retained_ids = survey.free, survey.evictable, survey.retained
-            sessions = survey.sessions
-        else:
-            free_ids, evictable_ids, retained_ids = runner.pool.allocator.free_block_ids(), [], []
-        found = (len(free_ids), len(evictable_ids), len(retained_ids))
-        exact = found == (snapshot["blocks_empty"], snapshot["blocks_cached"], snapshot["blocks_retained"])
-        free, evictable = np.asarray(free_ids, dtype=np.int64), np.asarray(evictable_ids, dtype=np.int64)
+        survey = view.kv.cache
+        sessions = survey.sessions
+        free, evictable = np.asarray(survey.free, dtype=np.int64), np.asarray(survey.evictable, dtype=np.int64)
         cells[free] = _E
         cells[evictable] = _C
-        cells[np.asarray(retained_ids, dtype=np.int64)] = _S
+        cells[np.asarray(survey.retained, dtype=np.int64)] = _S
     retained = (
         cells == _S
     )  # before the reserved cells are drawn: a retained block a reservation takes keeps its session
@@ -135,16 +125,12 @@ def read_block_map(engine: Engine, snapshot: dict[str, Any], granted: Iterable[T
     cells[taken] = _R
     tally = np.bincount(cells, minlength=256)
     counts = {name: int(tally[ord(c)]) for c, name in CELL_STATES.items()}
-    owners = _owners(engine, cells, retained, granted, sessions)
-    return BlockMap(cells.tobytes().decode("ascii"), counts, owners, exact)
+    owners = _owners(view, cells, retained, sessions)
+    return BlockMap(cells.tobytes().decode("ascii"), counts, owners, view.consistent)
 
 
 def _owners(
-    engine: Engine,
-    cells: np.ndarray,
-    retained: np.ndarray,
-    granted: Iterable[Ticket],
-    sessions: dict[Hashable, list[int]],
+    view: EngineView, cells: np.ndarray, retained: np.ndarray, sessions: dict[Hashable, list[int]]
 ) -> list[dict[str, Any]]:
     """Who holds the in-use cells (running requests, and granted ones whose prefix hit is pinned) and which
     session retains the retained ones. `cells`: (blocks,) uint8 states; `retained`: (blocks,) bool."""
@@ -152,28 +138,21 @@ def _owners(
 
     def where(ids: Iterable[int], mask: np.ndarray) -> np.ndarray:
         a = np.fromiter(ids, dtype=np.int64)
-        a = a[(a >= 0) & (a < total)]  # a table read a moment later may hold a block the reading did not
+        a = a[(a >= 0) & (a < total)]
         return a[mask[a]]
 
     in_use = cells == _U
-    held: dict[int, tuple[Ticket, list[np.ndarray]]] = {}
-    for ticket, ids in engine.running_blocks():
-        held[ticket.id] = (ticket, [where(ids, in_use)])
-    if engine.sharing is not None:
-        tickets = {t.id: t for t in granted}
-        for tid, hit in engine.sharing.pinned_unattached().items():
-            if tid in tickets:
-                held.setdefault(tid, (tickets[tid], []))[1].append(where(hit.block_ids, in_use))
     owners = []
-    for ticket, parts in held.values():
-        request_id = getattr(ticket.payload, "request_id", None)
-        session = getattr(ticket.payload, "session", None)
+    for holding in view.kv.holdings if view.kv is not None else []:
+        if not holding.block_ids:
+            continue
+        session = holding.session
         owners.append(
             {
                 "kind": "request",
-                "id": request_id if isinstance(request_id, str) else f"ticket-{ticket.id}",
+                "id": holding.key,
                 "session": session if isinstance(session, str) else None,
-                "runs": runs(np.concatenate(parts)),
+                "runs": runs(where(holding.block_ids, in_use)),
             }
         )
     for key, kept in sessions.items():

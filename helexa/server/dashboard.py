@@ -28,8 +28,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from helexa.admission import Ticket
-from helexa.admission.controller import AdmissionView
 from helexa.admission.rejections import RecentRejection
+from helexa.engine.view import EngineView
+from helexa.kvcache import HoldingView
 from helexa.server.blockmap import BlockMap, read_block_map
 from helexa.server.errors import ADMISSION_ERRORS
 
@@ -122,24 +123,22 @@ class History:
 
 
 def _request_id(ticket: Ticket) -> str:
-    request_id = getattr(ticket.payload, "request_id", None)
-    return request_id if isinstance(request_id, str) else f"ticket-{ticket.id}"
+    return ticket.request_id or f"ticket-{ticket.id}"
 
 
-def _session(ticket: Ticket) -> str | None:
-    session = getattr(ticket.payload, "session", None)
+def _session(holding: HoldingView | None) -> str | None:
+    session = holding.session if holding is not None else None
     return session if isinstance(session, str) else None
 
 
-def _waiting_row(position: int, t: Ticket, now: float) -> dict[str, Any]:
+def _waiting_row(position: int, t: Ticket, now: float, holding: HoldingView | None) -> dict[str, Any]:
     return {
         "position": position,
         "id": _request_id(t),
-        "session": _session(t),
+        "session": _session(holding),
         "prompt_tokens": t.prompt_tokens,
         "max_tokens": t.max_tokens,
         "blocks_needed": t.blocks_reserved,
-        "shared_blocks": t.shared_blocks,
         "waited_s": round(max(0.0, now - t.arrival), 3),
         "est_start_s": round(max(0.0, t.est_start - now), 3),
         # preempted requests resume first and never expire
@@ -148,18 +147,21 @@ def _waiting_row(position: int, t: Ticket, now: float) -> dict[str, Any]:
     }
 
 
-def _running_row(t: Ticket, now: float, table_blocks: int | None) -> dict[str, Any]:
+def _running_row(t: Ticket, now: float, holding: HoldingView | None) -> dict[str, Any]:
+    held = len(holding.block_ids) if holding is not None else 0
+    charged = holding.charged if holding is not None else 0
     return {
         "id": _request_id(t),
-        "session": _session(t),
+        "session": _session(holding),
         "prompt_tokens": t.prompt_tokens,
         "prompt_prefilled": t.prompt_prefilled,
         "tokens_generated": t.tokens_generated,
         "max_tokens": t.max_tokens,
-        "blocks_allocated": t.blocks_allocated,
+        "blocks_charged": charged,  # blocks its reservation covers now (the KV owner's count)
         "blocks_reserved": t.blocks_reserved,
-        "shared_blocks": t.shared_blocks,
-        "table_blocks": table_blocks,  # blocks in its table, shared ones included (None: not started yet)
+        "shared_blocks": held - charged,
+        # blocks in its table, shared ones included (None: not started yet)
+        "table_blocks": held if holding is not None and holding.running else None,
         "waited_s": round(t.waited_seconds or 0.0, 3),
         "running_s": round(max(0.0, now - (t.granted_at if t.granted_at is not None else now)), 3),
         "cancelling": t.cancel_requested,
@@ -180,16 +182,14 @@ def _rejection_row(r: RecentRejection) -> dict[str, Any]:
     }
 
 
-def _read(engine: Engine) -> tuple[AdmissionView, dict[str, Any], BlockMap]:
-    """Admission's view, the `/v1/admission` body built from it, and the pool, read until they agree."""
+def _read(engine: Engine) -> tuple[EngineView, BlockMap]:
+    """The engine's view and its block map, read again (a few times at most) until the two agree."""
     for _ in range(_CONSISTENT_READS):
-        view = engine.admission.view()
-        # The engine's own fields (model state, chunk budget...) around admission's one reading.
-        admission = {**engine.snapshot(), **view.snapshot}
-        blocks = read_block_map(engine, admission, view.running)
+        view = engine.view()
+        blocks = read_block_map(view)
         if blocks.exact:
             break
-    return view, admission, blocks
+    return view, blocks
 
 
 def build_dashboard(
@@ -200,19 +200,19 @@ def build_dashboard(
     they will start, with estimated starts), `running`, `rejections` (newest first, with their arithmetic,
     HTTP status and Retry-After), `model` (name, device, dtype, budget, state and fault cause), `series`
     (the sparklines' points) and `poll_ms` (how often the page should ask again). No prompt text."""
-    view, admission, blocks = _read(engine)
-    now = view.now
-    tables = {t.id: len(ids) for t, ids in engine.running_blocks()}
+    view, blocks = _read(engine)
+    admission, now, holdings = view.snapshot, view.admission.now, view.holdings
     health, config = engine.health, engine.config
-    if budget_line is None and engine.runner is not None:
-        budget_line = engine.runner.budget.describe()
+    budget_line = budget_line or view.budget_line
     return {
         "time": round(time.time(), 3),
         "admission": admission,
         "blocks": blocks.as_json(),
-        "queue": [_waiting_row(i, t, now) for i, t in enumerate(view.waiting, 1)],
-        "running": [_running_row(t, now, tables.get(t.id)) for t in view.running],
-        "rejections": [_rejection_row(r) for r in reversed(view.rejections)],
+        "queue": [
+            _waiting_row(i, t, now, holdings.get(t.request_id or "")) for i, t in enumerate(view.admission.waiting, 1)
+        ],
+        "running": [_running_row(t, now, holdings.get(t.request_id or "")) for t in view.admission.running],
+        "rejections": [_rejection_row(r) for r in reversed(view.admission.rejections)],
         "model": {
             "name": engine.model_name,
             "device": str(engine.device),
@@ -248,8 +248,7 @@ class Dashboard:
         self._draining = draining
         static = importlib.resources.files("helexa.server") / "static"
         self._assets = {path: (static.joinpath(name).read_bytes(), media) for path, (name, media) in _ASSETS.items()}
-        runner = engine.runner
-        self._budget_line = runner.budget.describe() if runner is not None else None  # kept across reloads
+        self._budget_line = engine.view().budget_line  # kept across reloads
 
     def routes(self) -> list[Route]:
         """`GET /` (the page), its script and style sheet, and `GET /v1/dashboard` (its data)."""

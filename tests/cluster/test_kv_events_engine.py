@@ -81,7 +81,7 @@ def test_a_subscriber_rebuilds_exactly_the_engines_cached_blocks(tiny_model_dir,
             _run(engine, requests, aborts)
         assert_released(engine)
         last = _settle(engine)
-        cache = engine.runner.cache
+        cache = engine.kv.prefix_cache
         assert engine.counters.model_reloads == 1 and engine.counters.prefix_cache_evictions > 0
         assert engine.counters.prefix_cache_hit_tokens > 0
         expected = {node.hash for node in cache.indexed_blocks()}
@@ -139,7 +139,7 @@ def test_the_wire_carries_vllms_positional_layout(tiny_model_dir) -> None:
         assert token_ids == prompt[: len(hashes) * BS] and all(0 < h < 2**64 for h in hashes)
         # prompt + output = 23 tokens: the 5 full blocks the prompt and answer filled, chained from the root
         every = [h for e in stored for h in e[1]]
-        assert every == [n.hash for n in engine.runner.cache.indexed_blocks()] and len(every) == 5
+        assert every == [n.hash for n in engine.kv.prefix_cache.indexed_blocks()] and len(every) == 5
     finally:
         sub.close()
         engine.shutdown()

@@ -11,7 +11,7 @@ import torch
 
 from helexa.config import EngineConfig
 from helexa.engine.engine import Engine
-from helexa.engine.runner import KV_CALIBRATION_TEXT, kv_cache_dtype, kv_calibration_ids
+from helexa.engine.loading import KV_CALIBRATION_TEXT, kv_cache_dtype, kv_calibration_ids
 from helexa.kernels import FP8_KV_DTYPE
 from helexa.model.sampling import SamplingParams
 from tests.support.engines import assert_released, cpu_config, drive, make_engine, random_prompts, run_streams, tokens

@@ -30,18 +30,18 @@ def _engine(model_dir, num_blocks: int = 256, **overrides) -> Engine:
 
 def _check_hits(engine: Engine) -> None:
     """Every block a running sequence holds through the cache holds exactly that sequence's tokens there."""
-    cache = engine.runner.cache
+    cache = engine.kv.prefix_cache
     for seq in engine._running:
-        for i, block in enumerate(seq.table.block_ids):
-            if block in seq.table.cached_block_ids:
-                node = cache.node_of(block)
-                assert node is not None and list(node.tokens) == seq.token_ids[i * BS : (i + 1) * BS]
+        for i, block in enumerate(engine.kv.holding(seq.request_id).block_ids):
+            node = cache.node_of(block)
+            if node is not None:  # held through the index: it holds exactly this sequence's tokens there
+                assert list(node.tokens) == seq.token_ids[i * BS : (i + 1) * BS]
 
 
 def _run(engine: Engine, requests, aborts: dict[int, int] | None = None, max_steps: int = 3000):
     """Submit (prompt, params, salt, key) requests; step until all end, aborting request i at step aborts[i]."""
     handles = [engine.submit(p, sp, cache_salt=salt, prompt_cache_key=key) for p, sp, salt, key in requests]
-    check = _check_hits if engine.runner.cache is not None else None
+    check = _check_hits if engine.kv.prefix_cache is not None else None
     events = run_streams(engine, handles, aborts, max_steps, check)
     cached = [max((e.num_cached_tokens for e in events[h.request_id]), default=0) for h in handles]
     return [tokens(events[h.request_id]) for h in handles], cached
@@ -143,7 +143,8 @@ def test_three_concurrent_turns_sharing_a_prefix_fit_where_two_would_without_sha
     drive(engine, [engine.submit(turns[0], params)])  # the previous turn leaves the prefix cached
     handles = [engine.submit(t, params) for t in turns[1:]]
     assert [h.ticket.state for h in handles] == [TicketState.GRANTED] * 3
-    assert [h.ticket.shared_blocks for h in handles] == [0, 10, 10]  # the first takes the cached prefix
+    # the first takes the cached prefix; the others share it
+    assert [engine.kv.shared_blocks(h.request_id) for h in handles] == [0, 10, 10]
     assert [h.ticket.blocks_reserved for h in handles] == [12, 2, 2]
     snap = engine.snapshot()
     assert snap["blocks_reserved"] == 16 and snap["blocks_available"] == 14
@@ -164,7 +165,7 @@ def test_an_aborted_sharer_leaves_its_blocks_to_the_others(tiny_model_dir) -> No
     got, _ = _run(engine, requests, aborts={0: 3})
     ref = _reference(tiny_model_dir, requests)
     assert got[0] == ref[0][: len(got[0])] and len(got[0]) < 12 and got[1:] == ref[1:]
-    assert engine.runner.cache.orphan_blocks == 0
+    assert engine.kv.prefix_cache.orphan_blocks == 0
     assert_released(engine)
 
 
@@ -213,8 +214,7 @@ def test_n_choices_compute_their_shared_prompt_once(tiny_model_dir) -> None:
     events = drive(engine, handles)
     cached = [max(e.num_cached_tokens for e in events[h.request_id]) for h in handles]
     assert cached == [0, 28, 28, 28]
-    assert [h.ticket.shared_blocks for h in handles] == [0, 7, 7, 7]
-    assert [h.ticket.blocks_reserved for h in handles] == [9, 2, 2, 2]  # ceil(36 / 4) = 9 alone
+    assert [h.ticket.blocks_reserved for h in handles] == [9, 2, 2, 2]  # ceil(36 / 4) = 9 alone; 7 of them shared
     assert engine.counters.prompt_tokens == 30 + 3 * 2  # the prompt once, then each choice's last 2 tokens
     reference = _reference(tiny_model_dir, [(prompt, p) for p in params])
     assert [tokens(events[h.request_id]) for h in handles] == reference

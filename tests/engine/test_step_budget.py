@@ -129,8 +129,7 @@ def _simulate(
 
     def run(num_decode: int, num_prefill: int, context: int, stall: bool = False, early: bool = False) -> float:
         seconds = _device(num_decode, num_prefill, context) * (20 if stall else 1) * (slow if early else 1)
-        budget.observe(seconds, num_decode, num_prefill)  # as `Engine._record` does, after every step
-        rates.observe_step(seconds, num_decode, num_prefill)
+        budget.observe(seconds, num_decode, num_prefill)  # as `Engine._record` does, after every step (rates too)
         return seconds
 
     for _ in range(5):
@@ -189,6 +188,8 @@ def test_where_decoding_alone_misses_the_target_prefill_keeps_half_of_each_step(
     rates = RateTracker.calibrated(0.8, 0.01)
     cost = MeasuredStepCost(rates)
     budget = StepBudget(2048, 0.5, 16, cost)
+    for _ in range(3):  # decode-only steps measure the decodes alone (admission's medians learn from them too)
+        cost.observe(0.8, 1, 0)
     assert budget.prefill_limit(1) == 80  # 0.8 s of decodes: a full chunk's tokens in 0.8 s
     for _ in range(3):
         cost.observe(2.4, 1, 80)  # 80-token chunks add 20 ms a token, twice a full chunk's: the floor stays

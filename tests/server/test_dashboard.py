@@ -21,7 +21,8 @@ import pytest
 from helexa.admission import AdmissionConfig, AdmissionController, AdmissionRejected, Capacity
 from helexa.admission.rejections import arithmetic_line
 from helexa.engine.engine import Engine, EngineCounters
-from helexa.kvcache import BlockAllocator, PrefixCache
+from helexa.engine.view import EngineView
+from helexa.kvcache import BlockAllocator, HoldingView, KVSurvey, PrefixCache
 from helexa.model.sampling import SamplingParams
 from helexa.server.blockmap import expected_counts, read_block_map, runs
 from helexa.server.dashboard import History, build_dashboard
@@ -30,6 +31,11 @@ from tests.support.engines import drive, make_engine, torch_threads
 from tests.support.servers import RunningServer, tiny_engine_config
 
 LONG = dict(ignore_eos=True)
+
+
+def _tables(engine) -> dict[str, set[int]]:
+    """Each running request's table, by request id, from the KV owner."""
+    return {h.key: set(h.block_ids) for h in engine.kv.survey().holdings if h.running}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -90,9 +96,9 @@ def test_the_incident_as_data(tiny_model_dir: Path) -> None:
     snap = data["admission"]
     assert (snap["in_flight"], snap["queue_depth"], snap["blocks_reserved"]) == (2, 1, 36)
 
-    tables = {t.payload.request_id: set(ids) for t, ids in engine.running_blocks()}
+    tables = _tables(engine)
     assert _cells(data, "u") == tables["a"] | tables["b"] and len(_cells(data, "u")) == snap["blocks_in_use"]
-    free = engine.runner.pool.allocator.free_block_ids()
+    free = engine.kv.survey().cache.free
     pending = snap["blocks_reserved"] - snap["blocks_in_use"]
     assert _cells(data, "r") == set(free[len(free) - pending :])
     owners = {o["id"]: o for o in data["blocks"]["owners"]}
@@ -125,7 +131,7 @@ def test_the_incident_as_data(tiny_model_dir: Path) -> None:
     reserved, grown = _cells(data, "r"), set()
     for _ in range(20):  # a new block every 8 tokens
         engine.step()
-        after = {t.payload.request_id: set(ids) for t, ids in engine.running_blocks()}
+        after = _tables(engine)
         grown = set().union(*(after[k] - tables[k] for k in ("a", "b")))
         if len(grown) >= 2:
             break
@@ -155,7 +161,7 @@ def test_cached_and_retained_blocks_with_their_session(tiny_model_dir: Path) -> 
     _check_map(engine, data)
     assert len(_cells(data, "r")) == 30 and _cells(data, "e") == set()
     assert len(_cells(data, "s")) == 12 and len(cached_before - _cells(data, "c")) == 6
-    lru = engine.runner.cache.survey().evictable[:6]  # what eviction will take
+    lru = engine.kv.prefix_cache.survey().evictable[:6]  # what eviction will take
     assert cached_before - _cells(data, "c") == set(lru)
 
 
@@ -166,8 +172,8 @@ def test_without_a_prefix_cache(tiny_model_dir: Path) -> None:
     engine.step()
     data = build_dashboard(engine)
     _check_map(engine, data)
-    ((_, ids),) = engine.running_blocks()
-    assert _cells(data, "u") == set(ids) and _cells(data, "c") == _cells(data, "s") == set()
+    (ids,) = _tables(engine).values()
+    assert _cells(data, "u") == ids and _cells(data, "c") == _cells(data, "s") == set()
     assert len(_cells(data, "r")) == 18 - len(ids) and len(_cells(data, "e")) == 32 - 18
 
 
@@ -177,11 +183,9 @@ def test_poisoned_and_reloading(tiny_model_dir: Path) -> None:
     engine = make_engine(tiny_model_dir, num_blocks=32)
     _submit(engine, 20, 100, "a")
     engine.step()
-    runner, engine.runner = engine.runner, None  # the window of a reload: the old pool is gone
-    try:
-        data = build_dashboard(engine)
-    finally:
-        engine.runner = runner
+    engine.kv.reset(None)  # the window of a reload, as `Engine._on_device_fault` opens it: the old pool is gone
+    engine.runner = None
+    data = build_dashboard(engine)
     assert data["blocks"]["exact"] and data["blocks"]["counts"] == expected_counts(data["admission"])
     assert data["blocks"]["counts"]["reserved"] == 18 and data["model"]["budget"] is None
 
@@ -198,7 +202,7 @@ def test_rejection_ring_is_bounded_and_keeps_the_newest() -> None:
     controller = AdmissionController(config, Capacity(16, 8, 128), recent_rejections=3)
     for prompt in range(200, 205):  # beyond max_model_len: refused for good
         with pytest.raises(AdmissionRejected):
-            controller.submit(prompt, 10, payload=SimpleNamespace(request_id=f"r{prompt}"))
+            controller.submit(prompt, 10, request_id=f"r{prompt}")
     kept = controller.recent_rejections()
     assert [r.arithmetic["prompt"] for r in kept] == [202, 203, 204]
     assert [r.request_id for r in kept] == ["r202", "r203", "r204"]
@@ -251,15 +255,10 @@ def test_a_map_of_100k_blocks_is_cheap_to_read() -> None:
         "blocks_in_use": counts.in_use,
         "blocks_reserved": counts.in_use + 30_000,
     }
-    engine = SimpleNamespace(
-        runner=SimpleNamespace(cache=cache, pool=SimpleNamespace(allocator=allocator)),
-        running_blocks=lambda: [
-            (SimpleNamespace(id=1, payload=SimpleNamespace(request_id="big")), tuple(ids[20_000:]))
-        ],
-        sharing=None,
-    )
     t0 = time.perf_counter()
-    blocks = read_block_map(engine, snapshot, [])
+    holding = HoldingView("big", None, tuple(ids[20_000:]), 60_000, True)
+    view = EngineView(None, snapshot, KVSurvey(cache.survey(), [holding]), None)  # type: ignore[arg-type]
+    blocks = read_block_map(view)
     seconds = time.perf_counter() - t0
     assert blocks.exact and blocks.counts == expected_counts(snapshot)
     assert blocks.counts == {"in_use": 60_000, "reserved": 30_000, "empty": 0, "cached": 5_000, "retained": 5_000}

@@ -109,6 +109,8 @@ def assert_released(engine: Engine) -> None:
     """Every request has ended: nothing reserved, and every block is empty or cached (none in use)."""
     snap = engine.snapshot()
     assert snap["blocks_reserved"] == 0 and snap["in_flight"] == 0 and snap["queue_depth"] == 0
-    cached = engine.runner.cache.num_cached if engine.runner and engine.runner.cache else 0
+    cache = engine.kv.prefix_cache
+    cached = cache.num_cached if cache is not None else 0
     assert snap["blocks_in_use"] == 0 and snap["blocks_cached"] == cached
     assert engine.pool.num_free_blocks + cached == engine.pool.num_blocks
+    assert engine.kv.keys() == []  # the KV owner has forgotten every request

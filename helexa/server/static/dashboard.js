@@ -381,7 +381,7 @@
       progressCell.append(progress);
       row.append(requestCell(r.id, r.session), progressCell,
         el("td", "num", fmt(r.prompt_prefilled) + " / " + fmt(r.prompt_tokens)),
-        el("td", "num", fmt(r.blocks_allocated) + " / " + fmt(r.blocks_reserved)),
+        el("td", "num", fmt(r.blocks_charged) + " / " + fmt(r.blocks_reserved)),
         el("td", "num", fmt(r.shared_blocks)), el("td", "num", secs(r.running_s)));
       return row;
     });
