@@ -468,11 +468,7 @@ class AdmissionController:
         """
         check_int(prompt_tokens, "prompt_tokens")
         cap, cfg = self.capacity, self.config
-        m = (
-            max_tokens
-            if max_tokens is not None
-            else max(1, min(cap.max_model_len - prompt_tokens, cfg.default_max_tokens))
-        )
+        m = self.granted_max_tokens(prompt_tokens, max_tokens)
         check_int(m, "max_tokens")
         if cap.blocks_for(prompt_tokens + m) > cap.num_blocks or prompt_tokens + m > cap.max_model_len:
             raise ValueError(f"a request of {prompt_tokens} + {m} tokens can never fit this node")
@@ -488,6 +484,14 @@ class AdmissionController:
                 return 0.0
             plan = self._build_plan(now, worst_case=True) if worst_case else self._ensure_plan(now)
             return max(0.0, plan.start_of(blocks) - now)
+
+    def granted_max_tokens(self, prompt_tokens: int, requested: int | None) -> int:
+        """The output limit a request is granted: what it `requested`, or for None the node's default,
+        `min(max_model_len - prompt_tokens, default_max_tokens)` (at least 1). The one place the default is
+        decided; the ticket carries the result (`Ticket.max_tokens`) and the engine stops there."""
+        if requested is not None:
+            return requested
+        return max(1, min(self.capacity.max_model_len - prompt_tokens, self.config.default_max_tokens))
 
     def set_rates(self, rates: EngineRates) -> None:
         """Replace the engine's measured speed (its recent medians) used by every later estimate."""
@@ -611,7 +615,7 @@ class AdmissionController:
         self, now: float, prompt: int, max_tokens: int | None, stops_early: bool, request_id: str | None
     ) -> Ticket | AdmissionRejected:
         cfg, cap = self.config, self.capacity
-        m = max_tokens if max_tokens is not None else max(1, min(cap.max_model_len - prompt, cfg.default_max_tokens))
+        m = self.granted_max_tokens(prompt, max_tokens)
         bound = cap.blocks_for(prompt + m)
         if prompt >= cap.max_model_len or prompt + m > cap.max_model_len or bound > cap.num_blocks:
             message = why.unservable_message(prompt, m, bound, cap.block_size, cap.num_blocks, cap.max_model_len)
