@@ -71,11 +71,6 @@ class Ticket:
         """Prompt tokens still to prefill."""
         return self.prompt_tokens - self.prompt_prefilled
 
-    @property
-    def decode_tokens_left(self) -> int:
-        """Output tokens it may still generate (bounded by `max_tokens`)."""
-        return self.max_tokens - self.tokens_generated
-
 
 class PollResult(NamedTuple):
     """What changed since the engine's last `poll`, each list in the order it happened.

@@ -134,10 +134,6 @@ class BatchBuilder:
         """Blocks `build(batch)` would allocate (the check half of check/commit)."""
         return sum(table.blocks_needed(n) for table, n in batch)
 
-    def can_build(self, batch: Iterable[tuple[BlockTable, int]]) -> bool:
-        """True when the pool has the blocks `build(batch)` needs now."""
-        return self.blocks_needed(batch) <= self.pool.num_free_blocks
-
     def build(self, batch: Sequence[tuple[BlockTable, int]]) -> AttentionMetadata:
         """Grow each (table, num_new_tokens) by the blocks its new tokens need (allocated in batch order)
         and return the step's metadata, sequences in the order given: `slot_mapping` (T,) int64,

@@ -155,11 +155,6 @@ class KVManager:
         return self._cache
 
     @property
-    def num_blocks(self) -> int:
-        """Blocks in the pool (the same across resets)."""
-        return self._total
-
-    @property
     def evictions(self) -> int:
         """Cached blocks evicted to make room since start, over every pool served."""
         cache = self._cache
@@ -284,11 +279,6 @@ class KVManager:
         """Tokens with a slot in the request's table (0 when it has none)."""
         h = self._holdings.get(key)
         return h.table.num_tokens if h is not None and h.table is not None else 0
-
-    def hit_blocks(self, key: str) -> int:
-        """Blocks of the request pinned at grant and not yet in a table."""
-        h = self._holdings.get(key)
-        return len(h.pinned) if h is not None else 0
 
     def blocks_needed(self, batch: Sequence[tuple[str, int]]) -> int:
         """Blocks `build_step(batch)` would take from the pool."""

@@ -52,7 +52,7 @@ def test_one_request_from_grant_to_close() -> None:
     assert kv.block_states() == BlockStates(empty=13, cached=0, in_use=3, retained=0)
     kv.drop_table("a")  # the partial block is its own: free at once; the full ones wait for the reservation
     assert kv.block_states() == BlockStates(empty=14, cached=0, in_use=2, retained=0)
-    assert kv.charged_blocks("a") == 2 and kv.hit_blocks("a") == 2
+    assert kv.charged_blocks("a") == 2 and kv.holding("a").block_ids == (0, 1)
     with pytest.raises(ValueError, match="still holds 2 blocks"):
         kv.close("a")
     kv.let_go("a")
@@ -89,7 +89,7 @@ def test_a_pin_checks_what_its_lookup_saw() -> None:
     assert stale == Share(2, 0)
     kv.open("c", prompt)
     assert kv.pin("c", kv.lookup("c"))  # c takes them meanwhile: now they are in use
-    assert not kv.pin("b", stale) and kv.hit_blocks("b") == 0  # b pins nothing; admission looks again
+    assert not kv.pin("b", stale) and kv.holding("b").block_ids == ()  # b pins nothing; admission looks again
     fresh = kv.lookup("b")
     assert fresh == Share(2, 2) and kv.pin("b", fresh)
     assert (kv.charged_blocks("b"), kv.charged_blocks("c")) == (0, 2)

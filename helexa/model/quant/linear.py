@@ -6,7 +6,6 @@ load, move and report like any weight; `prepare()` builds the device's execution
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from helexa.kernels.quant_matmul import int4_matmul, int8_matmul
@@ -86,8 +85,3 @@ class QuantEmbedding(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x (S, E) -> (S, V) float32."""
         return self.head(x).float()
-
-
-def dense_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (S, E) @ weight (V, E).T in float32 (a dense head)."""
-    return F.linear(x, weight).float()

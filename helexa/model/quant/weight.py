@@ -94,11 +94,3 @@ class QuantizedWeight:
         s_dtype = scale_dtype or self.scales.dtype
         zeros = None if self.zeros is None else self.zeros.to(device, s_dtype)
         return QuantizedWeight(self.qweight.to(device), self.scales.to(device, s_dtype), zeros)
-
-    @staticmethod
-    def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
-        """The weights stacked by rows (a fused projection); `ValueError` unless they share K and layout."""
-        if len({(p.layout, p.shape[1]) for p in parts}) != 1:
-            raise ValueError(f"cannot stack weights of different layouts: {[(p.layout, p.shape) for p in parts]}")
-        zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts if p.zeros is not None])
-        return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), zeros)
