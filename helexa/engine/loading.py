@@ -106,11 +106,6 @@ class LoadedModel:
     group: TensorParallelGroup | None
     sample_vocab_size: int
 
-    def close(self, graceful: bool = True) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent); `graceful=False` after a fault."""
-        if self.group is not None:
-            self.group.close(graceful)
-
 
 def load(
     config: EngineConfig,
