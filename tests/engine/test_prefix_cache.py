@@ -211,10 +211,17 @@ def test_n_choices_compute_their_shared_prompt_once(tiny_model_dir) -> None:
     handles = [engine.submit(prompt, p) for p in params]
     engine.step()
     assert len(engine._deferred) == 3  # held back behind the first choice's prefill
-    events = drive(engine, handles)
+    shares: dict[str, int] = {}
+
+    def record_shares(eng) -> None:  # what each holds through others, while it runs
+        for seq in eng._running:
+            shares.setdefault(seq.request_id, eng.kv.shared_blocks(seq.request_id))
+
+    events = run_streams(engine, handles, after_step=record_shares)
     cached = [max(e.num_cached_tokens for e in events[h.request_id]) for h in handles]
     assert cached == [0, 28, 28, 28]
-    assert [h.ticket.blocks_reserved for h in handles] == [9, 2, 2, 2]  # ceil(36 / 4) = 9 alone; 7 of them shared
+    assert [shares[h.request_id] for h in handles] == [0, 7, 7, 7]
+    assert [h.ticket.blocks_reserved for h in handles] == [9, 2, 2, 2]  # ceil(36 / 4) = 9 alone
     assert engine.counters.prompt_tokens == 30 + 3 * 2  # the prompt once, then each choice's last 2 tokens
     reference = _reference(tiny_model_dir, [(prompt, p) for p in params])
     assert [tokens(events[h.request_id]) for h in handles] == reference
