@@ -440,8 +440,13 @@ class Engine:
                 )
         for seq in self._preempted.values():
             holding = self.kv.holding(seq.request_id)
-            if holding is None or holding.block_ids or seq.num_computed or seq.ticket.state.ended:
-                raise AssertionError(f"{seq.request_id}: preempted but holds blocks or has ended")
+            # Regranted and not yet resumed, it may hold the prefix hit its grant pinned (often its own
+            # blocks from before the preemption, cached since); waiting, it holds nothing.
+            regranted = seq.ticket.state is TicketState.GRANTED
+            if holding is None or holding.running or seq.num_computed or seq.ticket.state.ended:
+                raise AssertionError(f"{seq.request_id}: preempted but runs, has computed tokens or has ended")
+            if holding.block_ids and not regranted:
+                raise AssertionError(f"{seq.request_id}: preempted and waiting, but holds blocks {holding.block_ids}")
         with self._lock:
             pending, known = set(self._pending), set(self.kv.keys())
         if pending != known:
