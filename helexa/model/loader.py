@@ -29,7 +29,7 @@ from helexa.model.quant.apply import (
     quantized_modules,
 )
 from helexa.model.quant.linear import QuantEmbedding, QuantLinear
-from helexa.model.quant.native_decode import native_decode_for
+from helexa.model.quant.native_step import native_step_for
 from helexa.model.quant.weight import SUFFIXES, QuantizedWeight
 from helexa.model.transformer import CausalLM, copy_checked
 
@@ -314,8 +314,8 @@ def load_model(
             module.prepare()
     quantized = quantized_modules(model)
     if quantized and device.type == "cpu":
-        model.native_decode, why_not = native_decode_for(model)
-        log.info(f"model: fused CPU decode step {'on' if model.native_decode else f'off ({why_not})'}")
+        model.native_step, why_not = native_step_for(model)
+        log.info(f"model: fused CPU step {'on' if model.native_step else f'off ({why_not})'}")
     if mixed or skipped:
         log.info(f"model: left dense (mixed quantized layouts, or K not divisible by 32): {', '.join(mixed + skipped)}")
     kinds = sorted({f"{w.kind}/g{w.group_size}" for w in quantized.values()})

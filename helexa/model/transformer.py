@@ -200,10 +200,11 @@ class CausalLM(nn.Module):
     here (`write_kv`, then `paged_attention`; no other attention path). The loader builds it on `meta`
     and may swap its linear layers and embedding for quantized ones (`helexa.model.quant`).
 
-    `native_decode`, when the loader sets it (a quantized model on the CPU with the reference
-    backend: `helexa.model.quant.native_decode`), runs decode steps — one new token per sequence —
+    `native_step`, when the loader sets it (a quantized model on the CPU with the reference backend:
+    `helexa.model.quant.native_step`), runs every step — decode, prefill, chunked, extend, mixed —
     through the whole decoder stack in one native call: the same K/V writes into the same caches and
-    the reference backend's attention, computed in C. Every other step takes the layers below.
+    the reference backend's attention, computed in C, each row by one computation whatever else
+    shares the step (batch invariant, bit for bit). A step it declines (an fp8 cache) takes the layers.
 
     With `tp` (tensor parallelism, `helexa.model.parallel`) it holds one rank's shard (`plan`): its heads,
     MLP rows and vocabulary rows; o_proj and down_proj all-reduce, the embedding is vocab-parallel and
@@ -223,8 +224,8 @@ class CausalLM(nn.Module):
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.plan = tp.plan if self.tp is not None and tp is not None else ShardPlan.for_model(config)
         self.model = _Backbone(config, attention_backend, self.plan, self.tp)
-        # (hidden, rope, attn, kv_caches) -> final-normed rows (B, E), or None to take the layers
-        self.native_decode: Callable[..., torch.Tensor | None] | None = None
+        # (hidden, positions, attn, kv_caches, logits_indices) -> logits (S, V), or None to take the layers
+        self.native_step: Callable[..., torch.Tensor | None] | None = None
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, self.plan.vocab_rows, bias=False)
         )
@@ -292,15 +293,15 @@ class CausalLM(nn.Module):
             raise ValueError(f"logits_indices must be [S], got {tuple(logits_indices.shape)}")
 
         hidden = self.model.embed_tokens(input_ids)  # (T, E)
+        if self.native_step is not None:
+            logits = self.native_step(hidden, positions, attn, kv_caches, logits_indices)  # or None: the layers
+            if logits is not None:
+                return logits  # (S, V)
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2) float32
         angles = torch.cat((angles, angles), dim=-1)  # (T, D)
         sin = angles.sin()
         sin[:, : sin.shape[1] // 2].neg_()  # signed for `_apply_rope`
         rope = angles.cos().to(hidden.dtype), sin.to(hidden.dtype)  # (T, D) each
-        if self.native_decode is not None:
-            normed = self.native_decode(hidden, rope, attn, kv_caches)  # (T, E) on a decode step, else None
-            if normed is not None:
-                return self.logits(normed[logits_indices])  # (S, V)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(hidden, residual, rope, attn, kv_cache)

@@ -1,96 +1,206 @@
-"""The fused CPU decode step (`helexa.model.quant.native_decode`) against the model's own torch path:
-the same logits and the same cache writes, step after step, for every architecture and layout; its
-attention against the reference backend; and when a model or a step does not get it."""
+"""The fused CPU step (`helexa.model.quant.native_step`): its attention against the reference backend;
+every position computed bit for bit the same however it is batched, chunked or decoded (the
+batch-invariance guarantee), for every architecture and layout; against the model's own torch
+layers; and which models and steps do not get it."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from helexa.kernels import reference
 from helexa.model.loader import load_model
 from helexa.model.quant import native
-from helexa.model.quant.native_decode import native_decode_for, paged_decode
+from helexa.model.quant.native_step import native_step_for, paged_attention
 from tests.support.models import PagedCache, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.unavailable_reason()}")
 
 
+def _paged_inputs(g: torch.Generator, lens: list[int], qlens: list[int], heads: int, kv_heads: int, d: int, bs: int):
+    """Random q for each sequence's last `qlens[b]` positions, its keys and values scattered over a pool
+    whose unwritten slots are NaN, and the metadata: (q, k_cache, v_cache, tables, seq_lens, starts)."""
+    num_blocks = sum(-(-n // bs) for n in lens) + 3
+    k_cache, v_cache = (torch.full((num_blocks, bs, kv_heads, d), float("nan")) for _ in range(2))
+    order = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # scattered blocks; block 0 pads
+    tables = torch.zeros(len(lens), max(-(-n // bs) for n in lens) + 1, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        for i in range(-(-n // bs)):
+            block = order.pop()
+            tables[b, i] = block
+            rows = min(bs, n - i * bs)
+            k_cache[block, :rows] = torch.randn(rows, kv_heads, d, generator=g)
+            v_cache[block, :rows] = torch.randn(rows, kv_heads, d, generator=g)
+    starts = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), heads, d, generator=g) * 2
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), starts
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "d", "block_size"), [(4, 2, 16, 4), (6, 6, 32, 8), (8, 1, 64, 16), (16, 1, 8, 4)]
 )
-def test_paged_decode_matches_the_reference(heads: int, kv_heads: int, d: int, block_size: int) -> None:
-    """Lengths across block boundaries and across the C code's chunks of 128 keys (merged by their
-    maxima and sums), GQA groups of 1 to 16 query heads per KV head."""
+def test_paged_attention_matches_the_reference(heads: int, kv_heads: int, d: int, block_size: int) -> None:
+    """Decode rows, whole prefills, extends after a cached prefix and short multi-row extends in one
+    batch; lengths across block boundaries and across the chunks of 128 keys; GQA groups of 1 to 16."""
     g = torch.Generator().manual_seed(heads * d)
-    lens = [1, block_size, block_size + 1, 5 * block_size - 3, 37, 128, 129, 300]
-    num_blocks = sum(-(-n // block_size) for n in lens) + 3
-    k_cache, v_cache = (torch.full((num_blocks, block_size, kv_heads, d), float("nan")) for _ in range(2))  # unwritten
-    order = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # scattered blocks; block 0 pads
-    width = max(-(-n // block_size) for n in lens) + 1
-    tables = torch.zeros(len(lens), width, dtype=torch.int32)
-    for b, n in enumerate(lens):
-        for i in range(-(-n // block_size)):
-            block = order.pop()
-            tables[b, i] = block
-            rows = min(block_size, n - i * block_size)
-            k_cache[block, :rows] = torch.randn(rows, kv_heads, d, generator=g)
-            v_cache[block, :rows] = torch.randn(rows, kv_heads, d, generator=g)
-    q = torch.randn(len(lens), heads, d, generator=g) * 2
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    want = reference.paged_attention(
-        q.double(), k_cache.double(), v_cache.double(), tables, seq_lens, torch.arange(len(lens) + 1, dtype=torch.int32)
-    )
-    got = paged_decode(q, k_cache, v_cache, tables, seq_lens)
+    lens = [1, block_size, block_size + 1, 37, 128, 129, 300, 260, 140]
+    qlens = [1, block_size, 1, 37, 1, 2, 40, 260, 9]  # decode, prefill, split extend (<= 8 rows), tiled
+    q, k_cache, v_cache, tables, seq_lens, starts = _paged_inputs(g, lens, qlens, heads, kv_heads, d, block_size)
+    want = reference.paged_attention(q.double(), k_cache.double(), v_cache.double(), tables, seq_lens, starts)
+    got = paged_attention(q, k_cache, v_cache, tables, seq_lens, starts)
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
 
 
-def test_paged_decode_checks_its_inputs() -> None:
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seqs=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), min_size=1, max_size=6),
+    probe=st.integers(0, 10**6),
+)
+def test_a_query_attends_the_same_bits_whatever_shares_the_call(seqs: list[tuple[int, int]], probe: int) -> None:
+    """Any batch of sequences, each with any number of query rows: every row equals the same position
+    computed alone as a decode row and inside its own sequence alone, bit for bit."""
+    g = torch.Generator().manual_seed(probe)
+    lens = [max(n, q) for n, q in seqs]
+    qlens = [q for _, q in seqs]
+    q, k_cache, v_cache, tables, seq_lens, starts = _paged_inputs(g, lens, qlens, 6, 2, 16, 8)
+    batch = paged_attention(q, k_cache, v_cache, tables, seq_lens, starts)
+    b = probe % len(lens)
+    s, e = int(starts[b]), int(starts[b + 1])
+    own = torch.tensor([0, e - s], dtype=torch.int32)
+    alone = paged_attention(q[s:e], k_cache, v_cache, tables[b : b + 1], seq_lens[b : b + 1], own)
+    assert torch.equal(alone, batch[s:e])
+    i = probe % (e - s)  # one row, as a decode of its position
+    one = paged_attention(
+        q[s + i : s + i + 1], k_cache, v_cache, tables[b : b + 1],
+        torch.tensor([lens[b] - qlens[b] + i + 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+    )  # fmt: skip
+    assert torch.equal(one, batch[s + i : s + i + 1])
+
+
+def test_paged_attention_checks_its_inputs() -> None:
     q, cache = torch.randn(1, 2, 12), torch.randn(4, 4, 2, 12)  # D = 12: not a multiple of 8
-    tables, lens = torch.ones(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    tables, lens, starts = torch.ones(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.tensor([0, 1])
     with pytest.raises(ValueError, match="D % 8"):
-        paged_decode(q, cache, cache, tables, lens)
+        paged_attention(q, cache, cache, tables, lens, starts.int())
     q, cache = torch.randn(1, 2, 16), torch.randn(4, 4, 2, 16)
     with pytest.raises(ValueError, match="int32"):
-        paged_decode(q, cache, cache, tables.long(), lens)
+        paged_attention(q, cache, cache, tables.long(), lens, starts.int())
+    with pytest.raises(ValueError, match="ending at 1"):
+        paged_attention(q, cache, cache, tables, lens, torch.tensor([0, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="more query rows than its length"):  # 2 rows of a 1-token sequence
+        paged_attention(torch.randn(2, 2, 16), cache, cache, tables, lens, torch.tensor([0, 2], dtype=torch.int32))
 
 
-def _run(model, cache: PagedCache, tokens: dict[int, list[int]], fused: bool) -> tuple[torch.Tensor, bool]:
-    """(logits, whether the fused step computed them) of one step, `fused=False` forcing the layers."""
-    step = cache.step(tokens)
-    saved, results = model.native_decode, []
-    model.native_decode = (lambda *args: results.append(saved(*args)) or results[-1]) if fused else None
-    try:
-        logits = model(step.input_ids, step.positions, step.attn, cache.kv_caches, step.logits_indices)
-    finally:
-        model.native_decode = saved
-    return logits, any(r is not None for r in results)
+# ----------------------------------------------------------------------------------- the model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # plain, q|k|v bias, per-head q/k norms
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_fused_decode_matches_the_layers(tmp_path: Path, arch: str, method: str) -> None:
-    """Both paths quantize their activations to int8 per block of 32 before each projection, and their
-    float32 norms, RoPE and softmax round differently in the last bit: now and then a value lands on
-    the other side of a rounding boundary and one row differs by about one int8 step of one block
-    (a few tenths of a percent of the logits). So each step starts both from the same cache, most
-    rows must agree to float32 precision, and every row within 2%."""
-    path = make_tiny_model(tmp_path, arch, intermediate_size=128, num_hidden_layers=3)
+@pytest.fixture(scope="module", params=[("llama", "int4"), ("qwen2", "int8"), ("qwen3", "int4")], ids=str)
+def quantized(request, tmp_path_factory):
+    """A tiny quantized model with the fused step: plain Llama, Qwen2 (q|k|v bias), Qwen3 (q/k norms)."""
+    arch, method = request.param
+    path = make_tiny_model(tmp_path_factory.mktemp(arch), arch, intermediate_size=128, num_hidden_layers=2)
     model = load_model(path, dtype="float32", attention_backend="torch", quantization=method)
-    assert model.native_decode is not None
-    prompts = {0: [5, 9, 17, 3, 44, 8, 21], 1: [60, 2], 2: [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]}
-    fused, layers = (PagedCache(model.config, num_blocks=24, block_size=4) for _ in range(2))  # same seed: equal
-    for cache in (fused, layers):
-        assert _run(model, cache, prompts, fused=True)[1] is False  # a prefill never takes the fused step
+    assert model.native_step is not None
+    return model
+
+
+def _schedule_run(model, prompts: dict[int, list[int]], schedule: list[dict[int, int]], num_blocks: int = 160):
+    """Run `schedule` (per step: sequence -> how many of its next tokens) and return the logits of every
+    position, {(seq, pos): (V,)}, and the cache to read K/V from."""
+    cache = PagedCache(model.config, num_blocks=num_blocks, block_size=8)
+    done = {s: 0 for s in prompts}
+    logits: dict[tuple[int, int], torch.Tensor] = {}
+    for step in schedule:
+        tokens = {s: prompts[s][done[s] : done[s] + n] for s, n in step.items()}
+        inputs = cache.step(tokens, all_logits=True)
+        out = model(inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, inputs.logits_indices)
+        for row, owner in enumerate(inputs.row_owner):
+            logits[owner] = out[row]
+        for s, n in step.items():
+            done[s] += n
+    return logits, cache
+
+
+def _kv(cache: PagedCache, seq: int, pos: int) -> list[torch.Tensor]:
+    block = cache.seqs[seq].blocks[pos // cache.block_size]
+    return [t[block, pos % cache.block_size] for pair in cache.kv_caches for t in pair]
+
+
+def _random_schedule(rng: random.Random, lengths: dict[int, int]) -> list[dict[int, int]]:
+    """Steps that mix any sequences, each taking a random chunk (1 token: a decode row) of what it has left."""
+    left, steps = dict(lengths), []
+    while any(left.values()):
+        live = [s for s, n in left.items() if n]
+        step = {
+            s: min(left[s], rng.choice([1, 1, 2, 5, rng.randint(1, 200)]))
+            for s in rng.sample(live, rng.randint(1, len(live)))
+        }
+        for s, n in step.items():
+            left[s] -= n
+        steps.append(step)
+    return steps
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_every_position_is_computed_the_same_however_it_is_scheduled(quantized, seed: int) -> None:
+    """Logits of every position and the K/V written for it, bit for bit, whether the sequence ran alone
+    as one prefill, token by token beside the others, or in random chunks mixed with other sequences
+    (decode rows, split extends, long prefill chunks in one step; contexts across the 128-key chunks)."""
+    rng = random.Random(seed)
+    vocab = quantized.config.vocab_size
+    prompts = {s: [rng.randrange(vocab) for _ in range(rng.randint(1, 260))] for s in range(rng.randint(2, 4))}
+    lengths = {s: len(p) for s, p in prompts.items()}
+    alone = {}
+    for s in prompts:  # the reference: each sequence by itself, its whole text in one step
+        logits, cache = _schedule_run(quantized, {s: prompts[s]}, [{s: lengths[s]}])
+        alone.update({key: (row, _kv(cache, *key)) for key, row in logits.items()})
+    for schedule in (_random_schedule(rng, lengths), [dict.fromkeys(prompts, 1)] * max(lengths.values())):
+        schedule = [{s: n for s, n in step.items() if n} for step in _trim(schedule, lengths)]
+        logits, cache = _schedule_run(quantized, prompts, schedule)
+        assert logits.keys() == alone.keys()
+        for key, row in logits.items():
+            want_row, want_kv = alone[key]
+            assert torch.equal(row, want_row), f"logits of {key} differ: max {float((row - want_row).abs().max())}"
+            assert all(torch.equal(a, b) for a, b in zip(_kv(cache, *key), want_kv)), f"K/V of {key} differ"
+
+
+def _trim(schedule: list[dict[int, int]], lengths: dict[int, int]) -> list[dict[int, int]]:
+    """Cut a token-by-token schedule at each sequence's length."""
+    done = dict.fromkeys(lengths, 0)
+    out = []
+    for step in schedule:
+        kept = {s: min(n, lengths[s] - done[s]) for s, n in step.items()}
+        for s, n in kept.items():
+            done[s] += n
+        out.append(kept)
+    return [step for step in out if any(step.values())]
+
+
+def test_the_fused_step_matches_the_layers(quantized) -> None:
+    """The C step computes what the torch layers compute (the oracle): a prefill batch, then decode
+    steps, each run both ways from the same cache. Both round each projection's input to int8 per
+    block of 32, and their norms, RoPE and softmax round differently in the last float32 bit: now and
+    then a value lands on the other side of an int8 rounding boundary. So most rows must agree to
+    float32 precision, and every row within 2% of the logits' scale; the K/V written likewise, and
+    nothing else in the pool may change."""
+    model = quantized
+    prompts = {0: [5, 9, 17, 3, 44, 8, 21], 1: [60, 2], 2: list(range(11, 150))}
+    fused, layers = (PagedCache(model.config, num_blocks=64, block_size=4) for _ in range(2))  # same seed: equal
     g = torch.Generator().manual_seed(1)
     exact_rows = rows = 0
-    for _ in range(6):  # decode steps, every sequence one token; crossing block boundaries
+    steps = [prompts] + [{i: [int(torch.randint(0, 320, (1,), generator=g))] for i in prompts} for _ in range(6)]
+    for tokens in steps:
         for (fk, fv), (lk, lv) in zip(fused.kv_caches, layers.kv_caches):
             fk.copy_(lk)
             fv.copy_(lv)
-        tokens = {i: [int(torch.randint(0, 320, (1,), generator=g))] for i in prompts}
         want, _ = _run(model, layers, tokens, fused=False)
         got, took = _run(model, fused, tokens, fused=True)
         assert took
@@ -98,10 +208,10 @@ def test_fused_decode_matches_the_layers(tmp_path: Path, arch: str, method: str)
         torch.testing.assert_close(got, want, rtol=0, atol=0.02 * scale)
         exact_rows += int(((got - want).abs().amax(dim=1) <= 1e-5 * scale).sum())
         rows += want.shape[0]
-        written = torch.zeros(24, 4, dtype=torch.bool)  # this step's slots
-        for seq in fused.seqs.values():
-            pos = len(seq.tokens) - 1
-            written[seq.blocks[pos // 4], pos % 4] = True
+        written = torch.zeros(64, 4, dtype=torch.bool)  # this step's slots
+        for seq_id, seq in fused.seqs.items():
+            for pos in range(len(seq.tokens) - len(tokens[seq_id]), len(seq.tokens)):
+                written[seq.blocks[pos // 4], pos % 4] = True
         for (fk, fv), (lk, lv) in zip(fused.kv_caches, layers.kv_caches):
             for f, ref in ((fk, lk), (fv, lv)):
                 assert torch.equal(f[~written], ref[~written])  # nothing else in the pool changes
@@ -109,28 +219,41 @@ def test_fused_decode_matches_the_layers(tmp_path: Path, arch: str, method: str)
     assert exact_rows >= rows * 2 // 3, f"only {exact_rows} of {rows} rows agree to float32 precision"
 
 
+def _run(model, cache: PagedCache, tokens: dict[int, list[int]], fused: bool) -> tuple[torch.Tensor, bool]:
+    """(logits of every new token, whether the fused step computed them) of one step; `fused=False`
+    forces the layers."""
+    step = cache.step(tokens, all_logits=True)
+    saved, results = model.native_step, []
+    model.native_step = (lambda *args: results.append(saved(*args)) or results[-1]) if fused else None
+    try:
+        logits = model(step.input_ids, step.positions, step.attn, cache.kv_caches, step.logits_indices)
+    finally:
+        model.native_step = saved
+    return logits, any(r is not None for r in results)
+
+
 def test_models_and_steps_the_fused_step_does_not_take(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = make_tiny_model(tmp_path, "llama", intermediate_size=128)
     dense = load_model(path, dtype="float32", attention_backend="torch")
-    assert dense.native_decode is None
-    assert "o_proj" in native_decode_for(dense)[1]
+    assert dense.native_step is None
+    assert "o_proj" in native_step_for(dense)[1]
     bf16 = load_model(path, dtype="bfloat16", attention_backend="torch", quantization="int8")
-    assert bf16.native_decode is None and "float32" in native_decode_for(bf16)[1]
+    assert bf16.native_step is None and "float32" in native_step_for(bf16)[1]
     model = load_model(path, dtype="float32", attention_backend="torch", quantization="int8")
-    fused = model.native_decode
+    fused = model.native_step
     assert fused is not None
     cache = PagedCache(model.config, num_blocks=8, block_size=4)
     before = [t.clone() for pair in cache.kv_caches for t in pair]
-    step = cache.step({0: [1, 2, 3]})  # a prefill: the layers' job; nothing written
+    step = cache.step({0: [1, 2, 3]})
     hidden = torch.randn(3, model.config.hidden_size)
-    rope = (torch.ones(3, model.config.head_dim), torch.zeros(3, model.config.head_dim))
-    assert fused(hidden, rope, step.attn, cache.kv_caches) is None
-    step = cache.step({0: [4]})
-    half = [(k.half(), v.half()) for k, v in cache.kv_caches]  # caches it cannot read
-    assert fused(hidden[:1], (rope[0][:1], rope[1][:1]), step.attn, half) is None
+    half = [(k.half(), v.half()) for k, v in cache.kv_caches]  # caches it cannot read (as an fp8 pool's)
+    assert fused(hidden, step.positions, step.attn, half, step.logits_indices) is None
+    assert (
+        fused(hidden[:2], step.positions[:2], step.attn, cache.kv_caches, step.logits_indices) is None
+    )  # rows != slots
     assert all(torch.equal(a, b) for a, b in zip(before, [t for pair in cache.kv_caches for t in pair]))
-    monkeypatch.setenv("HELEXA_CPU_DECODE", "torch")
-    assert native_decode_for(model) == (None, "HELEXA_CPU_DECODE=torch")
+    monkeypatch.setenv("HELEXA_CPU_STEP", "torch")
+    assert native_step_for(model) == (None, "HELEXA_CPU_STEP=torch")
 
 
 def test_the_library_runs_on_torchs_thread_count() -> None:

@@ -34,6 +34,7 @@ from helexa.model.weights.pull import helexa_home
 
 __all__ = [
     "available",
+    "dense_head",
     "int4_gemm",
     "int8_gemm",
     "library",
@@ -46,8 +47,10 @@ __all__ = [
 
 _log = logging.getLogger("helexa.quant")
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "wq_gemm.c", _CSRC / "decode.c"]  # one library; wq_gemm.h is shared by both
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
+_SOURCES = [_CSRC / "wq_gemm.c", _CSRC / "step.c"]  # one library; wq_gemm.h is shared by both
+# -ffp-contract=off: no fused multiply-add the source does not write, so every row is computed by the
+# same operations wherever it is (the fused step's batch invariance, csrc/step.c)
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
 _LIBS = ["-lm"]
 _BLOCK = 32  # activation values per int8 block; K and G must be multiples
 _COLUMNS = 8  # output columns per tile of the weight layout; N must be a multiple
@@ -112,10 +115,12 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.helexa_set_threads.argtypes = [i64]
     lib.helexa_set_threads.restype = None
     lib.helexa_threads.restype = ctypes.c_int
-    lib.helexa_paged_decode.argtypes = [p, p, p, *[i64] * 8, p, i64, p, ctypes.c_float, p]
-    lib.helexa_paged_decode.restype = ctypes.c_int
-    lib.helexa_decode_step.argtypes = [p, i64, p, p, p, p, p, i64, p, p]
-    lib.helexa_decode_step.restype = ctypes.c_int
+    lib.helexa_paged_attention.argtypes = [p, p, p, *[i64] * 8, p, p, i64, p, ctypes.c_float, p]
+    lib.helexa_paged_attention.restype = ctypes.c_int
+    lib.helexa_step.argtypes = [p, i64, p, p, p, p, i64, p, p, i64, p, p]
+    lib.helexa_step.restype = ctypes.c_int
+    lib.helexa_dense_head.argtypes = [p, i64, i64, p, i64, p]
+    lib.helexa_dense_head.restype = None
     return lib, ""
 
 
@@ -178,7 +183,7 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def library() -> ctypes.CDLL:
-    """The loaded library (for `helexa.model.quant.native_decode`), set to run on as many threads as
+    """The loaded library (for `helexa.model.quant.native_step`), set to run on as many threads as
     torch's intra-op pool (`torch.get_num_threads()`, read at each call: it may change, and the thread
     that calls may not be the one that set it); `RuntimeError` with the reason when it is unavailable."""
     lib, why = _library()
@@ -232,3 +237,18 @@ def int8_gemm(x: torch.Tensor, tiled: tuple[torch.Tensor, ...]) -> torch.Tensor:
         raise ValueError("an int8 weight is (int8 tiles, scales)")
     n, k = qt.shape[0] * _COLUMNS, qt.shape[1] * 4
     return _run("helexa_int8_gemm", x, n, k, qt, scales)
+
+
+def dense_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ weight (N, K).T -> (M, N) float32 for a dense float32 output head, each (row, column)
+    summed in one fixed order whatever M is (torch's matmul may choose its order by the shape)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != (n, k) or x.is_cuda:
+        raise ValueError(
+            f"dense_head takes CPU float32 x (M, K) and weight (N, K); got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
+    x, weight = x.contiguous(), weight.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    library().helexa_dense_head(x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr())
+    return y

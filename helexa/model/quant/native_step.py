@@ -1,33 +1,38 @@
-"""The fused CPU decode step (`csrc/decode.c`): every layer of a quantized model in one native call.
+"""The fused CPU step (`csrc/step.c`): every layer of a quantized model in one native call, for every
+step: decode, prefill, a chunk of a chunked prefill, an extend after a prefix-cache hit, or any mix.
 
-On a CPU, a decode step of a small model is dominated not by its matmuls but by the few dozen torch
-operations around them in every layer (norms, RoPE, the cache write, attention, activations), each
-a dispatch of ~10 µs. When every sequence of a step brings one new token, `NativeDecode` runs the
-whole decoder stack in C instead: the same computation as `CausalLM`'s torch path with the
-reference attention backend, in float32, through the same quantized kernel (`native`), writing K/V
-into the same paged caches and attending through the same block tables. Other steps (prefill,
-extend, mixed batches) take the torch path.
+Two reasons it serves every step. Speed: on a CPU, a step of a small model is dominated not by its
+matmuls but by the few dozen torch operations around them in every layer (norms, RoPE, the cache
+write, attention, activations), each a dispatch of ~10 µs. Determinism: a token's logits and K/V
+must not depend on what else shares the step or how its sequence was split into steps; the C step
+computes each row by the same operations in the same order whatever the batch (per-row projections,
+norms and activations, RoPE from the row's own position, attention split at fixed key positions and
+merged in a fixed order; csrc/step.c says how), so one computation per row and per position is the
+whole guarantee. It computes what `CausalLM`'s torch layers compute with the reference attention
+backend, in float32, through the same quantized kernel (`native`), writing K/V into the same paged
+caches through the same block tables.
 
-`native_decode_for(model)` decides once, at load, whether a model can use it and says why not:
-CPU, float32, no tensor parallelism, the reference attention backend, every decoder projection
-quantized for the native kernel, head_dim a multiple of 8 up to 512. Each step still checks what
-varies (float32 caches with a contiguous last dimension, int32 tables); a step that does not fit
-takes the torch path. `HELEXA_CPU_DECODE=torch` turns it off.
+`native_step_for(model)` decides once, at load, whether a model can use it and says why not: CPU,
+float32, no tensor parallelism, the reference attention backend, every decoder projection quantized
+for the native kernel, head_dim a multiple of 8 up to 512, at most 16 query heads per KV head. Each
+step still checks what varies (float32 caches with a contiguous last dimension, index dtypes); a step
+that does not fit (an fp8 cache) takes the torch layers. `HELEXA_CPU_STEP=torch` turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from helexa.kvcache.metadata import AttentionMetadata
 from helexa.model.quant import native
-from helexa.model.quant.linear import QuantLinear
+from helexa.model.quant.linear import QuantEmbedding, QuantLinear
 
-__all__ = ["NativeDecode", "native_decode_for", "paged_decode"]
+__all__ = ["NativeStep", "native_step_for", "paged_attention"]
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 _MAX_HEAD_DIM = 512  # the C code's per-head buffers
@@ -97,19 +102,28 @@ def _cache_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
-class NativeDecode:
-    """A model's decoder stack as one native call per decode step (build it with `native_decode_for`).
-    Holds its own float32 copies of the norm weights and biases; the projections' tiled weights are
-    the ones their `CpuQuantMatmul` prepared."""
+class NativeStep:
+    """A model's decoder stack as one native call per step (build it with `native_step_for`). Holds its
+    own float32 copies of the norm weights and biases; the projections' tiled weights are the ones
+    their `CpuQuantMatmul` prepared."""
 
-    def __init__(self, model: Any, layers: list[_Layer], keep: list[torch.Tensor], final_norm: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        layers: list[_Layer],
+        keep: list[torch.Tensor],
+        final_norm: int,
+        head: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
         config, plan = model.config, model.plan
         self._keep = keep  # everything the C structures point to
+        self._head = head  # final-normed rows (S, E) -> logits (S, V), each row on its own
         self._layers = (_Layer * len(layers))(*layers)
         self._model = _Model(
             len(layers), config.hidden_size, plan.num_heads, plan.num_kv_heads, config.head_dim,
             plan.intermediate_size, 0, config.rms_norm_eps, final_norm, self._layers,
         )  # fmt: skip
+        self._inv_freq = model.inv_freq.detach().float().cpu().contiguous()  # (D/2,) RoPE frequencies
         self._caches_key: tuple[int, ...] = ()
         native.library()  # built and loaded now: the first step pays nothing
 
@@ -130,39 +144,46 @@ class NativeDecode:
     def __call__(
         self,
         hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
         attn: AttentionMetadata,
         kv_caches: list[Any],
+        logits_indices: torch.Tensor,
     ) -> torch.Tensor | None:
-        """The final-normed hidden states (B, E) float32 of a decode step (B sequences, one new token
-        each: hidden (B, E) their embeddings, rope their (cos, signed sin) (B, D)), the new K/V written
-        to the caches; None, with nothing written, when the step or the caches do not fit (then the
-        caller runs the torch path)."""
-        b = hidden.shape[0]
-        if attn.max_query_len != 1 or attn.num_seqs != b or attn.num_tokens != b or hidden.dtype != torch.float32:
+        """The logits (S, V) float32 of one step's rows `logits_indices` (S,): hidden (T, E) the new
+        tokens' embeddings, positions (T,) int64 theirs, `attn` the step's metadata; the new K/V are
+        written to the caches. None, with nothing written, when the step or the caches do not fit
+        (then the caller runs the torch layers)."""
+        t = hidden.shape[0]
+        if attn.num_tokens != t or positions.shape != (t,) or hidden.dtype != torch.float32 or t == 0:
             return None
-        tables, lens, slots = attn.block_tables, attn.seq_lens, attn.slot_mapping
-        if tables.dtype != torch.int32 or lens.dtype != torch.int32 or slots.dtype != torch.int64:
+        tables, lens, slots, starts = attn.block_tables, attn.seq_lens, attn.slot_mapping, attn.query_start_loc
+        if any(x.dtype != torch.int32 for x in (tables, lens, starts)) or slots.dtype != torch.int64:
             return None
         if tables.stride(-1) != 1 or not self._bind_caches(kv_caches):
             return None
         x = hidden.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place
-        cos, sin = (t.float().contiguous() for t in rope)
-        lens, slots = lens.contiguous(), slots.contiguous()
+        positions, lens, slots, starts = (v.contiguous() for v in (positions.long(), lens, slots, starts))
         out = torch.empty_like(x)
-        rc = native.library().helexa_decode_step(
-            ctypes.byref(self._model), b, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-            tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
+        rc = native.library().helexa_step(
+            ctypes.byref(self._model), t, x.data_ptr(), positions.data_ptr(), self._inv_freq.data_ptr(),
+            slots.data_ptr(), attn.num_seqs, starts.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+            out.data_ptr(),
         )  # fmt: skip
-        if rc != 0:
-            raise MemoryError("the native decode step could not allocate its scratch memory")
-        return out
+        _check(rc, "the native step")
+        return self._head(out[logits_indices])
 
 
-def native_decode_for(model: Any) -> tuple[NativeDecode | None, str]:
-    """(the fused decode step for this `CausalLM`, "") or (None, why it cannot have one)."""
-    if os.environ.get("HELEXA_CPU_DECODE", "auto") == "torch":
-        return None, "HELEXA_CPU_DECODE=torch"
+def _check(rc: int, what: str) -> None:
+    if rc == -1:
+        raise MemoryError(f"{what} could not allocate its scratch memory")
+    if rc == -2:
+        raise ValueError(f"{what}: a sequence has more query rows than its length (inconsistent attention metadata)")
+
+
+def native_step_for(model: Any) -> tuple[NativeStep | None, str]:
+    """(the fused step for this `CausalLM`, "") or (None, why it cannot have one)."""
+    if os.environ.get("HELEXA_CPU_STEP", "auto") == "torch":
+        return None, "HELEXA_CPU_STEP=torch"
     if not native.available():
         return None, f"the native CPU kernel is unavailable ({native.unavailable_reason()})"
     if model.tp is not None:
@@ -202,35 +223,58 @@ def native_decode_for(model: Any) -> tuple[NativeDecode | None, str]:
         )
     final_norm = _norm_weight(model.model.norm, keep)
     assert final_norm is not None
-    return NativeDecode(model, layers, keep, final_norm), ""
+    return NativeStep(model, layers, keep, final_norm, _head(model, keep)), ""
 
 
-def paged_decode(
+def _head(model: Any, keep: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The output head as a function of final-normed rows (S, E) -> (S, V) float32 that computes each
+    row on its own: the native quantized kernel where the head is quantized for it, else helexa's dense
+    kernel (`native.dense_head`) over the float32 weight (dequantised once, if it is quantized for
+    torch's kernels, whose order depends on the row count)."""
+    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    if isinstance(head, QuantEmbedding):
+        head = head.head
+    if isinstance(head, QuantLinear) and head.cpu_matmul is not None and head.cpu_matmul.kernel == "native":
+        quantized = head
+        return lambda rows: quantized(rows).float()
+    weight = head.weight_q.dequantize(torch.float32) if isinstance(head, QuantLinear) else head.weight.detach().float()
+    weight = weight.contiguous()
+    keep.append(weight)
+    return lambda rows: native.dense_head(rows.contiguous(), weight)
+
+
+def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """The fused step's attention alone: q (B, H, D) float32, one query per sequence at position
-    seq_lens[b] - 1, over float32 caches (NB, BS, KVH, D) through block_tables (B, MB) int32 ->
-    (B, H, D). The same result as `helexa.kernels.reference.paged_attention` for such a batch."""
-    b, h, d = q.shape
+    """The fused step's attention alone, with `helexa.kernels.reference.paged_attention`'s signature and
+    result: q (T, H, D) float32, D % 8 == 0, over float32 caches (NB, BS, KVH, D) through block_tables
+    (B, MB), seq_lens (B,) and query_start_loc (B + 1,), all int32 -> (T, H, D)."""
+    t, h, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     if q.dtype != torch.float32 or not _cache_ok(k_cache, v_cache) or d % 8 or d > _MAX_HEAD_DIM or h % kvh:
-        raise ValueError("paged_decode takes float32 q (B, H, D), D % 8 == 0, and float32 caches (NB, BS, KVH, D)")
+        raise ValueError("paged_attention takes float32 q (T, H, D), D % 8 == 0, and float32 caches (NB, BS, KVH, D)")
     if h > _MAX_GROUP * kvh:
-        raise ValueError(f"paged_decode takes at most {_MAX_GROUP} query heads per KV head")
-    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.stride(-1) != 1:
-        raise ValueError("block_tables and seq_lens must be int32 (tables with a contiguous last dimension)")
-    q, lens = q.contiguous(), seq_lens.contiguous()
+        raise ValueError(f"paged_attention takes at most {_MAX_GROUP} query heads per KV head")
+    index = (block_tables, seq_lens, query_start_loc)
+    if any(x.dtype != torch.int32 for x in index) or block_tables.stride(-1) != 1:
+        raise ValueError(
+            "block_tables, seq_lens and query_start_loc must be int32 (tables with a contiguous last dimension)"
+        )
+    b = block_tables.shape[0]
+    if seq_lens.shape != (b,) or query_start_loc.shape != (b + 1,) or int(query_start_loc[-1]) != t:
+        raise ValueError(f"{b} sequences need seq_lens ({b},) and query_start_loc ({b + 1},) ending at {t}")
+    q, lens, starts = q.contiguous(), seq_lens.contiguous(), query_start_loc.contiguous()
     out = torch.empty_like(q)
-    rc = native.library().helexa_paged_decode(
+    rc = native.library().helexa_paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3], block_size, b, h, kvh, d,
-        block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), d**-0.5 if scale is None else scale,
-        out.data_ptr(),
+        starts.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(),
+        d**-0.5 if scale is None else scale, out.data_ptr(),
     )  # fmt: skip
-    if rc != 0:
-        raise MemoryError("paged_decode could not allocate its scratch memory")
+    _check(rc, "paged_attention")
     return out

@@ -1,22 +1,34 @@
-/* One decode step of a whole quantized decoder on the CPU: every layer's norms, quantized
- * projections (helexa_wq_gemm), RoPE, K/V write into the paged cache and paged attention, in one
- * call. Each sequence of the batch brings exactly one new token.
+/* One step of a whole quantized decoder on the CPU, for any mix of rows: decode (one new token of a
+ * sequence), prefill, a chunk of a chunked prefill, an extend after a prefix-cache hit. Every layer's
+ * norms, quantized projections (helexa_wq_gemm), RoPE, K/V write into the paged cache and paged
+ * attention, in one call.
  *
- * It computes what helexa.model.transformer.CausalLM does for such a step (its torch path, with
- * helexa.kernels.reference's write_kv and paged_attention, is the oracle of the tests), in float32:
+ * It computes what helexa.model.transformer.CausalLM's torch layers compute (with
+ * helexa.kernels.reference's write_kv and paged_attention, the oracle of the tests), in float32:
  *
  *   per layer:  h = rms_norm(x) * w_in;  q|k|v = h @ Wqkv.T (+ b);  q, k = rope(norm_qk(q), norm_qk(k))
- *               cache[slot] = k, v;  a = softmax(q . K / sqrt(D)) V over the sequence's blocks
+ *               cache[slot] = k, v;  a = softmax(q . K / sqrt(D)) V over positions <= the query's
  *               x += a @ Wo.T (+ b);  h = rms_norm(x) * w_post;  g|u = h @ Wgu.T (+ b)
  *               x += (silu(g) * u) @ Wdown.T (+ b)
  *   at the end: out = rms_norm(x) * w_final
  *
+ * Batch invariance (the reason this one function serves every step): each value a row produces is
+ * computed by the same operations in the same order whatever else shares the call, however its
+ * sequence's tokens were split into steps, and whichever thread runs it. Projections quantize and
+ * sum each row on its own (wq_gemm.c); norms, RoPE (cos and sin of the row's own position, computed
+ * here), SiLU and the residual adds are per row and per element; attention splits a query's keys at
+ * fixed positions (chunks of KCHUNK keys from position 0), computes each (query, chunk) partial by one
+ * function (chunk_partial) and folds the partials in chunk order by one function (fold), whether the
+ * chunks ran as parallel tasks (a sequence with few query rows: decode) or in one task's loop (a tile
+ * of prefill rows). Compiled with -ffp-contract=off: the arithmetic is the source's, with no fused
+ * multiply-add the source does not ask for. So a token's K/V and logits are a function of the tokens
+ * before it, bit for bit (tests/model/test_native_step.py).
+ *
  * Caches are float32 (NB, BS, KVH, D) with any strides but a contiguous last dimension; positions
  * past a sequence's length are never read. A slot of -1 writes nothing. D must be a multiple of 8 up
  * to 512, and H / KVH at most GMAX (16).
- * Threads: OpenMP (the runtime torch has loaded) over the projections' column tiles and over
- * attention's tasks: (sequence, KV head, chunk of KCHUNK keys), each scoring the KV head's query
- * heads together, the chunks then merged by their maxima and sums (split-K "flash decoding").
+ * Threads: OpenMP (the runtime torch has loaded) over rows, the projections' column tiles and
+ * attention's tasks.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -58,31 +70,6 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* y (n,) = x * w / sqrt(mean(x^2) + eps). */
-static void rms_norm(const float *x, const float *w, int64_t n, double eps, float *y) {
-    double ss = 0.0;
-    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
-    const float r = (float)(1.0 / sqrt(ss / (double)n + eps));
-    for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * r);
-}
-
-static void linear(const hx_linear *l, const float *x, int64_t m, float *y) {
-    helexa_wq_gemm(x, m, l->k, l->int4 ? (const uint8_t *)l->weight : NULL, l->int4 ? NULL : (const int8_t *)l->weight,
-                   l->scales, l->zero_terms, l->half, l->n, l->group, y);
-    if (l->bias)
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t i = 0; i < l->n; i++) y[r * l->n + i] += l->bias[i];
-}
-
-/* One head (D,) in place: optional RMSNorm, then rotate-half RoPE with cos and signed sin (D,). */
-static void rope_head(float *x, const float *norm, double eps, const float *cos, const float *ssin, int64_t d) {
-    float tmp[512];
-    if (norm) rms_norm(x, norm, d, eps, x);
-    const int64_t h = d / 2;
-    for (int64_t i = 0; i < d; i++) tmp[i] = x[i] * cos[i] + x[i < h ? i + h : i - h] * ssin[i];
-    memcpy(x, tmp, sizeof(float) * (size_t)d);
-}
-
 /* exp(x) for 8 floats (Cephes' expf: range reduction by ln 2, a degree-5 polynomial, relative error
  * ~1e-7 over the range used here, x <= 0). Inputs under -87.3 give 0. */
 static inline __m256 exp8(__m256 x) {
@@ -112,22 +99,95 @@ static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-#define KCHUNK 128 /* keys per attention task: a split of a sequence, merged afterwards */
-#define GMAX 16    /* query heads per KV head the step takes (checked by the caller) */
+#define KCHUNK 128    /* keys per attention chunk, from position 0: a query's keys split at fixed positions */
+#define GMAX 16       /* query heads per KV head the step takes (checked by the caller) */
+#define SPLIT_ROWS 8  /* a sequence with at most this many rows in the step runs one task per chunk */
+#define QTILE 16      /* query rows per task otherwise (each task walks its rows' chunks in order) */
+#define ROWS_PAR 8    /* rows from which the per-row work runs on all threads */
 
-/* One task of paged decode attention: the G query heads q (G, D) of KV head kvh over the keys
- * [j0, j1) of one sequence. Writes, per head g, the running max m[g], the sum of exp l[g] and the
- * unnormalised output o[g] (D,), for `merge`. */
-static void attend_split(const float *q, int64_t G, const hx_layer *L, const int32_t *table, int64_t j0, int64_t j1,
-                         int64_t bs, int64_t kvh, int64_t d, float scale, float *m, float *l, float *o) {
-    float scores[GMAX * KCHUNK] __attribute__((aligned(32)));
-    const float *kptr[KCHUNK], *vptr[KCHUNK];
-    const int64_t n = j1 - j0, nv = d / 8;
+/* y (n,) = w * (x / sqrt(mean(x^2) + eps)), the sum of squares in double, in order. */
+static void rms_norm(const float *x, const float *w, int64_t n, double eps, float *y) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float r = (float)(1.0 / sqrt(ss / (double)n + eps));
+    for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * r);
+}
+
+/* rms_norm of each of the T rows (T, n) -> (T, n). */
+static void rms_norm_rows(const float *x, const float *w, int64_t T, int64_t n, double eps, float *y) {
+#pragma omp parallel for schedule(static) if (T >= ROWS_PAR) num_threads(helexa_threads())
+    for (int64_t t = 0; t < T; t++) rms_norm(x + t * n, w, n, eps, y + t * n);
+}
+
+static void linear(const hx_linear *l, const float *x, int64_t m, float *y) {
+    helexa_wq_gemm(x, m, l->k, l->int4 ? (const uint8_t *)l->weight : NULL, l->int4 ? NULL : (const int8_t *)l->weight,
+                   l->scales, l->zero_terms, l->half, l->n, l->group, y);
+    if (l->bias)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < l->n; i++) y[r * l->n + i] += l->bias[i];
+}
+
+/* cos and signed sin (T, D) of each row's position: angle i = float(pos) * inv_freq[i mod D/2] in
+ * float32 (as CausalLM computes it), then cosf and sinf of it; sin's first half negated. */
+static void rope_tables(const int64_t *positions, const float *inv_freq, int64_t T, int64_t d, float *cos_t,
+                        float *ssin_t) {
+    const int64_t h = d / 2;
+#pragma omp parallel for schedule(static) if (T >= 64) num_threads(helexa_threads())
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < h; i++) {
+            const float a = (float)positions[t] * inv_freq[i], c = cosf(a), s = sinf(a);
+            cos_t[t * d + i] = cos_t[t * d + h + i] = c;
+            ssin_t[t * d + i] = -s;
+            ssin_t[t * d + h + i] = s;
+        }
+}
+
+/* One head (D,) in place: optional RMSNorm, then rotate-half RoPE with cos and signed sin (D,). */
+static void rope_head(float *x, const float *norm, double eps, const float *cos_r, const float *ssin_r, int64_t d) {
+    float tmp[512];
+    if (norm) rms_norm(x, norm, d, eps, x);
+    const int64_t h = d / 2;
+    for (int64_t i = 0; i < d; i++) tmp[i] = x[i] * cos_r[i] + x[i < h ? i + h : i - h] * ssin_r[i];
+    memcpy(x, tmp, sizeof(float) * (size_t)d);
+}
+
+/* 8 values of silu(g) * u = g / (1 + exp(-g)) * u, exp by exp8. */
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    const __m256 e = exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+/* y (n,) = silu(g) * u, every value through silu_mul8 (a tail of fewer than 8 is padded). */
+static void silu_mul(const float *g, const float *u, int64_t n, float *y) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    if (i < n) {
+        float gt[8] = {0}, ut[8] = {0}, yt[8];
+        memcpy(gt, g + i, sizeof(float) * (size_t)(n - i));
+        memcpy(ut, u + i, sizeof(float) * (size_t)(n - i));
+        _mm256_storeu_ps(yt, silu_mul8(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut)));
+        memcpy(y + i, yt, sizeof(float) * (size_t)(n - i));
+    }
+}
+
+/* The K and V rows of keys [j0, j0 + n) of KV head kvh of one sequence (its block table). */
+static void chunk_rows(const hx_layer *L, const int32_t *table, int64_t j0, int64_t n, int64_t bs, int64_t kvh,
+                       const float **kp, const float **vp) {
     for (int64_t j = 0; j < n; j++) {
         const int64_t pos = j0 + j, off = (int64_t)table[pos / bs] * L->block_stride + (pos % bs) * L->row_stride;
-        kptr[j] = L->k_cache + off + kvh * L->head_stride;
-        vptr[j] = L->v_cache + off + kvh * L->head_stride;
+        kp[j] = L->k_cache + off + kvh * L->head_stride;
+        vp[j] = L->v_cache + off + kvh * L->head_stride;
     }
+}
+
+/* The partial of one query over the first n keys of a chunk (kp, vp), for the G query heads q (G, D) of
+ * one KV head: per head g the maximum score m[g], the sum of exp(score - m) l[g] and the unnormalised
+ * output o[g] (D). The one computation of a (query, chunk) pair: its result depends on q, the keys
+ * and n only. */
+static void chunk_partial(const float *q, int64_t G, const float *const *kp, const float *const *vp, int64_t n,
+                          int64_t d, float scale, float *m, float *l, float *o) {
+    float scores[GMAX * KCHUNK] __attribute__((aligned(32)));
+    const int64_t nv = d / 8;
     for (int64_t g = 0; g < G; g++) {
         const float *qg = q + g * d;
         float *sg = scores + g * KCHUNK;
@@ -137,14 +197,14 @@ static void attend_split(const float *q, int64_t G, const hx_layer *L, const int
             for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
             for (int64_t i = 0; i < d; i += 8) {
                 const __m256 qv = _mm256_loadu_ps(qg + i);
-                for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kptr[j + r] + i), a[r]);
+                for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[j + r] + i), a[r]);
             }
             _mm256_storeu_ps(sg + j, _mm256_mul_ps(hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]),
                                                    _mm256_set1_ps(scale)));
         }
         for (; j < n; j++) {
             __m256 acc = _mm256_setzero_ps();
-            for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kptr[j] + i), acc);
+            for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kp[j] + i), acc);
             sg[j] = hsum(acc) * scale;
         }
         float mx = -INFINITY;
@@ -165,7 +225,7 @@ static void attend_split(const float *q, int64_t G, const hx_layer *L, const int
         for (int64_t i = 0; i < nv; i++) acc[i] = _mm256_setzero_ps();
         for (j = 0; j < n; j++) {
             const __m256 p = _mm256_set1_ps(sg[j]);
-            const float *v = vptr[j];
+            const float *v = vp[j];
             for (int64_t i = 0; i < nv; i++) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
         }
         for (int64_t i = 0; i < nv; i++) _mm256_storeu_ps(o + g * d + 8 * i, acc[i]);
@@ -174,59 +234,152 @@ static void attend_split(const float *q, int64_t G, const hx_layer *L, const int
     }
 }
 
-/* Paged decode attention of B sequences, one query each: q (B, H, D) -> out (B, H, D). Tasks are
- * (sequence, KV head, chunk of KCHUNK keys), spread over the threads, then merged per head. */
-static int attend_all(const float *q, int64_t q_stride, const hx_layer *L, const int32_t *block_tables,
-                      int64_t table_stride, const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                      int64_t bs, float scale, float *out, int64_t out_stride) {
-    const int64_t G = H / KVH;
-    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B + 1)); /* first task of each sequence */
-    if (!first) return -1;
-    first[0] = 0;
+/* Fold one chunk's partial (m, l, o (D)) into a query head's running state (*M, *S, O (D)), which starts
+ * at (-inf, 0, 0); the chunks are folded in order. The one merge, wherever the partials were made. */
+static inline void fold(float *M, float *S, float *O, float m, float l, const float *o, int64_t d) {
+    const float mx = m > *M ? m : *M;
+    const float a = expf(*M - mx), b = expf(m - mx);
+    *S = *S * a + l * b;
+    for (int64_t i = 0; i < d; i++) O[i] = O[i] * a + o[i] * b;
+    *M = mx;
+}
+
+/* out (D) = O / S. */
+static inline void finish(const float *O, float S, int64_t d, float *out) {
+    const float inv = S > 0.0f ? 1.0f / S : 0.0f;
+    for (int64_t i = 0; i < d; i++) out[i] = O[i] * inv;
+}
+
+typedef struct {
+    int64_t b, kvh, i0, i1; /* sequence, KV head, its query rows [i0, i1) */
+    int64_t chunk;          /* >= 0: the partials of this chunk for those rows; -1: the rows' whole attention */
+} hx_task;
+
+/* Paged causal attention of one step: q rows (T, H, D) at stride q_stride, sequence b's rows
+ * [qsl[b], qsl[b+1]) at positions seq_lens[b] - q_len_b + i, each attending to the positions up to
+ * its own through the block table (B, table_stride). out (T, H, D) at stride out_stride. Returns 0,
+ * -1 when memory ran out, -2 when a sequence is shorter than its query rows. */
+static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int32_t *qsl, const int32_t *tables,
+                  int64_t table_stride, const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                  int64_t bs, float scale, float *out, int64_t out_stride) {
+    const int64_t G = H / KVH, P = G * (D + 2); /* floats of one (row, KV head, chunk) partial: o, m, l */
+    const int64_t T = qsl[B];
+    int64_t tasks = 0, parts = 0;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t n = seq_lens[b] > 0 ? seq_lens[b] : 0;
-        first[b + 1] = first[b] + KVH * ((n + KCHUNK - 1) / KCHUNK);
-    }
-    const int64_t tasks = first[B];
-    float *part = scratch((size_t)(tasks * G * (D + 2))); /* per task and head: o (D), m, l */
-    if (!part) {
-        free(first);
-        return -1;
-    }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(helexa_threads())
-    for (int64_t t = 0; t < tasks; t++) {
-        int64_t b = 0;
-        while (first[b + 1] <= t) b++;
-        const int64_t chunks = (first[b + 1] - first[b]) / KVH, local = t - first[b];
-        const int64_t kvh = local / chunks, c = local % chunks, n = seq_lens[b];
-        float *p = part + t * G * (D + 2);
-        attend_split(q + b * q_stride + kvh * G * D, G, L, block_tables + b * table_stride, c * KCHUNK,
-                     (c + 1) * KCHUNK < n ? (c + 1) * KCHUNK : n, bs, kvh, D, scale, p + G * D, p + G * D + G, p);
-    }
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t chunks = (first[b + 1] - first[b]) / KVH;
-        for (int64_t h = 0; h < H; h++) {
-            const int64_t kvh = h / G, g = h % G;
-            float *o = out + b * out_stride + h * D;
-            float mx = -INFINITY, l = 0.0f;
-            for (int64_t c = 0; c < chunks; c++) {
-                const float *p = part + (first[b] + kvh * chunks + c) * G * (D + 2);
-                mx = p[G * D + g] > mx ? p[G * D + g] : mx;
-            }
-            for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
-            for (int64_t c = 0; c < chunks; c++) {
-                const float *p = part + (first[b] + kvh * chunks + c) * G * (D + 2);
-                const float w = expf(p[G * D + g] - mx);
-                l += w * p[G * D + G + g];
-                for (int64_t i = 0; i < D; i++) o[i] += w * p[g * D + i];
-            }
-            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-            for (int64_t i = 0; i < D; i++) o[i] *= inv;
+        const int64_t qlen = qsl[b + 1] - qsl[b], len = seq_lens[b];
+        if (qlen <= 0) continue;
+        if (len < qlen) return -2;
+        if (qlen <= SPLIT_ROWS) {
+            tasks += KVH * ((len + KCHUNK - 1) / KCHUNK);
+            for (int64_t i = 0; i < qlen; i++) parts += KVH * ((len - qlen + i) / KCHUNK + 1);
+        } else {
+            tasks += KVH * ((qlen + QTILE - 1) / QTILE);
         }
     }
+    hx_task *task = (hx_task *)malloc(sizeof(hx_task) * (size_t)(tasks > 0 ? tasks : 1));
+    int64_t *part_base = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T > 0 ? T : 1)); /* split rows' first partial */
+    float *part = scratch((size_t)((parts > 0 ? parts : 1) * P));
+    if (!task || !part_base || !part) {
+        free(task);
+        free(part_base);
+        free(part);
+        return -1;
+    }
+    int64_t nt = 0, np = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t qlen = qsl[b + 1] - qsl[b], len = seq_lens[b];
+        if (qlen <= 0) continue;
+        if (qlen <= SPLIT_ROWS) {
+            for (int64_t i = 0; i < qlen; i++) {
+                part_base[qsl[b] + i] = np; /* then (kvh * chunks + c) * P */
+                np += KVH * ((len - qlen + i) / KCHUNK + 1) * P;
+            }
+            for (int64_t kvh = 0; kvh < KVH; kvh++)
+                for (int64_t c = 0; c * KCHUNK < len; c++) task[nt++] = (hx_task){b, kvh, 0, qlen, c};
+        } else {
+            for (int64_t kvh = 0; kvh < KVH; kvh++)
+                for (int64_t i0 = 0; i0 < qlen; i0 += QTILE)
+                    task[nt++] = (hx_task){b, kvh, i0, i0 + QTILE < qlen ? i0 + QTILE : qlen, -1};
+        }
+    }
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(helexa_threads())
+    for (int64_t t = 0; t < nt; t++) {
+        const hx_task k = task[t];
+        const int64_t qlen = qsl[k.b + 1] - qsl[k.b], prefix = seq_lens[k.b] - qlen;
+        const int32_t *table = tables + k.b * table_stride;
+        const float *kp[KCHUNK], *vp[KCHUNK];
+        if (k.chunk >= 0) { /* this chunk's partial of every row that reaches it */
+            const int64_t j0 = k.chunk * KCHUNK, last = prefix + k.i1 - 1;
+            chunk_rows(L, table, j0, (last + 1 - j0 < KCHUNK ? last + 1 - j0 : KCHUNK), bs, k.kvh, kp, vp);
+            for (int64_t i = k.i0; i < k.i1; i++) {
+                const int64_t pos = prefix + i, row = qsl[k.b] + i;
+                if (pos < j0) continue;
+                const int64_t n = pos + 1 - j0 < KCHUNK ? pos + 1 - j0 : KCHUNK;
+                float *p = part + part_base[row] + (k.kvh * (pos / KCHUNK + 1) + k.chunk) * P;
+                chunk_partial(q + row * q_stride + k.kvh * G * D, G, kp, vp, n, D, scale, p + G * D, p + G * D + G, p);
+            }
+            continue;
+        }
+        /* a tile of rows: every chunk in order, each folded as soon as it is computed */
+        const int64_t rows = k.i1 - k.i0;
+        float *state = scratch((size_t)(rows * G * (D + 2) + P)); /* per (row, head): O (D), M, S; then a partial */
+        if (!state) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        for (int64_t r = 0; r < rows * G; r++) {
+            float *s = state + r * (D + 2);
+            memset(s, 0, sizeof(float) * (size_t)D);
+            s[D] = -INFINITY;
+            s[D + 1] = 0.0f;
+        }
+        float *p = state + rows * G * (D + 2);
+        const int64_t last = prefix + k.i1 - 1;
+        for (int64_t j0 = 0; j0 <= last; j0 += KCHUNK) {
+            chunk_rows(L, table, j0, (last + 1 - j0 < KCHUNK ? last + 1 - j0 : KCHUNK), bs, k.kvh, kp, vp);
+            for (int64_t i = k.i0; i < k.i1; i++) {
+                const int64_t pos = prefix + i, row = qsl[k.b] + i;
+                if (pos < j0) continue;
+                const int64_t n = pos + 1 - j0 < KCHUNK ? pos + 1 - j0 : KCHUNK;
+                chunk_partial(q + row * q_stride + k.kvh * G * D, G, kp, vp, n, D, scale, p + G * D, p + G * D + G, p);
+                for (int64_t g = 0; g < G; g++) {
+                    float *s = state + ((i - k.i0) * G + g) * (D + 2);
+                    fold(s + D, s + D + 1, s, p[G * D + g], p[G * D + G + g], p + g * D, D);
+                }
+            }
+        }
+        for (int64_t i = k.i0; i < k.i1; i++)
+            for (int64_t g = 0; g < G; g++) {
+                const float *s = state + ((i - k.i0) * G + g) * (D + 2);
+                finish(s, s[D + 1], D, out + (qsl[k.b] + i) * out_stride + (k.kvh * G + g) * D);
+            }
+        free(state);
+    }
+    /* the split rows: fold each (row, head)'s partials in chunk order */
+#pragma omp parallel for schedule(static) num_threads(helexa_threads())
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t qlen = qsl[b + 1] - qsl[b], prefix = seq_lens[b] - qlen;
+        if (qlen <= 0 || qlen > SPLIT_ROWS) continue;
+        for (int64_t i = 0; i < qlen; i++) {
+            const int64_t row = qsl[b] + i, chunks = (prefix + i) / KCHUNK + 1;
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t kvh = h / G, g = h % G;
+                float O[512], M = -INFINITY, S = 0.0f;
+                memset(O, 0, sizeof(float) * (size_t)D);
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *p = part + part_base[row] + (kvh * chunks + c) * P;
+                    fold(&M, &S, O, p[G * D + g], p[G * D + G + g], p + g * D, D);
+                }
+                finish(O, S, D, out + row * out_stride + h * D);
+            }
+        }
+    }
+    free(task);
+    free(part_base);
     free(part);
-    free(first);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 static void write_cache(const hx_layer *L, int64_t slot, int64_t bs, const float *k, const float *v, int64_t kvh,
@@ -239,13 +392,13 @@ static void write_cache(const hx_layer *L, int64_t slot, int64_t bs, const float
     }
 }
 
-/* Standalone paged decode attention (the fused step's, exposed for its tests): q (B, H, D) -> out
- * (B, H, D), one query per sequence at position seq_lens[b] - 1, reading blocks through
- * block_tables (B, table_stride) int32. Returns 0, or -1 when scratch memory ran out. */
-int helexa_paged_decode(const float *q, float *k_cache, float *v_cache, int64_t block_stride, int64_t row_stride,
-                        int64_t head_stride, int64_t block_size, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                        const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float scale,
-                        float *out) {
+/* The step's attention alone (for its tests): q (T, H, D) -> out (T, H, D) over float32 caches through
+ * block_tables (B, table_stride) int32, seq_lens (B,) and query_start_loc (B + 1,) int32, as
+ * helexa.kernels.reference.paged_attention defines it. Returns what `attend` returns. */
+int helexa_paged_attention(const float *q, float *k_cache, float *v_cache, int64_t block_stride, int64_t row_stride,
+                           int64_t head_stride, int64_t block_size, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                           const int32_t *query_start_loc, const int32_t *block_tables, int64_t table_stride,
+                           const int32_t *seq_lens, float scale, float *out) {
     hx_layer L;
     memset(&L, 0, sizeof L);
     L.k_cache = k_cache;
@@ -253,54 +406,55 @@ int helexa_paged_decode(const float *q, float *k_cache, float *v_cache, int64_t 
     L.block_stride = block_stride;
     L.row_stride = row_stride;
     L.head_stride = head_stride;
-    return attend_all(q, H * D, &L, block_tables, table_stride, seq_lens, B, H, KVH, D, block_size, scale, out, H * D);
+    return attend(q, H * D, &L, query_start_loc, block_tables, table_stride, seq_lens, B, H, KVH, D, block_size, scale,
+                  out, H * D);
 }
 
-/* One decode step: x (B, E) holds the new tokens' embeddings on entry; out (B, E) receives the
- * final-normed hidden states. cos, ssin (B, D): RoPE of each token's position (sin with its first
- * half negated); slots (B,) int64; block_tables (B, table_stride) int32; seq_lens (B,) int32
- * (including the new token). Returns 0, or -1 when scratch memory could not be allocated. */
-int helexa_decode_step(const hx_model *m, int64_t B, float *x, const float *cos, const float *ssin,
-                       const int64_t *slots, const int32_t *block_tables, int64_t table_stride,
-                       const int32_t *seq_lens, float *out) {
+/* One step: x (T, E) holds the new tokens' embeddings on entry (the residual stream, updated in place);
+ * out (T, E) receives the final-normed hidden states. positions (T,) int64; inv_freq (D/2,) the RoPE
+ * frequencies; slots (T,) int64; query_start_loc (B + 1,), block_tables (B, table_stride) and seq_lens
+ * (B,) int32, as for helexa_paged_attention. Returns 0, -1 when scratch memory could not be
+ * allocated, -2 when the metadata is inconsistent. */
+int helexa_step(const hx_model *m, int64_t T, float *x, const int64_t *positions, const float *inv_freq,
+                const int64_t *slots, int64_t B, const int32_t *query_start_loc, const int32_t *block_tables,
+                int64_t table_stride, const int32_t *seq_lens, float *out) {
     const int64_t E = m->hidden, H = m->heads, KVH = m->kv_heads, D = m->head_dim, I = m->intermediate;
     const int64_t QS = H * D, KS = KVH * D, QKV = QS + 2 * KS, BS = m->block_size;
     const float scale = 1.0f / sqrtf((float)D);
-    float *h = scratch((size_t)(B * E)), *qkv = scratch((size_t)(B * QKV)), *att = scratch((size_t)(B * QS));
-    float *proj = scratch((size_t)(B * E)), *gu = scratch((size_t)(B * 2 * I)), *act = scratch((size_t)(B * I));
+    if (query_start_loc[0] != 0 || query_start_loc[B] != T) return -2;
+    float *h = scratch((size_t)(T * E)), *qkv = scratch((size_t)(T * QKV)), *att = scratch((size_t)(T * QS));
+    float *proj = scratch((size_t)(T * E)), *gu = scratch((size_t)(T * 2 * I)), *act = scratch((size_t)(T * I));
+    float *cos_t = scratch((size_t)(T * D)), *ssin_t = scratch((size_t)(T * D));
     int rc = 0;
-    if (!h || !qkv || !att || !proj || !gu || !act) {
+    if (!h || !qkv || !att || !proj || !gu || !act || !cos_t || !ssin_t) {
         rc = -1;
         goto done;
     }
+    rope_tables(positions, inv_freq, T, D, cos_t, ssin_t);
     for (int64_t li = 0; li < m->num_layers; li++) {
         const hx_layer *L = m->layers + li;
-        for (int64_t b = 0; b < B; b++) rms_norm(x + b * E, L->input_norm, E, m->eps, h + b * E);
-        linear(&L->qkv, h, B, qkv);
-        for (int64_t b = 0; b < B; b++) {
-            float *row = qkv + b * QKV;
-            for (int64_t hd = 0; hd < H; hd++) rope_head(row + hd * D, L->q_norm, m->eps, cos + b * D, ssin + b * D, D);
+        rms_norm_rows(x, L->input_norm, T, E, m->eps, h);
+        linear(&L->qkv, h, T, qkv);
+#pragma omp parallel for schedule(static) if (T >= ROWS_PAR) num_threads(helexa_threads())
+        for (int64_t t = 0; t < T; t++) {
+            float *row = qkv + t * QKV;
+            for (int64_t hd = 0; hd < H; hd++) rope_head(row + hd * D, L->q_norm, m->eps, cos_t + t * D, ssin_t + t * D, D);
             for (int64_t hd = 0; hd < KVH; hd++)
-                rope_head(row + QS + hd * D, L->k_norm, m->eps, cos + b * D, ssin + b * D, D);
-            write_cache(L, slots[b], BS, row + QS, row + QS + KS, KVH, D);
+                rope_head(row + QS + hd * D, L->k_norm, m->eps, cos_t + t * D, ssin_t + t * D, D);
+            write_cache(L, slots[t], BS, row + QS, row + QS + KS, KVH, D);
         }
-        if (attend_all(qkv, QKV, L, block_tables, table_stride, seq_lens, B, H, KVH, D, BS, scale, att, QS)) {
-            rc = -1;
-            goto done;
-        }
-        linear(&L->o, att, B, proj);
-        for (int64_t i = 0; i < B * E; i++) x[i] += proj[i];
-        for (int64_t b = 0; b < B; b++) rms_norm(x + b * E, L->post_norm, E, m->eps, h + b * E);
-        linear(&L->gate_up, h, B, gu);
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t i = 0; i < I; i++) {
-                const float g = gu[b * 2 * I + i];
-                act[b * I + i] = g / (1.0f + expf(-g)) * gu[b * 2 * I + I + i];
-            }
-        linear(&L->down, act, B, proj);
-        for (int64_t i = 0; i < B * E; i++) x[i] += proj[i];
+        rc = attend(qkv, QKV, L, query_start_loc, block_tables, table_stride, seq_lens, B, H, KVH, D, BS, scale, att, QS);
+        if (rc) goto done;
+        linear(&L->o, att, T, proj);
+        for (int64_t i = 0; i < T * E; i++) x[i] += proj[i];
+        rms_norm_rows(x, L->post_norm, T, E, m->eps, h);
+        linear(&L->gate_up, h, T, gu);
+#pragma omp parallel for schedule(static) if (T >= ROWS_PAR) num_threads(helexa_threads())
+        for (int64_t t = 0; t < T; t++) silu_mul(gu + t * 2 * I, gu + t * 2 * I + I, I, act + t * I);
+        linear(&L->down, act, T, proj);
+        for (int64_t i = 0; i < T * E; i++) x[i] += proj[i];
     }
-    for (int64_t b = 0; b < B; b++) rms_norm(x + b * E, m->final_norm, E, m->eps, out + b * E);
+    rms_norm_rows(x, m->final_norm, T, E, m->eps, out);
 done:
     free(h);
     free(qkv);
@@ -308,5 +462,54 @@ done:
     free(proj);
     free(gu);
     free(act);
+    free(cos_t);
+    free(ssin_t);
     return rc;
+}
+
+#define HEAD_COLS 64 /* output columns per task of the dense head: their weight stays in cache across the rows */
+
+/* One dot product of the dense head: x (K) . w (K), 8 lanes over k with fused multiply-adds in order,
+ * a tail of K % 8 in order, then the lanes summed by hsum. The one computation of a (row, column). */
+static inline float dense_dot(const float *x, const float *w, int64_t k) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), acc);
+    float s = hsum(acc);
+    for (; i < k; i++) s += x[i] * w[i];
+    return s;
+}
+
+/* y (M, N) = x (M, K) @ w (N, K).T in float32 for a dense output head, each (row, column) by dense_dot
+ * whatever M is (torch's matmul may pick its summation order by the batch's shape). Tasks are blocks
+ * of HEAD_COLS columns; within one, 2 columns x 4 rows share their loads. */
+void helexa_dense_head(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
+#pragma omp parallel for schedule(static) num_threads(helexa_threads())
+    for (int64_t n0 = 0; n0 < N; n0 += HEAD_COLS) {
+        const int64_t n1 = n0 + HEAD_COLS < N ? n0 + HEAD_COLS : N;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t m1 = m0 + 4 < M ? m0 + 4 : M;
+            int64_t n = n0;
+            if (m1 - m0 == 4 && K % 8 == 0)
+                for (; n + 2 <= n1; n += 2) {
+                    __m256 a[8];
+                    for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+                    const float *w0 = w + n * K, *w1 = w0 + K;
+                    for (int64_t i = 0; i < K; i += 8) {
+                        const __m256 u0 = _mm256_loadu_ps(w0 + i), u1 = _mm256_loadu_ps(w1 + i);
+                        for (int r = 0; r < 4; r++) {
+                            const __m256 xv = _mm256_loadu_ps(x + (m0 + r) * K + i);
+                            a[2 * r] = _mm256_fmadd_ps(xv, u0, a[2 * r]);
+                            a[2 * r + 1] = _mm256_fmadd_ps(xv, u1, a[2 * r + 1]);
+                        }
+                    }
+                    for (int r = 0; r < 4; r++) {
+                        y[(m0 + r) * N + n] = hsum(a[2 * r]);
+                        y[(m0 + r) * N + n + 1] = hsum(a[2 * r + 1]);
+                    }
+                }
+            for (; n < n1; n++)
+                for (int64_t m = m0; m < m1; m++) y[m * N + n] = dense_dot(x + m * K, w + n * K, K);
+        }
+    }
 }
