@@ -51,7 +51,7 @@ import triton  # noqa: E402
 from kernel_problems import Problem, gathered_sdpa, make_problem  # noqa: E402
 
 from helexa.kernels import block_alloc, quant_reference, reference  # noqa: E402
-from helexa.kernels.attention import choose_num_splits, paged_attention_triton  # noqa: E402
+from helexa.kernels.attention import SPLIT_KEYS, paged_attention_triton  # noqa: E402
 from helexa.kernels.kv_write import write_kv_triton  # noqa: E402
 from helexa.kernels.quant_matmul import QuantMatmulConfig, choose_config, int4_matmul_triton, int8_matmul_triton  # noqa: E402
 from helexa.kvcache import BlockAllocator  # noqa: E402
@@ -116,6 +116,35 @@ def check_attention(label: str, seqs, heads, kv_heads, head_dim, block_size, dty
     if not ok:
         FAILURES.append(f"{label}: rel err {err:.2e}")
     emit(f"| {label} | {str(dtype).removeprefix('torch.')} | {err:.2e} | {'ok' if ok else 'FAIL'} |")
+
+
+def check_batch_invariance(heads, kv_heads, head_dim, dtype) -> None:
+    """The same queries computed in a mixed batch, each sequence alone, and each query as a decode row
+    (the split launch and its reduce): bitwise-equal outputs (the fixed split length)."""
+    seqs = [(37, 1), (0, 23), (18, 9), (40, 3), (0, 3)] if DRY else [(3000, 1), (0, 700), (1500, 300), (9000, 5)]
+    knobs = dict(tile_n=16, split_keys=32) if DRY else {}  # on the device: the defaults the engine runs
+    p = make_problem("invariance", seqs, heads, kv_heads, head_dim, 16, dtype, DEVICE, seed=21)
+    batch = paged_attention_triton(*p.args(), **knobs)
+    starts = p.query_start_loc.tolist()
+    ok = True
+    for b in range(len(seqs)):
+        alone = paged_attention_triton(
+            p.q[starts[b] : starts[b + 1]], p.k_cache, p.v_cache, p.block_tables[b : b + 1], p.seq_lens[b : b + 1],
+            torch.tensor([0, starts[b + 1] - starts[b]], dtype=torch.int32, device=DEVICE), **knobs,
+        )  # fmt: skip
+        ok &= torch.equal(alone, batch[starts[b] : starts[b + 1]])
+    owner = [b for b, (_, n) in enumerate(seqs) for _ in range(n)]
+    lens = [pre + i + 1 for pre, n in seqs for i in range(n)]
+    decode = paged_attention_triton(
+        p.q, p.k_cache, p.v_cache, p.block_tables[owner].contiguous(),
+        torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        torch.arange(len(lens) + 1, dtype=torch.int32, device=DEVICE), **knobs,
+    )  # fmt: skip
+    ok &= torch.equal(decode, batch)
+    label = f"batch invariance (alone, in a batch, as decode rows) {heads}q/{kv_heads}kv D{head_dim}"
+    if not ok:
+        FAILURES.append(f"{label} {dtype}: outputs differ")
+    emit(f"| {label} | {str(dtype).removeprefix('torch.')} | bitwise | {'ok' if ok else 'FAIL'} |")
 
 
 def check_write_kv(label: str, kv_heads, head_dim, block_size, dtype) -> None:
@@ -193,7 +222,14 @@ def run_checks() -> None:
         check_attention(f"decode batch (split) {h}q/{k}kv", DECODE, h, k, main_dim, 16, torch.bfloat16)
     for bs in (8, 32, 64):
         check_attention(f"mixed batch block {bs}", MIXED, heads, kv, main_dim, bs, torch.bfloat16)
-    check_attention("mixed batch forced 4 splits", MIXED, heads, kv, main_dim, 16, torch.bfloat16, num_splits=4)
+    check_attention(
+        "mixed batch split every 32 keys", MIXED, heads, kv, main_dim, 16, torch.bfloat16, tile_n=16, split_keys=32
+    )
+    check_attention(
+        "decode batch split every 32 keys", DECODE, heads, kv, main_dim, 16, torch.bfloat16, tile_n=16, split_keys=32
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        check_batch_invariance(heads, kv, main_dim, dtype)
     if not DRY:
         check_large_pool()
     emit()
@@ -258,10 +294,8 @@ def time_attention(kind: str, name: str, seqs, block_size: int, copy_bw: float) 
     if not ok:
         FAILURES.append(f"{kind} {name}: differs from SDPA by {err:.2e}")
     t_ours, t_sdpa = median_seconds(ours_fn), median_seconds(sdpa_fn)
-    batch = len(seqs)
     if kind == "decode":
-        sms = 0 if DRY else torch.cuda.get_device_properties(0).multi_processor_count
-        splits = 3 if DRY else choose_num_splits(batch * KV_HEADS, sms)
+        splits = -(-p.block_tables.shape[1] * block_size // SPLIT_KEYS)  # the fixed split length's programs
         ours_rate, sdpa_rate = p.decode_bytes / t_ours / 1e9, p.decode_bytes / t_sdpa / 1e9
         emit(
             f"| decode | {name} | {block_size} | {splits} | {t_ours * 1e6:9.1f} | {ours_rate:8.1f} GB/s | "

@@ -4,9 +4,17 @@ A program handles one (query tile, KV head, split): up to `BLOCK_Q` queries of o
 the `GROUP` query heads of the KV head (`BLOCK_M = BLOCK_Q * GROUP` rows), so a K/V tile is read
 once per GQA group. It finds its sequence by binary search over `query_start_loc` (no host copy at
 launch) and walks the keys in tiles of `TILE_N` positions through the block table, with an online
-base-2 softmax in fp32. With `num_splits > 1` (flash-decoding) each program covers a share of the
-keys and writes a partial output and its log-sum-exp, merged by `_reduce_splits_kernel`. Offsets
-are 64-bit, so pools over 2^31 elements work.
+base-2 softmax in fp32. Offsets are 64-bit, so pools over 2^31 elements work.
+
+Batch invariance: a query's result does not depend on the batch, on its place in a query tile or on
+how its sequence was split into steps. Its keys are split at fixed positions, every `split_keys`
+keys from position 0 (never a count sized against the batch or the SMs); each split is one online
+softmax over its tiles in order, giving a partial (running max, sum, unnormalised output), and the
+partials are folded in split order by `_fold`. A decode-like batch (one query per sequence) runs its
+splits as parallel programs (flash-decoding) and folds them in `_reduce_splits_kernel`; any other
+batch folds them in the program's own loop: the same arithmetic either way. The tile shapes
+(`BLOCK_M`, `TILE_N`) depend on the GQA group and head size only, never on the batch, and tiles past
+a query's position are exact no-ops for it (its scores there are -inf: scale 1, add 0).
 
 fp8 (e4m3) caches are converted on load to q's dtype (exact: every e4m3 value is a bf16, fp16 and
 fp32 value); the KV head's `k_scale` is folded into the softmax scale and its `v_scale` multiplies
@@ -15,23 +23,17 @@ the output, so the dot products run at q's precision, as for an unquantized cach
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from helexa.kernels._checks import TRITON_DTYPES, check_paged_attention
 
-__all__ = ["choose_num_splits", "paged_attention_triton"]
+__all__ = ["SPLIT_KEYS", "paged_attention_triton"]
 
 _LOG2E = 1.4426950408889634
-_MAX_SPLITS = 32
-_MAX_FORCED_SPLITS = 64  # the reduce holds all splits of a tile of heads in registers
-# Splits used where there is no device to size against (CPU, the Triton interpreter): small, and
-# not a power of two, so tests exercise the padded split axis of the reduce.
-_INTERPRETER_SPLITS = 3
+_EMPTY = tl.constexpr(-1.0e30)  # the running max before any key (finite, so an empty row stays NaN-free)
+SPLIT_KEYS = 512  # keys per split: a query's keys are split at multiples of this, whatever the batch
 
 
 @triton.jit
@@ -47,6 +49,18 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile_idx, BLOCK_Q: tl.constexp
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def _fold(m_run, l_run, o_run, m, l_sum, acc):
+    """Fold one split's partial (m, l_sum, acc) into the running (m_run, l_run, o_run) of the splits
+    before it: the one merge, in the attention program's own loop and in `_reduce_splits_kernel`
+    alike. The running state starts at (_EMPTY, 0, 0); an empty split (m = _EMPTY, l_sum = 0,
+    acc = 0) leaves it unchanged."""
+    m_new = tl.maximum(m_run, m)
+    a = tl.exp2(m_run - m_new)
+    b = tl.exp2(m - m_new)
+    return m_new, l_run * a + l_sum * b, o_run * a[:, None] + acc * b[:, None]
 
 
 @triton.jit
@@ -87,6 +101,37 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_split(
+    split, tiles_per_split, num_tiles, q, q_pos, kv_len, table_row, k_head, v_head, dims64, d_valid,
+    block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """One split's partial: an online softmax over its tiles [split * tiles_per_split, ...), in order,
+    from (_EMPTY, 0, 0). Returns (m, l, acc) unnormalised."""
+    m_i = tl.full([BLOCK_M], _EMPTY, tl.float32)  # running max (base 2)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    # NumPy >= 2.4 cannot turn the interpreter's 1-element tensors into range() bounds, so the
+    # interpreter walks the tiles with a while loop; compiled code keeps the pipelined for loop.
+    if INTERPRETED:
+        tile = tile_lo
+        while tile < tile_hi:
+            acc, l_i, m_i = _attend_tile(tile, acc, l_i, m_i, q, q_pos, kv_len, table_row, k_head, v_head, dims64,
+                d_valid, block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                stride_vd, TILE_N, UPCAST, DOT_PRECISION, KV_FP8)  # fmt: skip
+            tile += 1
+    else:
+        for tile in range(tile_lo, tile_hi):
+            acc, l_i, m_i = _attend_tile(tile, acc, l_i, m_i, q, q_pos, kv_len, table_row, k_head, v_head, dims64,
+                d_valid, block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                stride_vd, TILE_N, UPCAST, DOT_PRECISION, KV_FP8)  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,  # (T, H, D)
     k_cache_ptr, v_cache_ptr,  # (NB, BS, KVH, D)
@@ -94,17 +139,17 @@ def _attention_kernel(
     seq_lens_ptr,  # (B,)
     query_start_loc_ptr,  # (B+1,)
     out_ptr,  # (T, H, D) — written when not SPLIT
-    part_out_ptr,  # (num_splits, T, H, BLOCK_D) fp32 — written when SPLIT
-    part_lse_ptr,  # (num_splits, T, H) fp32, base-2 log-sum-exp
+    part_out_ptr,  # (num_splits, T, H, BLOCK_D) fp32, unnormalised — written when SPLIT
+    part_ml_ptr,  # (num_splits, T, H, 2) fp32: running max (base 2) and sum of exp2
     k_scale_ptr, v_scale_ptr,  # (KVH,) fp32 — read only for fp8 caches
-    num_seqs, block_size, qk_scale, num_splits,
+    num_seqs, block_size, qk_scale, tiles_per_split,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_btb, stride_btn,
     stride_ot, stride_oh, stride_od,
     stride_ps, stride_pt, stride_ph,
-    stride_ls, stride_lt,
+    stride_ms, stride_mt, stride_mh,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -139,117 +184,118 @@ def _attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Keys this tile needs: up to its last query's position. This split walks its share of them.
+    # Keys this tile needs: up to its last query's position, in splits of tiles_per_split tiles.
     last_q = tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_len = prefix_len + last_q + 1
     num_tiles = tl.cdiv(kv_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     KV_FP8: tl.constexpr = k_cache_ptr.dtype.element_ty == tl.float8e4nv
     if KV_FP8:  # dequantize K through the softmax scale (V: the output, below)
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # running max (base 2); finite so empty rows stay NaN-free
-    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_btb
     k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
     v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
-    # NumPy >= 2.4 cannot turn the interpreter's 1-element tensors into range() bounds, so the
-    # interpreter walks the tiles with a while loop; compiled code keeps the pipelined for loop.
-    if INTERPRETED:
-        tile = tile_lo
-        while tile < tile_hi:
-            acc, l_i, m_i = _attend_tile(tile, acc, l_i, m_i, q, q_pos, kv_len, table_row, k_head, v_head, dims64,
-                d_valid, block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-                stride_vd, TILE_N, UPCAST, DOT_PRECISION, KV_FP8)  # fmt: skip
-            tile += 1
-    else:
-        for tile in range(tile_lo, tile_hi):
-            acc, l_i, m_i = _attend_tile(tile, acc, l_i, m_i, q, q_pos, kv_len, table_row, k_head, v_head, dims64,
-                d_valid, block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
-                stride_vd, TILE_N, UPCAST, DOT_PRECISION, KV_FP8)  # fmt: skip
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]  # (M, D)
-    if KV_FP8:
-        o = o * tl.load(v_scale_ptr + kv_head)
-    if not SPLIT:
-        o_offs = tokens64[:, None] * stride_ot + heads64[:, None] * stride_oh + dims64[None, :] * stride_od
-        tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
-    else:
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # (M,)
+    if SPLIT:  # this program's split; _reduce_splits_kernel folds them
+        m_i, l_i, acc = _attend_split(split, tiles_per_split, num_tiles, q, q_pos, kv_len, table_row, k_head,
+            v_head, dims64, d_valid, block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd, stride_vb,
+            stride_vs, stride_vd, BLOCK_M, BLOCK_D, TILE_N, UPCAST, DOT_PRECISION, KV_FP8, INTERPRETED)  # fmt: skip
         split64 = split.to(tl.int64)
         p_offs = split64 * stride_ps + tokens64[:, None] * stride_pt + heads64[:, None] * stride_ph + dims64[None, :]
-        tl.store(part_out_ptr + p_offs, o, mask=row_valid[:, None])
-        tl.store(part_lse_ptr + split64 * stride_ls + tokens64 * stride_lt + heads64, lse, mask=row_valid)
+        tl.store(part_out_ptr + p_offs, acc, mask=row_valid[:, None])
+        ml = part_ml_ptr + split64 * stride_ms + tokens64 * stride_mt + heads64 * stride_mh
+        tl.store(ml, m_i, mask=row_valid)
+        tl.store(ml + 1, l_i, mask=row_valid)
+    else:  # every split of the tile in order, folded as it ends
+        m_run = tl.full([BLOCK_M], _EMPTY, tl.float32)
+        l_run = tl.zeros([BLOCK_M], tl.float32)
+        o_run = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        num_splits = tl.cdiv(num_tiles, tiles_per_split)
+        if INTERPRETED:
+            s = 0
+            while s < num_splits:
+                m_i, l_i, acc = _attend_split(s, tiles_per_split, num_tiles, q, q_pos, kv_len, table_row, k_head,
+                    v_head, dims64, d_valid, block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd,
+                    stride_vb, stride_vs, stride_vd, BLOCK_M, BLOCK_D, TILE_N, UPCAST, DOT_PRECISION, KV_FP8,
+                    INTERPRETED)  # fmt: skip
+                m_run, l_run, o_run = _fold(m_run, l_run, o_run, m_i, l_i, acc)
+                s += 1
+        else:
+            for s in range(0, num_splits):
+                m_i, l_i, acc = _attend_split(s, tiles_per_split, num_tiles, q, q_pos, kv_len, table_row, k_head,
+                    v_head, dims64, d_valid, block_size, qk_scale, stride_btn, stride_kb, stride_ks, stride_kd,
+                    stride_vb, stride_vs, stride_vd, BLOCK_M, BLOCK_D, TILE_N, UPCAST, DOT_PRECISION, KV_FP8,
+                    INTERPRETED)  # fmt: skip
+                m_run, l_run, o_run = _fold(m_run, l_run, o_run, m_i, l_i, acc)
+        o = o_run / tl.where(l_run > 0.0, l_run, 1.0)[:, None]  # (M, D)
+        if KV_FP8:
+            o = o * tl.load(v_scale_ptr + kv_head)
+        o_offs = tokens64[:, None] * stride_ot + heads64[:, None] * stride_oh + dims64[None, :] * stride_od
+        tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
 
 
 @triton.jit
 def _reduce_splits_kernel(
-    part_out_ptr,  # (S, T, H, BLOCK_D) fp32
-    part_lse_ptr,  # (S, T, H) fp32
+    part_out_ptr,  # (S, T, H, BLOCK_D) fp32, unnormalised
+    part_ml_ptr,  # (S, T, H, 2) fp32
     out_ptr,  # (T, H, D)
+    v_scale_ptr,  # (KVH,) fp32 — read only for fp8 caches
     num_splits, num_heads,
     stride_ps, stride_pt, stride_ph,
-    stride_ls, stride_lt,
+    stride_ms, stride_mt, stride_mh,
     stride_ot, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
-    """Merge the split partials of one token's heads [h0, h0 + BLOCK_H), weighting by exp2(lse)."""
+    """Fold the split partials of one token's heads [h0, h0 + BLOCK_H) in split order (`_fold`)."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BH,)
     h_valid = heads < num_heads
     heads64 = heads.to(tl.int64)
-    splits = tl.arange(0, SPLITS_PAD).to(tl.int64)  # (S,)
-    s_valid = splits < num_splits
     dims = tl.arange(0, BLOCK_D).to(tl.int64)  # (D,)
-
-    lse_mask = s_valid[:, None] & h_valid[None, :]  # (S, BH)
-    lse = tl.load(
-        part_lse_ptr + splits[:, None] * stride_ls + token * stride_lt + heads64[None, :],
-        mask=lse_mask,
-        other=float("-inf"),
-    )  # (S, BH)
-    lse_max = tl.max(lse, 0)  # (BH,)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # padded heads: keep exp2 finite
-    weight = tl.exp2(lse - lse_max[None, :])  # (S, BH) — empty splits (lse = -inf) weigh 0
-    parts = tl.load(
-        part_out_ptr + splits[:, None, None] * stride_ps + token * stride_pt
-        + heads64[None, :, None] * stride_ph + dims[None, None, :],
-        mask=(weight > 0.0)[:, :, None],
-        other=0.0,
-    )  # (S, BH, D)  # fmt: skip
-    total = tl.sum(weight, 0)  # (BH,)
-    total = tl.where(total > 0.0, total, 1.0)
-    o = tl.sum(parts * weight[:, :, None], 0) / total[:, None]  # (BH, D)
+    m_run = tl.full([BLOCK_H], _EMPTY, tl.float32)
+    l_run = tl.zeros([BLOCK_H], tl.float32)
+    o_run = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if INTERPRETED:
+        s = tl.program_id(0) * 0
+        while s < num_splits:
+            m_run, l_run, o_run = _fold_stored(m_run, l_run, o_run, s, token, heads64, h_valid, dims, part_out_ptr,
+                part_ml_ptr, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh)  # fmt: skip
+            s += 1
+    else:
+        for s in range(0, num_splits):
+            m_run, l_run, o_run = _fold_stored(m_run, l_run, o_run, s, token, heads64, h_valid, dims, part_out_ptr,
+                part_ml_ptr, stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh)  # fmt: skip
+    o = o_run / tl.where(l_run > 0.0, l_run, 1.0)[:, None]  # (BH, D)
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr + heads // GROUP, mask=h_valid, other=1.0)[:, None]
     o_offs = token * stride_ot + heads64[:, None] * stride_oh + dims[None, :] * stride_od
     tl.store(out_ptr + o_offs, o.to(out_ptr.dtype.element_ty), mask=h_valid[:, None] & (dims[None, :] < HEAD_DIM))
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+@triton.jit
+def _fold_stored(
+    m_run, l_run, o_run, s, token, heads64, h_valid, dims, part_out_ptr, part_ml_ptr,
+    stride_ps, stride_pt, stride_ph, stride_ms, stride_mt, stride_mh,
+):  # fmt: skip
+    """`_fold` of split s's stored partial of these heads."""
+    s64 = s.to(tl.int64)
+    ml = part_ml_ptr + s64 * stride_ms + token * stride_mt + heads64 * stride_mh
+    m = tl.load(ml, mask=h_valid, other=_EMPTY)
+    l_sum = tl.load(ml + 1, mask=h_valid, other=0.0)
+    acc = tl.load(
+        part_out_ptr + s64 * stride_ps + token * stride_pt + heads64[:, None] * stride_ph + dims[None, :],
+        mask=h_valid[:, None],
+        other=0.0,
+    )  # (BH, D)
+    return _fold(m_run, l_run, o_run, m, l_sum, acc)
 
 
-def choose_num_splits(num_programs: int, num_sms: int, max_splits: int = _MAX_SPLITS) -> int:
-    """Flash-decoding split count: 1 when `num_programs` (sequences x KV heads) fill the `num_sms`
-    SMs, else enough splits for about two programs per SM, capped at `max_splits`."""
-    if num_programs <= 0 or num_programs >= num_sms:
-        return 1
-    return max(1, min(max_splits, math.ceil(2 * num_sms / num_programs)))
-
-
-def _tile_config(decode_like: bool, group: int, block_d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, TILE_N, num_warps, num_stages) for the attention kernel."""
-    group_pad = triton.next_power_of_2(group)
-    if decode_like:
-        block_m = max(16, group_pad)
-        return block_m, (64 if block_d <= 128 else 32), 4, 2
-    if block_d <= 128:
-        return max(128, group_pad), 64, 8, 3
-    return max(64, group_pad), 32, 8, 2
+def _tile_config(group: int, block_d: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, TILE_N, num_warps, num_stages): a function of the GQA group and head size only, never
+    of the batch, so every query runs through tiles of one shape."""
+    block_m = max(64, triton.next_power_of_2(group))  # one warpgroup's MMA (Hopper wgmma takes M = 64)
+    return block_m, (64 if block_d <= 128 else 32), 4, 2
 
 
 def paged_attention_triton(
@@ -262,7 +308,7 @@ def paged_attention_triton(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     *,
-    num_splits: int | None = None,
+    split_keys: int = SPLIT_KEYS,
     block_m: int | None = None,
     tile_n: int | None = None,
     k_scale: torch.Tensor | None = None,
@@ -275,10 +321,12 @@ def paged_attention_triton(
     optional (T, H, D). Returns (T, H, D) in q's dtype, accumulated in fp32, without reading any
     tensor value on the host.
 
-    Keyword-only tuning knobs, same result for any choice: `num_splits` (flash-decoding splits;
-    default: sized against the SMs for batches of one query per sequence, else 1), `block_m` (rows
-    of a query tile, a power of two >= the padded GQA group), `tile_n` (keys per tile, a power of
-    two >= 16).
+    Batch invariant (module docstring): for the same knobs, a query's output is the same bits whatever
+    else is in the batch and however its sequence's tokens are split into calls. Keyword-only knobs:
+    `split_keys` (a query's keys are split every `split_keys` positions, a power of two and a multiple
+    of the tile; decode-like batches run the splits in parallel), `block_m` (rows of a query tile, a
+    power of two >= the padded GQA group), `tile_n` (keys per tile, a power of two >= 16). Results
+    for different knobs agree to rounding, not bit for bit.
     """
     check_paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, TRITON_DTYPES, k_scale, v_scale
@@ -296,44 +344,43 @@ def paged_attention_triton(
     scale = head_dim**-0.5 if scale is None else float(scale)
 
     block_d = max(16, triton.next_power_of_2(head_dim))
-    decode_like = total_q <= batch
-    cfg_m, cfg_n, num_warps, num_stages = _tile_config(decode_like, group, block_d)
+    cfg_m, cfg_n, num_warps, num_stages = _tile_config(group, block_d)
     block_m = cfg_m if block_m is None else block_m
     tile_n = cfg_n if tile_n is None else tile_n
     if block_m < triton.next_power_of_2(group) or block_m & (block_m - 1):
         raise ValueError(f"block_m={block_m} must be a power of two >= the padded GQA group {group}")
     if tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"tile_n={tile_n} must be a power of two >= 16")
+    if split_keys < tile_n or split_keys & (split_keys - 1):
+        raise ValueError(f"split_keys={split_keys} must be a power of two >= tile_n ({tile_n})")
     block_q = block_m // group
 
-    if num_splits is None:  # only decode-like batches split, sized against the SMs where there are some
-        num_splits = _INTERPRETER_SPLITS if decode_like else 1
-        if decode_like and q.is_cuda:
-            num_splits = choose_num_splits(batch * num_kv_heads, _sm_count(q.device.index or 0))
-    if not 1 <= num_splits <= _MAX_FORCED_SPLITS:
-        raise ValueError(f"num_splits={num_splits} must be in [1, {_MAX_FORCED_SPLITS}]")
+    # Decode-like batches (one query per sequence) run each split as its own program: as many as the
+    # longest table can hold (its width, a host shape: no sync); programs past a sequence's keys store
+    # empty partials, which the fold leaves out exactly.
+    num_splits = triton.cdiv(block_tables.shape[1] * block_size, split_keys) if total_q <= batch else 1
     split = num_splits > 1
-    # (S, T, H, BLOCK_D) and (S, T, H) partials; without splits a dummy the kernel never touches
+    # (S, T, H, BLOCK_D) and (S, T, H, 2) partials; without splits a dummy the kernel never touches
     part_out = q.new_empty((num_splits, total_q, num_heads, block_d) if split else (1, 1, 1, 1), dtype=torch.float32)
-    part_lse = q.new_empty(part_out.shape[:3], dtype=torch.float32)
+    part_ml = q.new_empty((*part_out.shape[:3], 2), dtype=torch.float32)
 
     num_q_tiles = total_q // block_q + batch  # upper bound on the tiles of all sequences
     _attention_kernel[(num_q_tiles, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
-        k_scale if k_scale is not None else part_lse, v_scale if v_scale is not None else part_lse,
-        batch, block_size, scale * _LOG2E, num_splits,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_ml,
+        k_scale if k_scale is not None else part_ml, v_scale if v_scale is not None else part_ml,
+        batch, block_size, scale * _LOG2E, split_keys // tile_n,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        *part_out.stride()[:3], *part_lse.stride()[:2],
+        *part_out.stride()[:3], *part_ml.stride()[:3],
         HEAD_DIM=head_dim, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, BLOCK_D=block_d,
         SPLIT=split, UPCAST=not q.is_cuda, INTERPRETED=not q.is_cuda,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
-        splits_pad = triton.next_power_of_2(num_splits)
-        block_h = min(triton.next_power_of_2(num_heads), max(1, 8192 // (splits_pad * block_d)))
+        block_h = min(triton.next_power_of_2(num_heads), max(1, 8192 // block_d))
         _reduce_splits_kernel[(total_q, triton.cdiv(num_heads, block_h))](
-            part_out, part_lse, out, num_splits, num_heads,
-            *part_out.stride()[:3], *part_lse.stride()[:2], *out.stride(),
-            HEAD_DIM=head_dim, SPLITS_PAD=splits_pad, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+            part_out, part_ml, out, v_scale if v_scale is not None else part_ml, num_splits, num_heads,
+            *part_out.stride()[:3], *part_ml.stride()[:3], *out.stride(),
+            HEAD_DIM=head_dim, GROUP=group, BLOCK_H=block_h, BLOCK_D=block_d, KV_FP8=v_scale is not None,
+            INTERPRETED=not q.is_cuda, num_warps=4,
         )  # fmt: skip
     return out

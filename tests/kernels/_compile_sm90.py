@@ -59,17 +59,18 @@ def main(names: list[str]) -> None:
     for name in names:
         if name in ATTENTION_CASES:
             dtype, head_dim, group, decode = ATTENTION_CASES[name]
-            block_m, tile_n, num_warps, num_stages = attention._tile_config(decode, group, head_dim)
+            block_m, tile_n, num_warps, num_stages = attention._tile_config(group, head_dim)
             pointers = _ptrs(dtype, "q k_cache v_cache out") | _ptrs("i32", "block_tables seq_lens query_start_loc")
             constants = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n)
             constants |= dict(BLOCK_D=head_dim, SPLIT=decode, UPCAST=False, INTERPRETED=False)
             constants |= dict(DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
             constants |= _unit("stride_qd stride_kd stride_vd stride_od stride_btn")
-            pointers |= _ptrs("fp32", "part_out part_lse")
+            pointers |= _ptrs("fp32", "part_out part_ml")
             compiled = _compile(attention._attention_kernel, pointers, constants, num_warps, num_stages)
         elif name == "reduce":
-            pointers = _ptrs("fp32", "part_out part_lse") | _ptrs("bf16", "out")
-            constants = dict(HEAD_DIM=128, SPLITS_PAD=32, BLOCK_H=2, BLOCK_D=128, stride_od=1)
+            pointers = _ptrs("fp32", "part_out part_ml v_scale") | _ptrs("bf16", "out")
+            constants = dict(HEAD_DIM=128, GROUP=4, BLOCK_H=64, BLOCK_D=128, KV_FP8=False, INTERPRETED=False)
+            constants |= _unit("stride_od")
             compiled = _compile(attention._reduce_splits_kernel, pointers, constants, 4, 1)
         elif name == "write_kv":
             pointers = _ptrs("bf16", "k v k_cache v_cache") | _ptrs("i64", "slot")

@@ -25,14 +25,14 @@ def main(names: list[str]) -> None:
     for name in names:
         if name in ATTENTION_CASES:
             dtype, head_dim, group, decode = ATTENTION_CASES[name]
-            block_m, tile_n, num_warps, num_stages = attention._tile_config(decode, group, head_dim)
+            block_m, tile_n, num_warps, num_stages = attention._tile_config(group, head_dim)
             pointers = _ptrs(dtype, "q out") | _ptrs("fp8e4nv", "k_cache v_cache")
             pointers |= _ptrs("i32", "block_tables seq_lens query_start_loc") | _ptrs("fp32", "k_scale v_scale")
             constants = dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_m // group, TILE_N=tile_n)
             constants |= dict(BLOCK_D=head_dim, SPLIT=decode, UPCAST=False, INTERPRETED=False)
             constants |= dict(DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
             constants |= _unit("stride_qd stride_kd stride_vd stride_od stride_btn")
-            pointers |= _ptrs("fp32", "part_out part_lse")
+            pointers |= _ptrs("fp32", "part_out part_ml")
             compiled = _compile(attention._attention_kernel, pointers, constants, num_warps, num_stages)
         elif name in ("fp8-write_kv-bf16", "fp8-write_kv-fp32"):
             dtype = name.rsplit("-", 1)[1]

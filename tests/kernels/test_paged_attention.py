@@ -9,7 +9,7 @@ import torch
 
 import helexa.kernels as kernels
 from helexa.kernels import reference
-from helexa.kernels.attention import choose_num_splits, paged_attention_triton
+from helexa.kernels.attention import SPLIT_KEYS, paged_attention_triton
 from tests.support.kernels import TOLERANCE, make_problem, relative_error
 
 pytestmark = pytest.mark.skipif(
@@ -37,10 +37,12 @@ def _check(problem, dtype, **kwargs) -> torch.Tensor:
     [(4, 4), (4, 2), (8, 2), (16, 2), (4, 1), (6, 2)],
     ids=["mha", "gqa2", "gqa4", "gqa8", "mqa", "gqa3"],
 )
-@pytest.mark.parametrize("num_splits", [1, 3], ids=["nosplit", "split3"])
-def test_gqa_ratios_mixed_batch(num_heads, num_kv_heads, num_splits):
-    p = make_problem(MIXED, num_heads, num_kv_heads, 64, 16, torch.float32, seed=num_heads * 7 + num_kv_heads)
-    _check(p, torch.float32, num_splits=num_splits)
+@pytest.mark.parametrize("split_keys", [SPLIT_KEYS, 16], ids=["onesplit", "split16"])
+@pytest.mark.parametrize("seqs", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_gqa_ratios(num_heads, num_kv_heads, split_keys, seqs):
+    """Mixed batches fold their splits in the program; decode batches run them as programs and reduce."""
+    p = make_problem(seqs, num_heads, num_kv_heads, 64, 16, torch.float32, seed=num_heads * 7 + num_kv_heads)
+    _check(p, torch.float32, tile_n=16, split_keys=split_keys)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -60,15 +62,49 @@ def test_padded_head_dims(head_dim):
 @pytest.mark.parametrize("tile_n", [16, 64], ids=["tile16", "tile64"])
 def test_tile_size_independent_of_block_size(block_size, tile_n):
     p = make_problem(MIXED, 4, 2, 64, block_size, torch.bfloat16, seed=block_size + tile_n)
-    _check(p, torch.bfloat16, tile_n=tile_n, num_splits=2)
+    _check(p, torch.bfloat16, tile_n=tile_n, split_keys=tile_n)
 
 
-def test_decode_batch_takes_split_path_by_default():
-    """A batch of one query per sequence is decode-like: the wrapper splits it (flash-decoding)."""
-    p = make_problem(DECODE, 8, 2, 64, 16, torch.float16, seed=3)
-    split = _check(p, torch.float16)
-    whole = _check(p, torch.float16, num_splits=1)
-    assert (split.float() - whole.float()).abs().max() < 5e-3
+def _alone(p, b: int, **knobs) -> torch.Tensor:
+    """Sequence b of problem p computed by itself."""
+    s, e = int(p.query_start_loc[b]), int(p.query_start_loc[b + 1])
+    return paged_attention_triton(
+        p.q[s:e], p.k_cache, p.v_cache, p.block_tables[b : b + 1], p.seq_lens[b : b + 1],
+        torch.tensor([0, e - s], dtype=torch.int32), **knobs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_query_gets_the_same_bits_in_any_batch(dtype):
+    """Batch invariance: every query of a mixed batch (decode, prefill, extend) equals its sequence
+    computed alone and, as a decode row (the split launch and its reduce), its own position computed
+    in a batch of decodes, bit for bit. Contexts span several splits of 16 keys."""
+    knobs = dict(tile_n=16, split_keys=16)
+    seqs = [(37, 1), (0, 23), (18, 9), (40, 3), (0, 3)]
+    p = make_problem(seqs, 8, 2, 32, 8, dtype, seed=13)
+    batch = paged_attention_triton(*p.args(), **knobs)
+    for b in range(len(seqs)):
+        s, e = int(p.query_start_loc[b]), int(p.query_start_loc[b + 1])
+        assert torch.equal(_alone(p, b, **knobs), batch[s:e])
+    # every query as a decode row: seq_lens cut at its position, one query per sequence
+    rows = list(range(int(p.query_start_loc[-1])))
+    owner = [b for b in range(len(seqs)) for _ in range(seqs[b][1])]
+    pos = [seqs[b][0] + i for b in range(len(seqs)) for i in range(seqs[b][1])]
+    decode = paged_attention_triton(
+        p.q, p.k_cache, p.v_cache, p.block_tables[owner].contiguous(),
+        torch.tensor([x + 1 for x in pos], dtype=torch.int32), torch.arange(len(rows) + 1, dtype=torch.int32), **knobs,
+    )  # fmt: skip
+    assert torch.equal(decode, batch)
+
+
+def test_a_split_dependent_merge_would_be_caught():
+    """The invariance test's own check: folding the splits in another order (what a split count sized
+    by the batch amounts to) changes bits, so the comparison above can fail."""
+    p = make_problem([(40, 1)], 8, 2, 32, 8, torch.float32, seed=2)
+    by16 = paged_attention_triton(*p.args(), tile_n=16, split_keys=16)
+    by32 = paged_attention_triton(*p.args(), tile_n=16, split_keys=32)
+    assert not torch.equal(by16, by32)
+    assert relative_error(by16, reference.paged_attention(*p.args_fp64())) < TOLERANCE[torch.float32]
 
 
 def test_small_query_tiles_span_many_tiles_per_sequence():
@@ -129,7 +165,7 @@ def test_large_pool_needs_64bit_offsets():
     table = torch.tensor([top, top], dtype=torch.int32)
     seq_lens = torch.tensor([seq_len, seq_len - 10], dtype=torch.int32)
     qsl = torch.tensor([0, 5, 6], dtype=torch.int32)
-    out = paged_attention_triton(q, k_cache, v_cache, table, seq_lens, qsl, num_splits=2)
+    out = paged_attention_triton(q, k_cache, v_cache, table, seq_lens, qsl, tile_n=16, split_keys=16)
     k_small = torch.zeros((len(top), block_size, kv_heads, head_dim), dtype=torch.float64)
     v_small = torch.zeros_like(k_small)
     k_small.view(-1, kv_heads, head_dim)[:seq_len] = k.double()
@@ -144,13 +180,6 @@ def test_empty_batch_returns_out_untouched():
     q = p.q[:0]
     out = paged_attention_triton(q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, torch.zeros(2, dtype=torch.int32))
     assert out.shape == (0, 4, 64)
-
-
-def test_choose_num_splits():
-    assert choose_num_splits(num_programs=512, num_sms=132) == 1  # B64 x 8 KV heads fills an H200
-    assert choose_num_splits(num_programs=64, num_sms=132) == 5  # B8 x 8: ~2 programs per SM
-    assert choose_num_splits(num_programs=8, num_sms=132) == 32  # B1 x 8: capped
-    assert choose_num_splits(num_programs=0, num_sms=132) == 1
 
 
 @pytest.mark.parametrize(
@@ -183,3 +212,7 @@ def test_tile_knobs_are_validated():
         paged_attention_triton(*p.args(), tile_n=24)
     with pytest.raises(ValueError, match="block_m"):
         paged_attention_triton(*p.args(), block_m=2)
+    with pytest.raises(ValueError, match="split_keys"):
+        paged_attention_triton(*p.args(), tile_n=32, split_keys=16)
+    with pytest.raises(ValueError, match="split_keys"):
+        paged_attention_triton(*p.args(), split_keys=96)
