@@ -1,10 +1,14 @@
-"""On the real default model: greedy output is the same alone or batched, with or without chunked prefill."""
+"""On the real default model (its quantized GGUF on the fused CPU step, as users run it): a request's
+tokens and logprobs are the same bits alone or batched, with or without chunked prefill, after a
+prefix-cache hit, across an adaptive-policy preemption and across device-fault replays."""
 
 from __future__ import annotations
 
 import pytest
 
-from helexa import LLM, SamplingParams
+from helexa.engine.engine import Engine
+from helexa.model.sampling import SamplingParams
+from tests.support.engines import assert_released, cpu_config, drive, run_streams
 
 pytestmark = pytest.mark.default_model
 
@@ -14,51 +18,102 @@ QUESTIONS = [
     "Explain in one sentence why the sky is blue, and mention the word Rayleigh.",
     "Say hello.",
 ]
+PARAMS = [
+    SamplingParams(max_tokens=16, temperature=0.0, logprobs=3, ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=11, logprobs=3, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.0, logprobs=3, ignore_eos=True),
+    SamplingParams(max_tokens=10, temperature=1.0, seed=5, logprobs=3, ignore_eos=True),
+]
 
 
-def _llm(model_dir, max_num_batched_tokens: int, quantization: str) -> LLM:
-    return LLM(
-        str(model_dir),
-        device="cpu",
-        dtype="float32",
-        attention_backend="torch",
-        num_blocks=64,
-        max_num_seqs=8,
-        max_num_batched_tokens=max_num_batched_tokens,
-        quantization=quantization,
-    )
+def _engine(model_dir, quantization: str = "auto", **overrides) -> Engine:
+    args = dict(num_blocks=96, block_size=16, max_num_batched_tokens=512, quantization=quantization)
+    return Engine(cpu_config(model_dir, **{**args, **overrides}))
 
 
-NEAR_TIE_NATS = 1.0  # where a quantized answer diverges, the two tokens' logprobs differ by less
-
-
-@pytest.mark.parametrize("quantization", ["none", "auto"])
-def test_greedy_batch_invariant_on_the_default_model(default_model_dir, quantization: str) -> None:
-    """The float32 reference is batch invariant token for token. The quantized default rounds each
-    layer's input to int8 per block of 32 (docs/quantization.md), so the float32 summation-order
-    differences of chunked and batched attention can flip a rounding and, at a near tie, the greedy
-    token. There, every answer must agree with its solo run up to a point where the model, given
-    the common prefix, rates the two tokens within `NEAR_TIE_NATS` of each other: a tie, not an error."""
-    solo_llm = _llm(default_model_dir, 512, quantization)
-    prompts = [
-        solo_llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+def _prompts(engine: Engine) -> list[list[int]]:
+    return [
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
         for q in QUESTIONS
     ]
-    params = SamplingParams(max_tokens=16, temperature=0.0)
-    solo = [solo_llm.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
-    # 24 tokens per step: every prompt's prefill is split across steps while the others decode.
-    chunked = _llm(default_model_dir, 24, quantization)
-    batched = [o.token_ids for o in chunked.generate(prompts, params, use_tqdm=False)]
-    assert chunked.engine.snapshot()["blocks_reserved"] == 0
-    if quantization == "none":
-        assert batched == solo
-        return
-    probe = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
-    for prompt, b, s in zip(prompts, batched, solo):
-        i = next((i for i, (x, y) in enumerate(zip(b, s)) if x != y), None)
-        if i is None:
-            continue
-        out = solo_llm.generate([prompt + s[:i]], probe, use_tqdm=False)[0]
-        top = dict(out.logprobs[0].top)
-        assert s[i] in top and b[i] in top, (i, b, s, top)
-        assert abs(top[s[i]] - top[b[i]]) < NEAR_TIE_NATS, (i, top[s[i]], top[b[i]])
+
+
+def _streams(events: list) -> tuple[list[int], list[tuple]]:
+    """(token ids, per token (id, logprob, top alternatives)) of one request's events."""
+    ids = [t for e in events for t in e.token_ids]
+    return ids, [(lp.token_id, lp.logprob, lp.top) for e in events for lp in e.logprobs]
+
+
+def _run(engine: Engine, prompts, params, runner=drive) -> list[tuple[list[int], list[tuple]]]:
+    handles = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+    events = runner(engine, handles)
+    assert_released(engine)
+    return [_streams(events[h.request_id]) for h in handles]
+
+
+@pytest.fixture(scope="module")
+def solo(default_model_dir):
+    """Each request alone on a fresh engine, its prompt in one prefill: the reference."""
+    engine = _engine(default_model_dir)
+    assert engine.runner.model.native_step is not None, "the default model should run on the fused CPU step"
+    prompts = _prompts(engine)
+    return prompts, [_run(_engine(default_model_dir), [p], [sp])[0] for p, sp in zip(prompts, PARAMS)]
+
+
+def test_batched_and_chunked_is_bit_for_bit_the_solo_run(default_model_dir, solo) -> None:
+    """All four at once, 24 tokens a step: every prompt's prefill split across steps while the others
+    decode. Greedy and seeded tokens and every logprob are the solo run's exactly."""
+    prompts, want = solo
+    assert _run(_engine(default_model_dir, max_num_batched_tokens=24), prompts, PARAMS) == want
+
+
+def test_a_prefix_cache_hit_gives_the_same_bits(default_model_dir, solo) -> None:
+    """The same prompts again on a warm engine: their leading blocks come from the cache (computed by
+    the first run, in another batch) and only the rest is computed; the answers are the solo runs'."""
+    prompts, want = solo
+    engine = _engine(default_model_dir, max_num_batched_tokens=24)
+    assert _run(engine, prompts, PARAMS) == want
+    hits = engine.counters.prefix_cache_hit_tokens
+    assert _run(engine, prompts, PARAMS) == want
+    assert engine.counters.prefix_cache_hit_tokens > hits
+
+
+def test_device_fault_replays_continue_exactly(default_model_dir, solo, monkeypatch) -> None:
+    """Faults mid-prefill and mid-decode: the replayed streams are the clean ones, token and logprob."""
+    prompts, want = solo
+    monkeypatch.setenv("HELEXA_FAULT_INJECT", "2,7")
+    engine = _engine(default_model_dir, max_num_batched_tokens=24, fault_backoff_secs=0.0)
+    assert _run(engine, prompts, PARAMS) == want
+    assert engine.counters.device_faults == 2 and engine.counters.model_reloads == 2
+
+
+def test_an_adaptive_preemption_resumes_exactly(default_model_dir) -> None:
+    """Answers taught to be short, requests that write long ones, a pool too small for all four at
+    their grown length: the newest are preempted, resumed by recomputation in other batches, and
+    still produce the streams each request gives alone, token and logprob."""
+    engine = _engine(default_model_dir, policy="adaptive", block_size=4, num_blocks=24, max_wait_secs=3600.0)
+    prompts = [
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": f"Write a long story about {topic}."}],
+                                             add_generation_prompt=True)
+        for topic in ("a lighthouse", "two rivers", "a lost key", "the moon")
+    ]  # fmt: skip
+    params = [SamplingParams(**{**vars(p), "max_tokens": 32, "ignore_eos": False}) for p in PARAMS]
+    want = [_run(_engine(default_model_dir, block_size=4), [p], [sp])[0] for p, sp in zip(prompts, params)]
+    for _ in range(400):  # answers here are taught to end after 2 tokens: small allowances, so growth preempts
+        engine.admission.lengths.observe(2, "stop")
+    assert _run(engine, prompts, params, runner=run_streams) == want
+    assert engine.counters.preemptions > 0 and engine.counters.recomputed_tokens > 0
+
+
+def test_the_float_reference_is_batch_invariant_too(default_model_dir) -> None:
+    """`--quantization none` (the torch layers) gives the same greedy tokens alone and batched."""
+    engine = _engine(default_model_dir, quantization="none")
+    assert engine.runner.model.native_step is None
+    prompts = _prompts(engine)
+    greedy = [SamplingParams(max_tokens=16, temperature=0.0)] * len(prompts)
+    solo = [_run(_engine(default_model_dir, quantization="none"), [p], greedy[:1])[0][0] for p in prompts]
+    batched = [
+        ids
+        for ids, _ in _run(_engine(default_model_dir, quantization="none", max_num_batched_tokens=24), prompts, greedy)
+    ]
+    assert batched == solo
