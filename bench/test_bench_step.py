@@ -1,12 +1,12 @@
-"""One decode step of the default model (SmolLM2-135M from its Q4_1 GGUF) on the CPU: the fused
-native step (`helexa.model.quant.native_decode`, the whole decoder stack in one C call) against the
-model's torch layers (the same quantized matmuls, with norms, RoPE, the K/V write and attention as
-torch operations), measured in the same run on the same weights and cache state.
+"""One step of the default model (SmolLM2-135M from its Q4_1 GGUF) on the CPU: the fused native
+step (`helexa.model.quant.native_step`, the whole decoder stack in one C call, the path every step
+takes) against the model's torch layers (the same quantized matmuls, with norms, RoPE, the K/V
+write and attention as torch operations), measured in the same run on the same weights and cache.
 
-`make bench` runs it with pytest-benchmark and writes `bench/out/decode_step.md` and `.png`. Each
-step decodes one token for every sequence of the batch (`CASES`: sequences x tokens of context
-each; the long contexts are where attention, not the weights, dominates) and includes the logits
-head (what the engine runs per decode step, less sampling).
+`make bench` runs it with pytest-benchmark and writes `bench/out/step.md` and `.png`. `CASES`:
+decode steps (one token for every sequence, after `context` tokens each; the long contexts are
+where attention, not the weights, dominates), a 512-token prefill from empty and a 512-token chunk
+after 1,536 cached tokens. Each includes the logits head for the rows the engine samples.
 """
 
 from __future__ import annotations
@@ -22,7 +22,11 @@ from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model
 from tests.support.models import PagedCache
 
 OUT_DIR = Path(__file__).parent / "out"
-CASES = [(1, 128), (8, 128), (16, 128), (1, 4096), (4, 4096)]  # (sequences, context tokens each)
+# (kind, sequences, context tokens each before the step, new tokens each in the step)
+CASES = [
+    ("decode", 1, 128, 1), ("decode", 8, 128, 1), ("decode", 16, 128, 1), ("decode", 1, 4096, 1),
+    ("decode", 4, 4096, 1), ("prefill", 1, 0, 512), ("extend", 1, 1536, 512),
+]  # fmt: skip
 PREFILL_CHUNK = 1024
 IMPLS = ["fused", "layers"]
 _RESULTS: list[dict] = []
@@ -33,7 +37,7 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel: 
 @pytest.fixture(scope="module")
 def model():
     loaded = load_model(resolve_model(DEFAULT_MODEL), dtype="float32", quantization="auto")
-    assert loaded.native_decode is not None, "the default model should get the fused decode step"
+    assert loaded.native_step is not None, "the default model should get the fused step"
     return loaded
 
 
@@ -45,23 +49,25 @@ def _report():
 
 
 def _write_report(results: list[dict]) -> None:
-    """`bench/out/decode_step.md` (a table with each step's speed-up over the layers) and `.png`."""
+    """`bench/out/step.md` (a table with each step's speed-up over the layers) and `.png`."""
     OUT_DIR.mkdir(exist_ok=True)
-    by_key = {(r["batch"], r["context"], r["impl"]): r["ms"] for r in results}
+    by_key = {(r["case"], r["impl"]): r["ms"] for r in results}
     lines = [
-        f"# decode step, default model, CPU ({torch.get_num_threads()} threads)",
+        f"# one step, default model, CPU: {cpu_name()} ({torch.get_num_threads()} threads; native kernel "
+        f"{'AVX2' if native.available() else native.unavailable_reason()})",
         "",
-        "| sequences | context | impl | median ms | tokens/s | vs layers |",
-        "|---:|---:|---|---:|---:|---:|",
+        "| step | sequences | context | new tokens | impl | median ms | tokens/s | vs layers |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in results:
-        base = by_key.get((r["batch"], r["context"], "layers"))
+        kind, batch, context, new = r["case"]
+        base = by_key.get((r["case"], "layers"))
         ratio = f"{base / r['ms']:.2f}x" if base else "-"
         lines.append(
-            f"| {r['batch']} | {r['context']} | {r['impl']} | {r['ms']:.2f} | {1e3 * r['batch'] / r['ms']:.1f} "
-            f"| {ratio} |"
+            f"| {kind} | {batch} | {context} | {new} | {r['impl']} | {r['ms']:.2f} "
+            f"| {1e3 * batch * new / r['ms']:.1f} | {ratio} |"
         )
-    (OUT_DIR / "decode_step.md").write_text("\n".join(lines) + "\n")
+    (OUT_DIR / "step.md").write_text("\n".join(lines) + "\n")
     print("\n" + "\n".join(lines))
 
     import matplotlib
@@ -71,39 +77,54 @@ def _write_report(results: list[dict]) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for i, impl in enumerate(IMPLS):
-        ms = [by_key.get((b, c, impl), 0.0) for b, c in CASES]
+        ms = [by_key.get((case, impl), 0.0) for case in CASES]
         ax.bar([j + 0.4 * i for j in range(len(CASES))], ms, width=0.4, label=impl)
-    ax.set_xticks([j + 0.2 for j in range(len(CASES))], [f"{b} x {c}" for b, c in CASES], fontsize=8)
-    ax.set_xlabel("sequences x context tokens")
-    ax.set_ylabel("ms per decode step (median)")
-    ax.set_title("default model, one decode step", fontsize=9)
+    labels = [f"{k}\n{b} x {c}+{n}" for k, b, c, n in CASES]
+    ax.set_xticks([j + 0.2 for j in range(len(CASES))], labels, fontsize=7)
+    ax.set_xlabel("step: sequences x (context + new tokens)")
+    ax.set_ylabel("ms per step (median)")
+    ax.set_yscale("log")
+    ax.set_title("default model, one step: fused C step vs torch layers", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(OUT_DIR / "decode_step.png", dpi=120)
+    fig.savefig(OUT_DIR / "step.png", dpi=120)
     plt.close(fig)
 
 
+def cpu_name() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize(("batch", "context"), CASES)
-def test_decode_step(benchmark, model, batch: int, context: int, impl: str) -> None:
-    cache = PagedCache(model.config, num_blocks=batch * (context // 16 + 2) + 1, block_size=16)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}x{c[2]}+{c[3]}")
+def test_step(benchmark, model, case: tuple[str, int, int, int], impl: str) -> None:
+    _, batch, context, new = case
+    cache = PagedCache(model.config, num_blocks=batch * ((context + new) // 16 + 2) + 1, block_size=16)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist()
         for start in range(0, context, PREFILL_CHUNK):
             prefill = cache.step({i: prompt[start : start + PREFILL_CHUNK]})
             model(prefill.input_ids, prefill.positions, prefill.attn, cache.kv_caches, prefill.logits_indices)
-    step = cache.step({i: [7] for i in range(batch)})  # one decode step, re-run in place: same slots
-    fused = model.native_decode
-    model.native_decode = fused if impl == "fused" else None
+    new_tokens = torch.randint(0, model.config.vocab_size, (new,), generator=g).tolist()
+    step = cache.step({i: new_tokens for i in range(batch)})  # re-run in place: the same slots each round
+    fused = model.native_step
+    model.native_step = fused if impl == "fused" else None
     try:
         benchmark.pedantic(
             lambda: model(step.input_ids, step.positions, step.attn, cache.kv_caches, step.logits_indices),
-            rounds=15,
-            warmup_rounds=2,
+            rounds=15 if new == 1 else 5,
+            warmup_rounds=2 if new == 1 else 1,
         )
     finally:
-        model.native_decode = fused
+        model.native_step = fused
     stats = getattr(benchmark, "stats", None)
     if stats is not None:
-        _RESULTS.append({"batch": batch, "context": context, "impl": impl, "ms": stats.stats.median * 1e3})
+        _RESULTS.append({"case": case, "impl": impl, "ms": stats.stats.median * 1e3})
