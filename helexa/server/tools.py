@@ -44,8 +44,9 @@ class ToolCalling:
 
     def constrain(self, req: GenerationRequest) -> GenerationRequest:
         """`req` with what its tools need of decoding: the forced-call grammar for `tool_choice` "required"
-        or a named function, and special tokens kept in the text when the format's marker is one. 400
-        naming the tool whose schema cannot be compiled."""
+        or a named function (it replaces a `response_format` grammar: the forced call wins, and the
+        answer has no text for the format to govern), and special tokens kept in the text when the
+        format's marker is one. 400 naming the tool whose schema cannot be compiled."""
         if req.tool_choice == "none" or req.tools is None:
             return req
         changes: dict[str, Any] = {}
@@ -53,15 +54,19 @@ class ToolCalling:
             changes["sampling"] = {**req.sampling, "skip_special_tokens": False}
         if req.tool_choice == "required":
             try:
+                # A named function is called exactly once (as OpenAI and vLLM do); "required" may make
+                # several calls unless `parallel_tool_calls` is false, and ends at a repeated one (`parser_for`).
+                parallel = req.parallel_tool_calls and req.tool_name is None
                 changes["grammar"] = forced_call_grammar(
-                    req.tools, self.parser, req.tool_name, req.parallel_tool_calls, self.marker_token
+                    req.tools, self.parser, req.tool_name, parallel, self.marker_token
                 )
             except ToolSpecError as exc:
                 raise APIError("invalid_request", str(exc), param=exc.param) from None
         return dataclasses.replace(req, **changes) if changes else req
 
     def parser_for(self, req: GenerationRequest) -> ToolCallParser | None:
-        """A fresh parser for one choice of `req`, or None when its output is plain text."""
+        """A fresh parser for one choice of `req`, or None when its output is plain text. A forced answer's
+        parser ends at the first repeat of an identical call (`distinct`): the repeat is dropped."""
         if req.tool_choice == "none" or req.tools is None:
             return None
-        return self.parser(tool_names(req.tools))
+        return self.parser(tool_names(req.tools), distinct=req.tool_choice == "required")

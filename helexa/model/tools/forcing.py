@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from helexa.model.sampling.closed_schema import close_objects
 from helexa.model.sampling.grammar import GrammarError, json_schema_grammar, lark_grammar
 from helexa.model.tools.calls import ToolSpecError
 from helexa.model.tools.parsers import Llama3JsonParser, ToolCallParser
@@ -15,10 +16,11 @@ __all__ = ["forced_call_grammar"]
 
 
 def _call_schema(tool: dict[str, Any], args_key: str) -> dict[str, Any]:
+    """One call's JSON: the tool's name and its arguments, every object in them closed (`close_objects`)."""
     function = tool["function"]
     return {
         "type": "object",
-        "properties": {"name": {"const": function["name"]}, args_key: function["parameters"]},
+        "properties": {"name": {"const": function["name"]}, args_key: close_objects(function["parameters"])},
         "required": ["name", args_key],
         "additionalProperties": False,
     }
@@ -32,7 +34,9 @@ def forced_call_grammar(
     marker_token: int | None = None,
 ) -> str:
     """The grammar of one call (or, with `parallel`, one or more) to `tools` (chat-shaped, as
-    `read_tools` returns them) — to the tool named `only` when given — in `parser`'s format.
+    `read_tools` returns them) — to the tool named `only` when given — in `parser`'s format. Each
+    call's arguments accept only the properties their schema declares (objects are closed). The answer
+    may end after any complete call.
 
     Raises `ToolSpecError` naming `tools[i].function.parameters` when a tool's schema cannot be compiled,
     and naming `tool_choice` when `only` is not a declared tool."""
