@@ -214,3 +214,26 @@ def test_fields_helexa_cannot_honour_are_400s_naming_them(server: RunningServer,
     reply = httpx.post(f"{server.url}{path}", json=body, timeout=30)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("kind", [None, *CONSTRAINTS])
+def test_every_combination_of_constraint_logprobs_stream_n_and_bias_is_served(server: RunningServer,
+                                                                             kind: str | None) -> None:  # fmt: skip
+    for stream in (False, True):
+        for n in (1, 2):
+            body = {"model": "m", "messages": ASK, "max_tokens": 8, "temperature": 0.7, "seed": 1, "n": n,
+                    "logprobs": True, "top_logprobs": 20, "logit_bias": {"0": -100, "7": 3.5}, "stream": stream,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                    **CONSTRAINTS.get(kind or "", {})}  # fmt: skip
+            if not stream:
+                del body["stream_options"]
+            with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as reply:
+                text = reply.read().decode()
+            assert reply.status_code == 200, text
+            payloads = [line[6:] for line in text.splitlines() if line.startswith("data: {")] if stream else [text]
+
+            def refuse(constant: str) -> float:
+                raise ValueError(constant)
+
+            assert all(_finite(json.loads(p, parse_constant=refuse)) for p in payloads)
+    assert wait_for(lambda: _idle(server), 5)
