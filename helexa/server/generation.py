@@ -86,9 +86,10 @@ class GenerationRun:
     """All engine requests of one HTTP request. Create, `submit()`, then iterate `events()` once.
 
     `parsers`: a fresh tool-call parser per choice (None: the output is plain text); the formats read
-    calls through it too (`new_parser`). A choice whose parser saw a call repeat an earlier one
-    (`ToolCallParser.repeated`, forced answers) ends there: its engine request is aborted and its final
-    event is a `stop`, so no model can repeat one call until `max_tokens`.
+    calls through it too (`new_parser`). A choice whose parser saw a call the answer may not hold
+    (`ToolCallParser.ended`: a repeat in a forced answer, a second call without parallel calls) ends
+    there: its engine request is aborted and its final event is a `stop`, so no model can repeat one
+    call until `max_tokens`.
 
     Timing for the metrics: `started` (monotonic seconds at creation), `first_token_at` (first token of
     any choice), `admission_waits` (seconds each choice waited for its reservation).
@@ -104,7 +105,7 @@ class GenerationRun:
     ) -> None:
         self.engine, self.request_id, self.prompt_ids, self.request = engine, request_id, prompt_ids, request
         self.new_parser = parsers
-        self._watch: dict[int, ToolCallParser | None] = {}  # per choice: the parser that spots a repeated call
+        self._watch: dict[int, ToolCallParser | None] = {}  # per choice: the parser that spots a call ending it
         self.handles: list[RequestHandle] = []
         self.choices: list[Choice] = []
         self.started = time.monotonic()
@@ -222,9 +223,9 @@ class GenerationRun:
         try:
             while len(self._done) < len(self.handles):
                 k, event = await queue.get()
-                if k in self._done:  # the abort's own final event, after a repeated call ended the choice
+                if k in self._done:  # the abort's own final event, after a call ended the choice
                     continue
-                event = self._end_at_repeat(k, event)
+                event = self._end_at_call(k, event)
                 choice = self.choices[k]
                 if event.token_ids and self.first_token_at is None:
                     self.first_token_at = time.monotonic()
@@ -242,9 +243,9 @@ class GenerationRun:
                 task.cancel()
             self.abort()
 
-    def _end_at_repeat(self, k: int, event: TokenEvent) -> TokenEvent:
-        """`event`, made final (`stop`) when choice `k`'s text now holds a call repeating an earlier one;
-        its engine request is then aborted (its blocks return at the next step)."""
+    def _end_at_call(self, k: int, event: TokenEvent) -> TokenEvent:
+        """`event`, made final (`stop`) when choice `k`'s text now holds a call that ends the answer
+        (`ToolCallParser.ended`); its engine request is then aborted (its blocks return at the next step)."""
         if event.finished:
             return event
         if k not in self._watch:
@@ -253,7 +254,7 @@ class GenerationRun:
         if parser is None:
             return event
         parser.feed(event.text)
-        if not parser.repeated:
+        if not parser.ended:
             return event
         self.engine.abort(self.handles[k].request_id)
         return dataclasses.replace(event, finish_reason="stop")

@@ -66,7 +66,10 @@ class ToolCalling:
 
     def parser_for(self, req: GenerationRequest) -> ToolCallParser | None:
         """A fresh parser for one choice of `req`, or None when its output is plain text. A forced answer's
-        parser ends at the first repeat of an identical call (`distinct`): the repeat is dropped."""
+        parser ends at the first repeat of an identical call (`distinct`), and with `parallel_tool_calls`
+        false any answer's at a second call (`single`, as OpenAI applies it to "auto" too): that call and
+        all after it are dropped."""
         if req.tool_choice == "none" or req.tools is None:
             return None
-        return self.parser(tool_names(req.tools), distinct=req.tool_choice == "required")
+        names = tool_names(req.tools)
+        return self.parser(names, distinct=req.tool_choice == "required", single=not req.parallel_tool_calls)

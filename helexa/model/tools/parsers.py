@@ -9,9 +9,10 @@ an unclosed block that does not parse) stays text, marker and all: nothing is lo
 Whitespace is held back between items: whitespace before a call, and trailing whitespace once any call
 was made, is dropped (so `"<tool_call>..</tool_call>\\n"` is a call with no content).
 
-A parser made with `distinct=True` (a forced answer, `tool_choice` "required") ends its items at the
-first call identical to an earlier one (same name, same arguments): that call and everything after it
-are dropped, and `repeated` turns True, so whoever runs the model can stop it there.
+A parser can end an answer at a call it may not hold: with `distinct=True` (a forced answer,
+`tool_choice` "required") at the first call identical to an earlier one (same name, same arguments);
+with `single=True` (`parallel_tool_calls: false`) at a second call. That call and everything after it
+are dropped, and `ended` turns True, so whoever runs the model can stop it there.
 
 Formats (`PARSERS`, chosen per model by `detect_format`, overridden by `--tool-call-parser`):
 - `hermes` (Hermes, Qwen 2/2.5/3, and helexa's rendering for templates without tools):
@@ -46,19 +47,19 @@ Item = str | ToolCall  # one parsed piece of a choice's output, in order
 
 
 class _Emitter:
-    """Collects items, holding whitespace back as the module docstring says; with `distinct`, nothing
-    from the first repeated call on (`repeated`)."""
+    """Collects items, holding whitespace back as the module docstring says; nothing from a call that
+    ends the answer on (`ended`: a repeat with `distinct`, a second call with `single`)."""
 
-    def __init__(self, distinct: bool = False) -> None:
+    def __init__(self, distinct: bool = False, single: bool = False) -> None:
         self.items: list[Item] = []
         self._pending = ""  # whitespace not yet emitted
         self.made_call = False
-        self.repeated = False
-        self._distinct = distinct
+        self.ended = False
+        self._distinct, self._single = distinct, single
         self._seen: set[tuple[str, str]] = set()  # (name, arguments with sorted keys) of each call so far
 
     def text(self, text: str) -> None:
-        if self.repeated:
+        if self.ended:
             return
         text = self._pending + text
         body = text.rstrip()
@@ -67,20 +68,19 @@ class _Emitter:
             self.items.append(body)
 
     def call(self, call: ToolCall) -> None:
-        if self.repeated:
+        if self.ended:
             return
-        if self._distinct:
-            key = (call.name, json.dumps(json.loads(call.arguments), sort_keys=True))
-            if key in self._seen:
-                self.repeated, self._pending = True, ""
-                return
-            self._seen.add(key)
+        key = (call.name, json.dumps(json.loads(call.arguments), sort_keys=True))
+        if (self._single and self.made_call) or (self._distinct and key in self._seen):
+            self.ended, self._pending = True, ""
+            return
+        self._seen.add(key)
         self._pending = ""
         self.made_call = True
         self.items.append(call)
 
     def finish(self) -> None:
-        if self._pending and not self.made_call and not self.repeated:
+        if self._pending and not self.made_call and not self.ended:
             self.items.append(self._pending)
         self._pending = ""
 
@@ -99,15 +99,15 @@ def _held_prefix(text: str, marker: str) -> int:
 
 class ToolCallParser(ABC):
     """One choice's parser. `tool_names`: the declared functions; a call to any other stays text.
-    `distinct`: end at the first repeat of an identical call (module docstring)."""
+    `distinct`, `single`: end at the first repeat of an identical call, at a second call (module docstring)."""
 
     name: ClassVar[str]
     id_style: ClassVar[str] = "openai"
     keeps_special_tokens: ClassVar[bool] = False  # its marker is a special token the text must keep
 
-    def __init__(self, tool_names: frozenset[str], distinct: bool = False) -> None:
+    def __init__(self, tool_names: frozenset[str], distinct: bool = False, single: bool = False) -> None:
         self.tool_names = tool_names
-        self._out = _Emitter(distinct)
+        self._out = _Emitter(distinct, single)
         self._finished = False
         self._buf = ""  # text not yet emitted
 
@@ -146,9 +146,10 @@ class ToolCallParser(ABC):
         return self._out.made_call
 
     @property
-    def repeated(self) -> bool:
-        """Whether (with `distinct`) a call repeated an earlier one: the answer ended before it."""
-        return self._out.repeated
+    def ended(self) -> bool:
+        """Whether a call the answer may not hold (a repeat with `distinct`, a second call with `single`)
+        ended it: that call and all after it were dropped."""
+        return self._out.ended
 
     @abstractmethod
     def _consume(self, text: str) -> None: ...
@@ -196,8 +197,8 @@ class HermesParser(ToolCallParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self, tool_names: frozenset[str], distinct: bool = False) -> None:
-        super().__init__(tool_names, distinct)
+    def __init__(self, tool_names: frozenset[str], distinct: bool = False, single: bool = False) -> None:
+        super().__init__(tool_names, distinct, single)
         self._in_call = False
 
     def _consume(self, text: str) -> None:
@@ -270,8 +271,8 @@ class Llama3JsonParser(ToolCallParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
 
-    def __init__(self, tool_names: frozenset[str], distinct: bool = False) -> None:
-        super().__init__(tool_names, distinct)
+    def __init__(self, tool_names: frozenset[str], distinct: bool = False, single: bool = False) -> None:
+        super().__init__(tool_names, distinct, single)
         self._mode = "undecided"  # then "json" (buffer to the end) or "text" (pass through)
 
     def _consume(self, text: str) -> None:
@@ -320,8 +321,8 @@ class MistralParser(ToolCallParser):
     marker = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
 
-    def __init__(self, tool_names: frozenset[str], distinct: bool = False) -> None:
-        super().__init__(tool_names, distinct)
+    def __init__(self, tool_names: frozenset[str], distinct: bool = False, single: bool = False) -> None:
+        super().__init__(tool_names, distinct, single)
         self._in_calls = False
 
     def _consume(self, text: str) -> None:
