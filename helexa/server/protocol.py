@@ -47,8 +47,9 @@ class GenerationRequest:
       `continuous_usage`: every chunk carries the usage so far too (vLLM's
       `stream_options.continuous_usage_stats`, which implies `include_usage`).
     - `grammar`: structured output — the output must be JSON valid under the request's
-      `response_format` (chat) or `text.format` (responses) schema; None for free text. A forced
-      tool call (`ToolCalling.constrain`) replaces it: the call wins, the format governs text only.
+      `response_format` (chat) or `text.format` (responses) schema, `format_schema` (None for free
+      text). With tools (`ToolCalling.constrain`) it is replaced: a forced call wins; under "auto"
+      the answer is calls or JSON text valid under `format_schema` (the format governs text only).
     - `text_format`: the Responses API's `text.format` as sent (echoed in the response), None without.
     - `logit_bias`: token id → bias in [-100, 100], None without (token ids checked against the
       vocabulary by the server, which knows it).
@@ -77,6 +78,7 @@ class GenerationRequest:
     prompt_cache_key: str | None = None
     cache_salt: str | None = None
     grammar: str | None = None
+    format_schema: dict[str, Any] | bool | None = None
     text_format: dict[str, Any] | None = None
     logit_bias: dict[int, float] | None = None
 
@@ -174,8 +176,16 @@ def _cache_key(body: dict[str, Any], name: str) -> str | None:
     return _get(body, name, ok, f"a non-empty string of at most {MAX_CACHE_KEY} characters")
 
 
-def _json_format(value: Any, param: str, schema_at: str | None, open_objects: bool) -> str | None:
-    """The grammar of an OpenAI JSON output format: `{"type": "text"}` (none), `{"type": "json_object"}`
+@dataclass(frozen=True)
+class JsonFormat:
+    """An output format's JSON `schema` (objects closed as `_json_format` decides) and its compiled `grammar`."""
+
+    schema: dict[str, Any] | bool
+    grammar: str
+
+
+def _json_format(value: Any, param: str, schema_at: str | None, open_objects: bool) -> JsonFormat | None:
+    """An OpenAI JSON output format and its grammar: `{"type": "text"}` (none), `{"type": "json_object"}`
     (any JSON object) or `{"type": "json_schema", ...}` with its schema at `value[schema_at]["schema"]`
     (chat) or `value["schema"]` (responses, `schema_at` None). The schema's objects are closed
     (`close_objects`) under `"strict": true`, and without it unless `open_objects`
@@ -202,7 +212,7 @@ def _json_format(value: Any, param: str, schema_at: str | None, open_objects: bo
     else:
         raise _bad(param, "an object with 'type' 'text', 'json_object' or 'json_schema'", value)
     try:
-        return json_schema_grammar(schema)
+        return JsonFormat(schema, json_schema_grammar(schema))
     except GrammarError as exc:
         raise APIError("invalid_request", str(exc), param=param) from None
 
@@ -391,7 +401,7 @@ def parse_chat(body: dict[str, Any], open_objects: bool = False) -> GenerationRe
         raise APIError("invalid_request", "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     stream, include_usage, continuous_usage = _stream(body)
     tools = _tools(body)
-    grammar = _json_format(body.get("response_format"), "response_format", "json_schema", open_objects)
+    output_format = _json_format(body.get("response_format"), "response_format", "json_schema", open_objects)
     return GenerationRequest(
         kind="chat",
         messages=messages,
@@ -408,7 +418,8 @@ def parse_chat(body: dict[str, Any], open_objects: bool = False) -> GenerationRe
         continuous_usage=continuous_usage,
         logprobs=(top or 0) if want_logprobs else None,
         model=_str(body, "model"),
-        grammar=grammar,
+        grammar=None if output_format is None else output_format.grammar,
+        format_schema=None if output_format is None else output_format.schema,
         logit_bias=_logit_bias(body),
         prompt_cache_key=_cache_key(body, "prompt_cache_key"),
         cache_salt=_cache_key(body, "cache_salt"),
@@ -526,8 +537,8 @@ def _response_input(value: Any) -> list[dict[str, Any]]:
     return _messages([{k: v for k, v in m.items() if k != "_open"} for m in messages], "input")
 
 
-def _text_format(body: dict[str, Any], open_objects: bool) -> tuple[str | None, dict[str, Any] | None]:
-    """The Responses API's `text.format` (its `response_format`): (its grammar, the format as sent)."""
+def _text_format(body: dict[str, Any], open_objects: bool) -> tuple[JsonFormat | None, dict[str, Any] | None]:
+    """The Responses API's `text.format` (its `response_format`): (its schema and grammar, the format as sent)."""
     text = body.get("text")
     if text is None:
         return None, None
@@ -551,7 +562,7 @@ def parse_response(body: dict[str, Any], open_objects: bool = False) -> Generati
         )
     messages = _response_input(body["input"])
     tools = _tools(body)
-    grammar, text_format = _text_format(body, open_objects)
+    output_format, text_format = _text_format(body, open_objects)
     instructions = _str(body, "instructions")
     if instructions:
         messages = [{"role": "system", "content": instructions}, *messages]
@@ -567,7 +578,8 @@ def parse_response(body: dict[str, Any], open_objects: bool = False) -> Generati
         max_tokens=_int(body, "max_output_tokens", 1),
         stream=bool(_bool(body, "stream")),
         model=_str(body, "model"),
-        grammar=grammar,
+        grammar=None if output_format is None else output_format.grammar,
+        format_schema=None if output_format is None else output_format.schema,
         text_format=text_format,
         prompt_cache_key=_cache_key(body, "prompt_cache_key"),
         cache_salt=_cache_key(body, "cache_salt"),

@@ -26,17 +26,26 @@ def _call_schema(tool: dict[str, Any], args_key: str) -> dict[str, Any]:
     }
 
 
+def _compact(schema: dict[str, Any] | bool) -> str:
+    """`schema` as the JSON text of a Lark `%json` item whose values are written compactly (no whitespace)."""
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": schema.get("x-guidance", {"whitespace_flexible": False})}
+    return json.dumps(schema, ensure_ascii=False)
+
+
 def forced_call_grammar(
     tools: list[dict[str, Any]],
     parser: type[ToolCallParser],
     only: str | None = None,
     parallel: bool = True,
     marker_token: int | None = None,
+    or_text: dict[str, Any] | bool | None = None,
 ) -> str:
     """The grammar of one call (or, with `parallel`, one or more) to `tools` (chat-shaped, as
     `read_tools` returns them) — to the tool named `only` when given — in `parser`'s format. Each
     call's arguments accept only the properties their schema declares (objects are closed). The answer
-    may end after any complete call.
+    may end after any complete call. With `or_text` (a JSON schema: `tool_choice` "auto" beside an output
+    format), the answer is either those calls or JSON text valid under it: the format governs text only.
 
     Raises `ToolSpecError` naming `tools[i].function.parameters` when a tool's schema cannot be compiled,
     and naming `tool_choice` when `only` is not a declared tool."""
@@ -51,9 +60,9 @@ def forced_call_grammar(
     args_key = "parameters" if parser is Llama3JsonParser else "arguments"
     options = [_call_schema(t, args_key) for _, t in indexed]
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
-    schema["x-guidance"] = {"whitespace_flexible": False}
-    call_json = f"%json {json.dumps(schema, ensure_ascii=False)}"
+    call_json = f"%json {_compact(schema)}"
+    start = "start: calls\n" if or_text is None else f"start: calls | text\ntext: %json {_compact(or_text)}\n"
     try:
-        return lark_grammar(parser.call_grammar(call_json, parallel, marker_token))
+        return lark_grammar(start + parser.call_grammar(call_json, parallel, marker_token))
     except GrammarError as exc:
         raise ToolSpecError(f"the tools cannot be forced: {exc}", "tools") from None

@@ -9,8 +9,8 @@ an unclosed block that does not parse) stays text, marker and all: nothing is lo
 Whitespace is held back between items: whitespace before a call, and trailing whitespace once any call
 was made, is dropped (so `"<tool_call>..</tool_call>\\n"` is a call with no content).
 
-A parser can end an answer at a call it may not hold: with `distinct=True` (a forced answer,
-`tool_choice` "required") at the first call identical to an earlier one (same name, same arguments);
+A parser can end an answer at a call it may not hold: with `distinct=True` (the server's parsers) at
+the first call identical to an earlier one (same name, same arguments);
 with `single=True` (`parallel_tool_calls: false`) at a second call. That call and everything after it
 are dropped, and `ended` turns True, so whoever runs the model can stop it there.
 
@@ -184,9 +184,9 @@ class ToolCallParser(ABC):
     @classmethod
     @abstractmethod
     def call_grammar(cls, call_json: str, parallel: bool, marker_token: int | None) -> str:
-        """A Lark grammar (llguidance dialect) of one or more (`parallel`) calls, each call's JSON given
-        by the Lark rule text `call_json` (a `%json {...}` item). `marker_token`: the id of the format's
-        marker when the tokenizer has it as a special token."""
+        """Lark rules (llguidance dialect) whose rule `calls` is one or more (`parallel`) calls, each call's
+        JSON given by the Lark rule text `call_json` (a `%json {...}` item); the caller adds `start`.
+        `marker_token`: the id of the format's marker when the tokenizer has it as a special token."""
 
     marker: ClassVar[str | None] = None  # the special token the format starts calls with, if any
 
@@ -241,7 +241,7 @@ class HermesParser(ToolCallParser):
     @classmethod
     def call_grammar(cls, call_json: str, parallel: bool, marker_token: int | None) -> str:
         more = ' ("\\n" call)*' if parallel else ""
-        return f'start: call{more}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: {call_json}\n'
+        return f'calls: call{more}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: {call_json}\n'
 
 
 def _decode_sequence(text: str, separator: str) -> list[Any] | None:
@@ -309,7 +309,7 @@ class Llama3JsonParser(ToolCallParser):
     @classmethod
     def call_grammar(cls, call_json: str, parallel: bool, marker_token: int | None) -> str:
         more = ' ("; " call)*' if parallel else ""
-        return f"start: call{more}\ncall: {call_json}\n"
+        return f"calls: call{more}\ncall: {call_json}\n"
 
 
 class MistralParser(ToolCallParser):
@@ -372,7 +372,7 @@ class MistralParser(ToolCallParser):
     def call_grammar(cls, call_json: str, parallel: bool, marker_token: int | None) -> str:
         marker = f"<[{marker_token}]>" if marker_token is not None else json.dumps(cls.marker)
         more = ' (", " call)*' if parallel else ""
-        return f'start: {marker} "[" call{more} "]"\ncall: {call_json}\n'
+        return f'calls: {marker} "[" call{more} "]"\ncall: {call_json}\n'
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
