@@ -87,7 +87,7 @@ class GenerationRun:
 
     `parsers`: a fresh tool-call parser per choice (None: the output is plain text); the formats read
     calls through it too (`new_parser`). A choice whose parser saw a call the answer may not hold
-    (`ToolCallParser.ended`: a repeat in a forced answer, a second call without parallel calls) ends
+    (`ToolCallParser.ended`: a repeat of an identical call, a second call without parallel calls) ends
     there: its engine request is aborted and its final event is a `stop`, so no model can repeat one
     call until `max_tokens`.
 

@@ -326,8 +326,8 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
     bias: dict[int, float] = {}
     for key, number in value.items():
         token = key.strip() if isinstance(key, str) else ""
-        finite = (is_int(number) or isinstance(number, float)) and math.isfinite(number)
-        if not (token.isdigit() and finite and abs(number) <= MAX_LOGIT_BIAS):
+        number_ok = (is_int(number) or isinstance(number, float)) and abs(number) <= MAX_LOGIT_BIAS  # NaN: False
+        if not (token.isdigit() and number_ok):
             raise _bad("logit_bias", expected, {key: number})
         bias[int(token)] = float(number)
     return bias or None

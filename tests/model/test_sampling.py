@@ -295,7 +295,7 @@ def test_logit_bias_bans_and_forces_tokens_and_leaves_logprobs_raw() -> None:
         Sampler().sample(_logits(1), [SamplingParams(logit_bias={V: 1.0})])
 
 
-@pytest.mark.parametrize("bias", [{1: 101}, {-1: 1}, {1: math.inf}, {1: True}, [1]])
+@pytest.mark.parametrize("bias", [{1: 101}, {-1: 1}, {1: math.inf}, {1: math.nan}, {1: 10**400}, {1: True}, [1]])
 def test_bad_logit_bias_is_refused(bias: object) -> None:
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=bias)  # type: ignore[arg-type]

@@ -197,3 +197,8 @@ def test_stream_options_continuous_usage_stats_implies_include_usage() -> None:
     assert _error(parse_chat, {"messages": MESSAGES, "stream_options": {"continuous_usage_stats": 1}}).param == (
         "stream_options.continuous_usage_stats"
     )
+
+
+@pytest.mark.parametrize("bias", [{"5": 10**400}, {"5": float("nan")}, {"5": True}, {"-1": 1}, {"5x": 1}, [5]])
+def test_bad_logit_bias_is_a_400(bias: object) -> None:
+    assert _error(parse_chat, {"messages": MESSAGES, "logit_bias": bias}).param == "logit_bias"

@@ -16,6 +16,11 @@ _GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them would
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
+def _is_bias(value: object) -> bool:
+    """A number (not a bool) in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]; NaN and integers too large for a float are not."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= MAX_LOGIT_BIAS
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What one request asks of the sampler (vLLM's names and defaults).
@@ -93,7 +98,7 @@ class SamplingParams:
         if self.logit_bias is not None and not (
             isinstance(self.logit_bias, dict)
             and all(is_int(t) and t >= 0 for t in self.logit_bias)
-            and all(is_number(v) and abs(v) <= MAX_LOGIT_BIAS for v in self.logit_bias.values())
+            and all(_is_bias(v) for v in self.logit_bias.values())
         ):
             raise bad(
                 "logit_bias", f"None or a map of token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
