@@ -610,6 +610,9 @@ def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
     special = _bool(body, "add_special_tokens")
     generation = _bool(body, "add_generation_prompt")
     chat = None
+    for name in ("tools", "tool_choice"):
+        if has_prompt and body.get(name) is not None:
+            raise APIError("invalid_request", f"'{name}' applies to 'messages', not to a 'prompt'", param=name)
     if messages is not None:
         tools = _tools(body)
         chat = GenerationRequest(

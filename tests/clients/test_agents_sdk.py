@@ -11,6 +11,8 @@ import pytest
 
 from tests.clients.conftest import need
 
+pytestmark = pytest.mark.default_model
+
 agents = need("agents", "openai-agents")
 openai = need("openai", "openai")
 

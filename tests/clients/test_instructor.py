@@ -8,6 +8,8 @@ import pytest
 
 from tests.clients.conftest import need
 
+pytestmark = pytest.mark.default_model
+
 instructor = need("instructor", "instructor")
 openai = need("openai", "openai")
 pydantic = need("pydantic", "pydantic")

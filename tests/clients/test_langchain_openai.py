@@ -11,6 +11,8 @@ import pytest
 
 from tests.clients.conftest import need
 
+pytestmark = pytest.mark.default_model
+
 langchain_openai = need("langchain_openai", "langchain-openai")
 tools = need("langchain_core.tools", "langchain-core")
 pydantic = need("pydantic", "pydantic")

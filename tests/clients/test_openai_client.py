@@ -12,6 +12,8 @@ import pytest
 
 from tests.clients.conftest import need
 
+pytestmark = pytest.mark.default_model
+
 openai = need("openai", "openai")
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]

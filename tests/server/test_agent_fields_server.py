@@ -187,6 +187,8 @@ def test_tokenize_counts_tools_as_the_chat_route_does(server: RunningServer, cli
     assert counted["count"] == reply.usage.prompt_tokens > bare["count"]
     hidden = httpx.post(f"{server.url}/tokenize", json={"messages": ASK, "tools": TOOLS, "tool_choice": "none"})
     assert hidden.json()["count"] == bare["count"]  # tool_choice "none" hides them, as in chat
+    refused = httpx.post(f"{server.url}/tokenize", json={"prompt": "hi", "tools": TOOLS}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
 
 
 @pytest.mark.parametrize(
