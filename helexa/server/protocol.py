@@ -350,6 +350,11 @@ _REFUSED: dict[str, tuple[tuple[str, Callable[[Any], bool], str], ...]] = {
         ("conversation", lambda v: False, "'conversation' is not supported: send the whole conversation as 'input'"),
         ("max_tool_calls", lambda v: False, "'max_tool_calls' is not supported"),
         ("top_logprobs", lambda v: v == 0, "'top_logprobs' is not supported on /v1/responses; use chat completions"),
+        (
+            "include",
+            lambda v: not (isinstance(v, list) and "message.output_text.logprobs" in v),
+            "'include' of 'message.output_text.logprobs' is not supported on /v1/responses; use chat completions",
+        ),
         ("prompt", lambda v: False, "prompt templates ('prompt') are not supported; send 'input'"),
     ),
 }

@@ -205,6 +205,7 @@ def test_tokenize_counts_tools_as_the_chat_route_does(server: RunningServer, cli
         ("/v1/responses", "conversation", "conv_1"),
         ("/v1/responses", "max_tool_calls", 2),
         ("/v1/responses", "top_logprobs", 3),
+        ("/v1/responses", "include", ["message.output_text.logprobs"]),
         ("/v1/responses", "prompt", {"id": "pmpt_1"}),
     ],
 )
