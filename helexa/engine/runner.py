@@ -19,7 +19,7 @@ from helexa.engine.scheduler import ScheduledChunk
 from helexa.engine.sequence import Sequence
 from helexa.kvcache import AttentionMetadata, BatchBuilder, BlockTable
 from helexa.model.sampling import Sampler, SampleResult
-from helexa.model.sampling.grammar import allocate_bitmask, apply_masks
+from helexa.model.sampling.grammar import allocate_bitmask
 
 
 @dataclass(frozen=True)
@@ -172,19 +172,20 @@ class ModelRunner:
             logits = logits[:, : self.sample_vocab_size]  # (S, V_tokenizer)
         seqs = inputs.sampled
         constraints = [(row, seq.constraint) for row, seq in enumerate(seqs) if seq.constraint is not None]
-        if constraints:  # structured output: forbidden tokens to -inf, in those rows only
+        bitmask = None  # structured output: the tokens each row may sample (the sampler masks after logprobs)
+        if constraints:
             width = max(logits.shape[1], *(c.vocab_size for _, c in constraints))
-            bitmask = allocate_bitmask(len(constraints), width)  # (R, ceil(width / 32)) int32, on the host
-            for i, (_, constraint) in enumerate(constraints):
-                constraint.fill(bitmask, i)
-            apply_masks(logits, bitmask, [row for row, _ in constraints])
+            bitmask = allocate_bitmask(len(seqs), width)  # (S, ceil(width / 32)) int32 on the host, all allowed
+            for row, constraint in constraints:
+                constraint.fill(bitmask, row)
         try:
-            return self._sample(logits, seqs, generators), {}
+            return self._sample(logits, seqs, generators, bitmask), {}
         except Exception:  # find the rows that cause it; the others keep their one vectorised call
             failures: dict[int, Exception] = {}
             for row, seq in enumerate(seqs):
                 try:
-                    self._sample(logits[row : row + 1], [seq], generators[row : row + 1])
+                    rows_mask = None if bitmask is None else bitmask[row : row + 1]
+                    self._sample(logits[row : row + 1], [seq], generators[row : row + 1], rows_mask)
                 except Exception as exc:
                     failures[row] = exc
             if not failures:
@@ -192,7 +193,8 @@ class ModelRunner:
             ok = [row for row in range(len(seqs)) if row not in failures]
             if not ok:
                 return SampleResult([], [], []), failures
-            partial = self._sample(logits[ok], [seqs[r] for r in ok], [generators[r] for r in ok])
+            ok_mask = None if bitmask is None else bitmask[ok]
+            partial = self._sample(logits[ok], [seqs[r] for r in ok], [generators[r] for r in ok], ok_mask)
             merged = SampleResult([-1] * len(seqs), [None] * len(seqs), [None] * len(seqs))
             for i, row in enumerate(ok):
                 merged.token_ids[row] = partial.token_ids[i]
@@ -201,7 +203,11 @@ class ModelRunner:
             return merged, failures
 
     def _sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], generators: list[torch.Generator | None]
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        generators: list[torch.Generator | None],
+        bitmask: torch.Tensor | None = None,
     ) -> SampleResult:
         need_history = any(s.params.uses_penalties for s in seqs)
         return self.sampler.sample(
@@ -210,4 +216,5 @@ class ModelRunner:
             generators,
             prompt_ids=[s.prompt_ids for s in seqs] if need_history else None,
             output_ids=[s.output_ids for s in seqs] if need_history else None,
+            bitmask=bitmask,
         )

@@ -110,6 +110,16 @@ def _check_can_fit(state: ServerState, req: GenerationRequest) -> None:
         )
 
 
+def _check_logit_bias(state: ServerState, req: GenerationRequest) -> None:
+    """400 naming `logit_bias` when it biases a token id outside the model's vocabulary."""
+    vocab = state.engine.tokenizer.vocab_size
+    bad = next((t for t in req.logit_bias or () if t >= vocab), None)
+    if bad is not None:
+        raise APIError(
+            "invalid_request", f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})", param="logit_bias"
+        )
+
+
 def _utf8_len(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8"))
 
@@ -132,11 +142,13 @@ async def generate(request: Request) -> Response | EventStreamResponse:
         raise APIError("shutting_down", "the server is shutting down and admits no new requests")
     parse, fmt_type = FORMATS[request.url.path]
     _json_body_type(request)
-    req = state.tools.constrain(parse(decode_json(await request.body())))
+    req = state.tools.constrain(parse(decode_json(await request.body()), state.settings.allow_additional_properties))
+    _check_logit_bias(state, req)
     prompt_ids = await run_in_threadpool(_prompt_ids, state, req)
-    run = GenerationRun(state.engine, f"{fmt_type.id_prefix}{uuid.uuid4().hex}", prompt_ids, req)
+    run_id = f"{fmt_type.id_prefix}{uuid.uuid4().hex}"
+    run = GenerationRun(state.engine, run_id, prompt_ids, req, lambda: state.tools.parser_for(req))
     run.submit()
-    fmt = fmt_type(req, run, state.engine.model_name, state.logprobs, lambda: state.tools.parser_for(req))
+    fmt = fmt_type(req, run, state.engine.model_name, state.logprobs)
     if req.stream:
         events = run.events()
         first = asyncio.ensure_future(anext(events))
@@ -249,9 +261,12 @@ async def tokenize(request: Request) -> Response:
     tokenizer = state.engine.tokenizer
 
     def ids() -> list[int]:
-        if req.messages is not None:
+        if req.chat is not None:
             try:
-                return tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
+                messages, tools = state.tools.conversation(req.chat)  # as the chat route renders them
+                return tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=req.add_generation_prompt, tools=tools
+                )
             except ValueError as exc:  # ChatTemplateError is a ValueError
                 raise APIError("invalid_request", f"chat template: {exc}", param="messages") from None
         assert req.prompt is not None
@@ -273,11 +288,34 @@ async def detokenize(request: Request) -> Response:
     return JSONResponse({"prompt": state.engine.tokenizer.decode(tokens)})
 
 
+def _model_card(state: ServerState) -> dict[str, object]:
+    """The served model as OpenAI's model object (plus vLLM's `max_model_len`)."""
+    engine = state.engine
+    return {
+        "id": engine.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "helexa",
+        "max_model_len": engine.max_model_len,
+    }
+
+
 async def models(request: Request) -> Response:
     """`GET /v1/models`: the one model this server serves."""
+    return JSONResponse({"object": "list", "data": [_model_card(_state(request))]})
+
+
+async def model(request: Request) -> Response:
+    """`GET /v1/models/{id}` (OpenAI's retrieve): the served model; 404 `model_not_found` for any other id."""
     state = _state(request)
-    model = {"id": state.engine.model_name, "object": "model", "created": state.created, "owned_by": "helexa"}
-    return JSONResponse({"object": "list", "data": [{**model, "max_model_len": state.engine.max_model_len}]})
+    model_id = request.path_params["model_id"]
+    if model_id != state.engine.model_name:
+        raise APIError(
+            "model_not_found",
+            f"the model {model_id!r} does not exist; this server serves {state.engine.model_name!r}",
+            param="model",
+        )
+    return JSONResponse(_model_card(state))
 
 
 async def admission(request: Request) -> Response:
@@ -340,6 +378,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
     routes = [
         *(Route(path, generate, methods=["POST"]) for path in FORMATS),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/admission", admission, methods=["GET"]),

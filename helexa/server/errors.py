@@ -23,6 +23,7 @@ _SERVER_ERRORS: dict[str, tuple[int, str]] = {
     "context_length_exceeded": (400, "invalid_request_error"),  # text too long to fit, found before tokenising
     "invalid_api_key": (401, "authentication_error"),
     "not_found": (404, "invalid_request_error"),
+    "model_not_found": (404, "invalid_request_error"),  # GET /v1/models/{id} of a model not served
     "method_not_allowed": (405, "invalid_request_error"),
     "request_timeout": (408, "invalid_request_error"),
     "request_too_large": (413, "invalid_request_error"),

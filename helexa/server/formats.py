@@ -4,6 +4,7 @@ order: docs/reference.md, "Responses and streaming")."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -16,12 +17,22 @@ from helexa.server.generation import Choice, GenerationRun
 from helexa.server.protocol import GenerationRequest, parse_chat, parse_completion, parse_response
 from helexa.server.sse import DONE, sse
 
+# The logprob written for a token the model gives no probability at all (vLLM writes the same): the wire
+# carries strict JSON, which has no -Infinity.
+LOGPROB_FLOOR = -9999.0
+
+
+def wire_logprob(value: float) -> float:
+    """`value` as it may go on the wire: finite, at least `LOGPROB_FLOOR` (NaN becomes the floor)."""
+    return value if value >= LOGPROB_FLOOR and math.isfinite(value) else LOGPROB_FLOOR
+
 
 class LogprobFormatter:
     """Token ids → the token strings OpenAI logprobs show (each id decoded alone, special tokens kept).
 
     A byte-level token holding part of a multi-byte character decodes to U+FFFD, as OpenAI's
-    `token` does; `bytes` carries the UTF-8 of that string. Strings are cached per id.
+    `token` does; `bytes` carries the UTF-8 of that string. Strings are cached per id. Every logprob
+    passes `wire_logprob` (the sampler's are finite already: taken before any grammar mask).
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -36,7 +47,7 @@ class LogprobFormatter:
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.token(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+        return {"token": token, "logprob": wire_logprob(logprob), "bytes": list(token.encode())}
 
     def chat(self, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
         """Chat `logprobs.content` entries, one per token."""
@@ -52,13 +63,13 @@ class LogprobFormatter:
         for lp in logprobs:
             token = self.token(lp.token_id)
             tokens.append(token)
-            values.append(lp.logprob)
+            values.append(wire_logprob(lp.logprob))
             offsets.append(offset)
             offset += len(token)
             if want_top:
                 top: dict[str, float] = {}
                 for tid, value in lp.top:
-                    top.setdefault(self.token(tid), value)  # distinct ids may share a string
+                    top.setdefault(self.token(tid), wire_logprob(value))  # distinct ids may share a string
                 tops.append(top)
         return {
             "tokens": tokens,
@@ -77,17 +88,10 @@ class ApiFormat:
     body_object: ClassVar[str]
     chunk_object: ClassVar[str]
 
-    def __init__(
-        self,
-        req: GenerationRequest,
-        run: GenerationRun,
-        model: str,
-        logprobs: LogprobFormatter,
-        parsers: Callable[[], ToolCallParser | None] = lambda: None,
-    ) -> None:
+    def __init__(self, req: GenerationRequest, run: GenerationRun, model: str, logprobs: LogprobFormatter) -> None:
         self.req, self.run, self.model, self.logprobs = req, run, model, logprobs
         self.created = int(time.time())
-        self._new_parser = parsers  # a fresh tool-call parser per choice (None: the output is plain text)
+        self._new_parser = run.new_parser  # a fresh tool-call parser per choice (None: the output is plain text)
         self._parsers: dict[int, ToolCallParser | None] = {}
 
     def _items(self, choice: Choice, event: TokenEvent) -> list[Item]:
@@ -140,14 +144,17 @@ class ApiFormat:
             "choices": choices,
         }
         if usage is not None or (self.req.stream and self.req.include_usage):
-            body["usage"] = usage  # null on every chunk but the last
+            body["usage"] = usage  # null on every chunk but the last (unless continuous_usage)
         return body
 
     def _chunk(
         self, index: int, logprobs: dict[str, Any] | None = None, finish_reason: str | None = None, **content: Any
     ) -> bytes:
+        """One choice's chunk; with `continuous_usage` (vLLM's `continuous_usage_stats`) it carries the usage
+        so far, else `usage` is null (when usage was asked for at all)."""
         choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
-        return sse(self._object(self.chunk_object, [choice], None))
+        usage = self._usage() if self.req.continuous_usage else None
+        return sse(self._object(self.chunk_object, [choice], usage))
 
     def end(self, failed: bool) -> Iterator[bytes]:
         if self.req.include_usage and not failed:
@@ -303,7 +310,7 @@ class ResponsesFormat(ApiFormat):
             "store": False,
             "temperature": self.run.sampling.get("temperature", 1.0),
             "top_p": self.run.sampling.get("top_p", 1.0),
-            "text": {"format": {"type": "text"}},
+            "text": {"format": self.req.text_format or {"type": "text"}},
             "tool_choice": choice_shown,
             "tools": [{"type": "function", **t["function"]} for t in self.req.tools or ()],
             "truncation": "disabled",
@@ -397,17 +404,20 @@ class ResponsesFormat(ApiFormat):
         for item in self._items(choice, event):
             yield from self._add(item)
         if event.finished:
-            # The last event is `response.completed` even when the text was cut at `max_output_tokens`
-            # (the response's status is then "incomplete"): the official client's stream helper requires it.
+            # As OpenAI's: `response.incomplete` when the answer was cut at `max_output_tokens`, else
+            # `response.completed`. (The openai client reads either; only its `get_final_response()`
+            # helper insists on `response.completed`, against OpenAI as here.)
             yield from self._end(choice)
-            yield self._event("response.completed", response=self._response(choice))
+            response = self._response(choice)
+            yield self._event(f"response.{response['status']}", response=response)
 
     def end(self, failed: bool) -> Iterator[bytes]:
         return iter(())
 
 
-# Each generation path: how its body is parsed, and how its run is shaped.
-FORMATS: dict[str, tuple[Callable[[dict[str, Any]], GenerationRequest], type[ApiFormat]]] = {
+# Each generation path: how its body is parsed (the second argument: `--allow-additional-properties`), and
+# how its run is shaped.
+FORMATS: dict[str, tuple[Callable[[dict[str, Any], bool], GenerationRequest], type[ApiFormat]]] = {
     "/v1/chat/completions": (parse_chat, ChatFormat),
     "/v1/completions": (parse_completion, CompletionFormat),
     "/v1/responses": (parse_response, ResponsesFormat),

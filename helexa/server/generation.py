@@ -6,14 +6,16 @@ A request with `n` choices over `p` prompts becomes `p × n` engine requests, ch
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from helexa.admission import AdmissionRejected
 from helexa.engine import Engine, EngineClosed, EngineError, RequestFailed, RequestHandle, TokenEvent, TokenLogprob
 from helexa.model.sampling import SamplingParams
+from helexa.model.tools import ToolCallParser
 from helexa.server.errors import APIError, from_admission
 from helexa.server.protocol import GenerationRequest
 
@@ -83,14 +85,27 @@ def event_error(event: TokenEvent | Choice) -> APIError | None:
 class GenerationRun:
     """All engine requests of one HTTP request. Create, `submit()`, then iterate `events()` once.
 
+    `parsers`: a fresh tool-call parser per choice (None: the output is plain text); the formats read
+    calls through it too (`new_parser`). A choice whose parser saw a call the answer may not hold
+    (`ToolCallParser.ended`: a repeat of an identical call, a second call without parallel calls) ends
+    there: its engine request is aborted and its final event is a `stop`, so no model can repeat one
+    call until `max_tokens`.
+
     Timing for the metrics: `started` (monotonic seconds at creation), `first_token_at` (first token of
     any choice), `admission_waits` (seconds each choice waited for its reservation).
     """
 
     def __init__(
-        self, engine: Engine, request_id: str, prompt_ids: list[list[int]], request: GenerationRequest
+        self,
+        engine: Engine,
+        request_id: str,
+        prompt_ids: list[list[int]],
+        request: GenerationRequest,
+        parsers: Callable[[], ToolCallParser | None] = lambda: None,
     ) -> None:
         self.engine, self.request_id, self.prompt_ids, self.request = engine, request_id, prompt_ids, request
+        self.new_parser = parsers
+        self._watch: dict[int, ToolCallParser | None] = {}  # per choice: the parser that spots a call ending it
         self.handles: list[RequestHandle] = []
         self.choices: list[Choice] = []
         self.started = time.monotonic()
@@ -117,7 +132,12 @@ class GenerationRun:
         max_tokens = req.max_tokens if req.max_tokens is not None else self._default_max_tokens(choice)
         try:
             return SamplingParams(
-                max_tokens=max_tokens, seed=seed, logprobs=req.logprobs, grammar=req.grammar, **self.sampling
+                max_tokens=max_tokens,
+                seed=seed,
+                logprobs=req.logprobs,
+                grammar=req.grammar,
+                logit_bias=req.logit_bias,
+                **self.sampling,
             )
         except ValueError as exc:
             raise APIError("invalid_request", str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -203,6 +223,9 @@ class GenerationRun:
         try:
             while len(self._done) < len(self.handles):
                 k, event = await queue.get()
+                if k in self._done:  # the abort's own final event, after a call ended the choice
+                    continue
+                event = self._end_at_call(k, event)
                 choice = self.choices[k]
                 if event.token_ids and self.first_token_at is None:
                     self.first_token_at = time.monotonic()
@@ -219,6 +242,22 @@ class GenerationRun:
             for task in tasks:
                 task.cancel()
             self.abort()
+
+    def _end_at_call(self, k: int, event: TokenEvent) -> TokenEvent:
+        """`event`, made final (`stop`) when choice `k`'s text now holds a call that ends the answer
+        (`ToolCallParser.ended`); its engine request is then aborted (its blocks return at the next step)."""
+        if event.finished:
+            return event
+        if k not in self._watch:
+            self._watch[k] = self.new_parser()
+        parser = self._watch[k]
+        if parser is None:
+            return event
+        parser.feed(event.text)
+        if not parser.ended:
+            return event
+        self.engine.abort(self.handles[k].request_id)
+        return dataclasses.replace(event, finish_reason="stop")
 
     async def finish(self) -> None:
         """Run every choice to its end (as `events()`, each event folded in)."""

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from helexa.model.sampling import MAX_LOGPROBS
+from helexa.model.sampling.closed_schema import close_objects
 from helexa.model.sampling.grammar import GrammarError, json_schema_grammar
+from helexa.model.sampling.params import MAX_LOGIT_BIAS
 from helexa.model.text.chat_template import validate_messages
 from helexa.model.tools import ToolSpecError, read_tools, tool_names
 from helexa.server.errors import APIError
@@ -41,9 +43,16 @@ class GenerationRequest:
     - `sampling`: `SamplingParams` keyword arguments other than `max_tokens`, `seed` and `n`.
     - `seed`: choice i samples with `seed + i`, so choices differ but repeat.
     - `logprobs`: None, or how many top alternatives per token (0: the chosen token's logprob only).
-    - `include_usage`: streaming only — a final chunk carries `usage` (`stream_options.include_usage`).
+    - `include_usage`: streaming only — a final chunk carries `usage` (`stream_options.include_usage`);
+      `continuous_usage`: every chunk carries the usage so far too (vLLM's
+      `stream_options.continuous_usage_stats`, which implies `include_usage`).
     - `grammar`: structured output — the output must be JSON valid under the request's
-      `response_format` (chat) or `text.format` (responses) schema; None for free text.
+      `response_format` (chat) or `text.format` (responses) schema, `format_schema` (None for free
+      text). With tools (`ToolCalling.constrain`) it is replaced: a forced call wins; under "auto"
+      the answer is calls or JSON text valid under `format_schema` (the format governs text only).
+    - `text_format`: the Responses API's `text.format` as sent (echoed in the response), None without.
+    - `logit_bias`: token id → bias in [-100, 100], None without (token ids checked against the
+      vocabulary by the server, which knows it).
     - `prompt_cache_key`: the agent session whose cached prefix is retained past this turn; `cache_salt`:
       the tenant boundary — the prefix cache shares blocks only between requests with the same salt.
     """
@@ -62,12 +71,16 @@ class GenerationRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     logprobs: int | None = None
     echo: bool = False
     model: str | None = None
     prompt_cache_key: str | None = None
     cache_salt: str | None = None
     grammar: str | None = None
+    format_schema: dict[str, Any] | bool | None = None
+    text_format: dict[str, Any] | None = None
+    logit_bias: dict[int, float] | None = None
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:
@@ -163,11 +176,21 @@ def _cache_key(body: dict[str, Any], name: str) -> str | None:
     return _get(body, name, ok, f"a non-empty string of at most {MAX_CACHE_KEY} characters")
 
 
-def _json_format(value: Any, param: str, schema_at: str | None) -> str | None:
-    """The grammar of an OpenAI JSON output format: `{"type": "text"}` (none), `{"type": "json_object"}`
+@dataclass(frozen=True)
+class JsonFormat:
+    """An output format's JSON `schema` (objects closed as `_json_format` decides) and its compiled `grammar`."""
+
+    schema: dict[str, Any] | bool
+    grammar: str
+
+
+def _json_format(value: Any, param: str, schema_at: str | None, open_objects: bool) -> JsonFormat | None:
+    """An OpenAI JSON output format and its grammar: `{"type": "text"}` (none), `{"type": "json_object"}`
     (any JSON object) or `{"type": "json_schema", ...}` with its schema at `value[schema_at]["schema"]`
-    (chat) or `value["schema"]` (responses, `schema_at` None). 400 naming `param` for anything else,
-    including a schema that cannot be compiled."""
+    (chat) or `value["schema"]` (responses, `schema_at` None). The schema's objects are closed
+    (`close_objects`) under `"strict": true`, and without it unless `open_objects`
+    (`--allow-additional-properties`). 400 naming `param` for anything else, including a schema that
+    cannot be compiled."""
     if value is None:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
@@ -181,10 +204,15 @@ def _json_format(value: Any, param: str, schema_at: str | None) -> str | None:
             where = f"{schema_at}.schema" if schema_at else "schema"
             raise _bad(param, f"an object whose '{where}' is a JSON schema object", value)
         schema = holder.get("schema", {})
+        strict = holder.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise _bad(param, "an object whose 'strict' is a boolean", value)
+        if strict or not open_objects:
+            schema = close_objects(schema)
     else:
         raise _bad(param, "an object with 'type' 'text', 'json_object' or 'json_schema'", value)
     try:
-        return json_schema_grammar(schema)
+        return JsonFormat(schema, json_schema_grammar(schema))
     except GrammarError as exc:
         raise APIError("invalid_request", str(exc), param=param) from None
 
@@ -272,14 +300,72 @@ def _seed(body: dict[str, Any]) -> int | None:
     return _int(body, "seed", -(2**63), 2**63 - 1 - MAX_N)
 
 
-def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
-    """(`stream`, `stream_options.include_usage`)."""
+def _stream(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(`stream`, `stream_options.include_usage`, `stream_options.continuous_usage_stats`); the last
+    implies the second (usage on every chunk, and on the final one)."""
     stream = bool(_bool(body, "stream"))
     options = _get(body, "stream_options", lambda v: isinstance(v, dict), "an object") or {}
-    include_usage = options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise _bad("stream_options.include_usage", "a boolean", include_usage)
-    return stream, bool(include_usage)
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise _bad(f"stream_options.{name}", "a boolean", value)
+        flags.append(bool(value))
+    include_usage, continuous = flags
+    return stream, include_usage or continuous, continuous
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
+    """`logit_bias`: an object of token ids (as strings, the way JSON writes them) to numbers in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    expected = f"an object mapping token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+    if not isinstance(value, dict):
+        raise _bad("logit_bias", expected, value)
+    bias: dict[int, float] = {}
+    for key, number in value.items():
+        token = key.strip() if isinstance(key, str) else ""
+        number_ok = (is_int(number) or isinstance(number, float)) and abs(number) <= MAX_LOGIT_BIAS  # NaN: False
+        if not (token.isdigit() and number_ok):
+            raise _bad("logit_bias", expected, {key: number})
+        bias[int(token)] = float(number)
+    return bias or None
+
+
+# Fields of the OpenAI APIs helexa reads but cannot honour: a request that sets one (to anything but
+# null or the value that asks for nothing) is a 400 naming it, never silently ignored.
+_REFUSED: dict[str, tuple[tuple[str, Callable[[Any], bool], str], ...]] = {
+    "chat": (
+        ("functions", lambda v: v == [], "the deprecated 'functions' are not supported; declare 'tools'"),
+        ("function_call", lambda v: v == "none", "the deprecated 'function_call' is not supported; use 'tool_choice'"),
+        ("audio", lambda v: False, "audio output is not supported"),
+        ("modalities", lambda v: v == ["text"], "only the 'text' modality is supported"),
+        ("prediction", lambda v: False, "predicted outputs are not supported"),
+        ("web_search_options", lambda v: False, "web search is not supported"),
+    ),
+    "completion": (("suffix", lambda v: v == "", "'suffix' (insertion) is not supported"),),
+    "response": (
+        ("background", lambda v: v is False, "background responses are not supported: responses are not stored"),
+        ("conversation", lambda v: False, "'conversation' is not supported: send the whole conversation as 'input'"),
+        ("max_tool_calls", lambda v: False, "'max_tool_calls' is not supported"),
+        ("top_logprobs", lambda v: v == 0, "'top_logprobs' is not supported on /v1/responses; use chat completions"),
+        (
+            "include",
+            lambda v: not (isinstance(v, list) and "message.output_text.logprobs" in v),
+            "'include' of 'message.output_text.logprobs' is not supported on /v1/responses; use chat completions",
+        ),
+        ("prompt", lambda v: False, "prompt templates ('prompt') are not supported; send 'input'"),
+    ),
+}
+
+
+def _refuse_unapplied(body: dict[str, Any], kind: str) -> None:
+    """400 naming the first field of `_REFUSED[kind]` the body sets to something helexa would not honour."""
+    for name, harmless, why in _REFUSED[kind]:
+        value = body.get(name)
+        if value is not None and not harmless(value):
+            raise APIError("invalid_request", why, param=name)
 
 
 # The roles the OpenAI API defines; any other is a 400, as there.
@@ -303,21 +389,13 @@ def _messages(value: Any, param: str) -> list[dict[str, Any]]:
     return messages
 
 
-def _one_constraint(grammar: str | None, tools: _Tools, param: str) -> None:
-    """A forced tool call and a JSON output format cannot both shape one output: 400 naming `param`."""
-    if grammar is not None and tools.choice == "required":
-        raise APIError(
-            "invalid_request",
-            f"'{param}' cannot be combined with tool_choice 'required' or a named function: the output is the call",
-            param=param,
-        )
-
-
 # --------------------------------------------------------------------------- the three routes
 
 
-def parse_chat(body: dict[str, Any]) -> GenerationRequest:
-    """`POST /v1/chat/completions`: `messages` (required), sampling, `n`, `logprobs`/`top_logprobs`, streaming."""
+def parse_chat(body: dict[str, Any], open_objects: bool = False) -> GenerationRequest:
+    """`POST /v1/chat/completions`: `messages` (required), sampling, `logit_bias`, `n`,
+    `logprobs`/`top_logprobs`, streaming, tools, `response_format` (`open_objects`: `_json_format`)."""
+    _refuse_unapplied(body, "chat")
     if "messages" not in body:
         raise APIError("invalid_request", "'messages' is required", param="messages")
     messages = _messages(body["messages"], "messages")
@@ -326,10 +404,9 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not want_logprobs:
         raise APIError("invalid_request", "'top_logprobs' requires 'logprobs': true", param="top_logprobs")
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     tools = _tools(body)
-    grammar = _json_format(body.get("response_format"), "response_format", "json_schema")
-    _one_constraint(grammar, tools, "response_format")
+    output_format = _json_format(body.get("response_format"), "response_format", "json_schema", open_objects)
     return GenerationRequest(
         kind="chat",
         messages=messages,
@@ -343,9 +420,12 @@ def parse_chat(body: dict[str, Any]) -> GenerationRequest:
         n=_int(body, "n", 1, MAX_N) or 1,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         logprobs=(top or 0) if want_logprobs else None,
         model=_str(body, "model"),
-        grammar=grammar,
+        grammar=None if output_format is None else output_format.grammar,
+        format_schema=None if output_format is None else output_format.schema,
+        logit_bias=_logit_bias(body),
         prompt_cache_key=_cache_key(body, "prompt_cache_key"),
         cache_salt=_cache_key(body, "cache_salt"),
     )
@@ -367,8 +447,10 @@ def _prompts(value: Any) -> list[str | list[int]]:
     )
 
 
-def parse_completion(body: dict[str, Any]) -> GenerationRequest:
-    """`POST /v1/completions`: `prompt` (required), sampling, `n`, `logprobs` (int), `echo`, streaming."""
+def parse_completion(body: dict[str, Any], open_objects: bool = False) -> GenerationRequest:
+    """`POST /v1/completions`: `prompt` (required), sampling, `logit_bias`, `n`, `logprobs` (int), `echo`,
+    streaming. (`open_objects` is unused: completions take no output format.)"""
+    _refuse_unapplied(body, "completion")
     if body.get("prompt") is None:
         raise APIError("invalid_request", "'prompt' is required", param="prompt")
     prompts = _prompts(body["prompt"])
@@ -382,7 +464,7 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
     echo = bool(_bool(body, "echo"))
     if echo and logprobs is not None:
         raise APIError("invalid_request", "'echo' with 'logprobs' (prompt logprobs) is not supported", param="echo")
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     return GenerationRequest(
         kind="completion",
         prompts=prompts,
@@ -392,7 +474,9 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
         n=n,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         logprobs=logprobs,
+        logit_bias=_logit_bias(body),
         echo=echo,
         model=_str(body, "model"),
         prompt_cache_key=_cache_key(body, "prompt_cache_key"),
@@ -458,19 +542,21 @@ def _response_input(value: Any) -> list[dict[str, Any]]:
     return _messages([{k: v for k, v in m.items() if k != "_open"} for m in messages], "input")
 
 
-def _text_format(body: dict[str, Any]) -> str | None:
-    """The Responses API's `text.format` (its `response_format`)."""
+def _text_format(body: dict[str, Any], open_objects: bool) -> tuple[JsonFormat | None, dict[str, Any] | None]:
+    """The Responses API's `text.format` (its `response_format`): (its schema and grammar, the format as sent)."""
     text = body.get("text")
     if text is None:
-        return None
+        return None, None
     if not isinstance(text, dict):
         raise _bad("text", "an object", text)
-    return _json_format(text.get("format"), "text.format", None)
+    value = text.get("format")
+    return _json_format(value, "text.format", None, open_objects), value if isinstance(value, dict) else None
 
 
-def parse_response(body: dict[str, Any]) -> GenerationRequest:
+def parse_response(body: dict[str, Any], open_objects: bool = False) -> GenerationRequest:
     """`POST /v1/responses`: `input` (required), `instructions`, `max_output_tokens`, `temperature`, `top_p`,
-    `stream`."""
+    `stream`, tools, `text.format` (`open_objects`: `_json_format`)."""
+    _refuse_unapplied(body, "response")
     if body.get("input") is None:
         raise APIError("invalid_request", "'input' is required", param="input")
     if body.get("previous_response_id") is not None:
@@ -481,8 +567,7 @@ def parse_response(body: dict[str, Any]) -> GenerationRequest:
         )
     messages = _response_input(body["input"])
     tools = _tools(body)
-    grammar = _text_format(body)
-    _one_constraint(grammar, tools, "text.format")
+    output_format, text_format = _text_format(body, open_objects)
     instructions = _str(body, "instructions")
     if instructions:
         messages = [{"role": "system", "content": instructions}, *messages]
@@ -498,7 +583,9 @@ def parse_response(body: dict[str, Any]) -> GenerationRequest:
         max_tokens=_int(body, "max_output_tokens", 1),
         stream=bool(_bool(body, "stream")),
         model=_str(body, "model"),
-        grammar=grammar,
+        grammar=None if output_format is None else output_format.grammar,
+        format_schema=None if output_format is None else output_format.schema,
+        text_format=text_format,
         prompt_cache_key=_cache_key(body, "prompt_cache_key"),
         cache_salt=_cache_key(body, "cache_salt"),
     )
@@ -506,17 +593,20 @@ def parse_response(body: dict[str, Any]) -> GenerationRequest:
 
 @dataclass(frozen=True)
 class TokenizeRequest:
-    """`POST /tokenize` (vLLM's shape): a `prompt` string, or chat `messages` rendered by the chat template."""
+    """`POST /tokenize` (vLLM's shape): a `prompt` string, or chat `messages` rendered by the chat template
+    (with `chat`: the messages, `tools` and `tool_choice` as a chat request would render them)."""
 
     prompt: str | None
     messages: list[dict[str, Any]] | None
     add_special_tokens: bool
     add_generation_prompt: bool
+    chat: GenerationRequest | None = None
 
 
 def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
     """`prompt` (a string) or `messages` (as chat), not both; `add_special_tokens` (default: true for a prompt,
-    false for messages, whose template writes its own); `add_generation_prompt` (messages; default true)."""
+    false for messages, whose template writes its own); `add_generation_prompt` (messages; default true);
+    with messages, `tools` and `tool_choice` as chat reads them (the tools count as the chat route counts them)."""
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
         raise APIError("invalid_request", "give exactly one of 'prompt' and 'messages'", param="prompt")
@@ -524,8 +614,17 @@ def parse_tokenize(body: dict[str, Any]) -> TokenizeRequest:
     messages = _messages(body["messages"], "messages") if has_messages else None
     special = _bool(body, "add_special_tokens")
     generation = _bool(body, "add_generation_prompt")
+    chat = None
+    for name in ("tools", "tool_choice"):
+        if has_prompt and body.get(name) is not None:
+            raise APIError("invalid_request", f"'{name}' applies to 'messages', not to a 'prompt'", param=name)
+    if messages is not None:
+        tools = _tools(body)
+        chat = GenerationRequest(
+            kind="chat", messages=messages, tools=tools.tools, tool_choice=tools.choice, tool_name=tools.name
+        )
     return TokenizeRequest(
-        prompt, messages, has_prompt if special is None else special, True if generation is None else generation
+        prompt, messages, has_prompt if special is None else special, True if generation is None else generation, chat
     )
 
 

@@ -6,7 +6,7 @@ import functools
 import ipaddress
 from dataclasses import dataclass
 
-from helexa.config import SIZE, TEXT, Rule, option, validate
+from helexa.config import SIZE, SWITCH, TEXT, Rule, option, validate
 from helexa.model.tools.parsers import PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -57,6 +57,14 @@ class ServerSettings:
         "how the model writes tool calls (default: read from its chat template; hermes for templates "
         "without tool support)",
         Rule.one_of(*PARSERS),
+    )
+    allow_additional_properties: bool = _api(
+        False,
+        "keep JSON Schema's open default in response_format / text.format schemas without strict: an object "
+        "that does not say additionalProperties accepts undeclared keys (as vLLM's guidance backend without "
+        "disable_additional_properties); by default they are closed, as OpenAI's strict mode and vLLM's "
+        "xgrammar close them. Forced tool arguments and strict schemas are always closed",
+        SWITCH,
     )
     # A queued stream's headers go out at once, then a comment with its place and estimated start this
     # often, so proxies in front never see an idle connection.

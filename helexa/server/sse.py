@@ -21,9 +21,11 @@ def sse(data: dict[str, Any], event: str | None = None) -> bytes:
     """One server-sent event: an optional `event:` line, then `data:` with compact JSON, then a blank line.
 
     The JSON holds no character any common line splitter breaks on (control characters are escaped by
-    `json.dumps`; U+0085, U+2028 and U+2029 here), so each event is exactly its own lines.
+    `json.dumps`; U+0085, U+2028 and U+2029 here), so each event is exactly its own lines. It is strict
+    JSON: a non-finite float (which `json.dumps` would write as `-Infinity`) raises ValueError instead,
+    as Starlette's `JSONResponse` does for a whole body.
     """
-    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False).translate(_LINE_BREAKS)
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {payload}\n\n".encode()
 

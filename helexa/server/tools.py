@@ -44,24 +44,34 @@ class ToolCalling:
 
     def constrain(self, req: GenerationRequest) -> GenerationRequest:
         """`req` with what its tools need of decoding: the forced-call grammar for `tool_choice` "required"
-        or a named function, and special tokens kept in the text when the format's marker is one. 400
-        naming the tool whose schema cannot be compiled."""
+        or a named function (it replaces a `response_format` grammar: the forced call wins, and the
+        answer has no text for the format to govern); under "auto" beside a format, calls or text in
+        the format; and special tokens kept in the text when the format's marker is one. 400 naming
+        the tool whose schema cannot be compiled."""
         if req.tool_choice == "none" or req.tools is None:
             return req
         changes: dict[str, Any] = {}
         if self.parser.keeps_special_tokens and "skip_special_tokens" not in req.sampling:
             changes["sampling"] = {**req.sampling, "skip_special_tokens": False}
-        if req.tool_choice == "required":
+        forced = req.tool_choice == "required"
+        if forced or req.format_schema is not None:
+            # A named function is called exactly once (as OpenAI and vLLM do); otherwise an answer may make
+            # several calls unless `parallel_tool_calls` is false, and ends at a repeated one (`parser_for`).
+            parallel = req.parallel_tool_calls and req.tool_name is None
+            or_text = None if forced else req.format_schema
             try:
                 changes["grammar"] = forced_call_grammar(
-                    req.tools, self.parser, req.tool_name, req.parallel_tool_calls, self.marker_token
+                    req.tools, self.parser, req.tool_name, parallel, self.marker_token, or_text
                 )
             except ToolSpecError as exc:
                 raise APIError("invalid_request", str(exc), param=exc.param) from None
         return dataclasses.replace(req, **changes) if changes else req
 
     def parser_for(self, req: GenerationRequest) -> ToolCallParser | None:
-        """A fresh parser for one choice of `req`, or None when its output is plain text."""
+        """A fresh parser for one choice of `req`, or None when its output is plain text. It ends the answer
+        at the first repeat of an identical call (`distinct`: a repeat is never useful, and a small model
+        may otherwise loop until `max_tokens`, forced or not), and with `parallel_tool_calls` false at a
+        second call (`single`, as OpenAI applies it to "auto" too): that call and all after it are dropped."""
         if req.tool_choice == "none" or req.tools is None:
             return None
-        return self.parser(tool_names(req.tools))
+        return self.parser(tool_names(req.tools), distinct=True, single=not req.parallel_tool_calls)

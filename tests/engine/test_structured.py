@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import jsonschema
 import pytest
@@ -66,4 +67,23 @@ def test_bad_schemas_and_grammars_are_refused(tiny_model_dir) -> None:
     engine = make_engine(tiny_model_dir)
     with pytest.raises(GrammarError):
         engine.submit([5, 6], SamplingParams(grammar="not a grammar at all"))
+    assert_released(engine)
+
+
+def test_a_row_whose_own_bias_fails_leaves_the_constrained_rows_of_its_batch_masked(tiny_model_dir) -> None:
+    """The runner's per-row fallback (one row's sampling fails) still masks each constrained row with its own
+    grammar, and their logprobs are the model's own (finite)."""
+    engine = make_engine(tiny_model_dir, num_blocks=128)
+    grammar = json_schema_grammar(SCHEMAS[0])
+    bad = engine.submit([3, 4, 5], SamplingParams(max_tokens=8, logit_bias={10**6: 1.0}))  # beyond the vocabulary
+    good = [engine.submit([30 + i], SamplingParams(max_tokens=40, temperature=0.0, grammar=grammar, logprobs=3))
+            for i in range(2)]  # fmt: skip
+    events = drive(engine, [bad, *good])
+    assert events[bad.request_id][-1].finish_reason == "error"
+    assert "logit_bias" in str(events[bad.request_id][-1].error)
+    for h in good:
+        text = "".join(e.text for e in events[h.request_id])
+        jsonschema.validate(json.loads(text), SCHEMAS[0])
+        logprobs = [lp for e in events[h.request_id] for lp in e.logprobs]
+        assert logprobs and all(math.isfinite(v) for lp in logprobs for v in (lp.logprob, *(t for _, t in lp.top)))
     assert_released(engine)

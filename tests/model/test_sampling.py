@@ -248,3 +248,54 @@ def test_candidate_filter_path_equals_full_sort(quantised: bool) -> None:
     full = _filter_sorted_rows(logits, params)
     assert torch.equal(fast.isfinite(), full.isfinite())
     assert torch.equal(fast[fast.isfinite()], full[full.isfinite()])
+
+
+# ---------------------------------------------------------------------------- grammar masks and logit_bias
+
+
+def _allow(rows: int, allowed: dict[int, list[int]]) -> torch.Tensor:
+    """A bitmask of `rows` rows: every token allowed, except in the rows of `allowed` (only those ids)."""
+    from helexa.model.sampling.grammar import allocate_bitmask
+
+    mask = allocate_bitmask(rows, V)
+    for row, ids in allowed.items():
+        mask[row] = 0
+        for t in ids:
+            mask[row, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+    return mask
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_come_from_the_distribution_before_the_grammar_mask(temperature: float) -> None:
+    logits = _logits(3)
+    before = logits.clone()
+    params = [SamplingParams(temperature=temperature, logprobs=5, seed=1)] * 3
+    gens = [make_generator(1, "cpu") for _ in range(3)]
+    out = Sampler().sample(logits, params, gens, bitmask=_allow(3, {0: [7], 2: [3, 9]}))
+    raw = torch.log_softmax(before, dim=-1)
+    assert torch.equal(logits, before)  # the caller's logits are not changed
+    assert out.token_ids[0] == 7 and out.token_ids[2] in (3, 9)  # the mask decides what is sampled
+    for row in range(3):
+        token = out.token_ids[row]
+        assert out.logprobs[row] == pytest.approx(raw[row, token].item(), abs=1e-5)  # not 0.0 for a forced token
+        top = out.top_logprobs[row]
+        assert [t for t, _ in top] == raw[row].topk(5).indices.tolist()  # masked tokens stay alternatives
+        assert all(math.isfinite(v) for _, v in top)
+
+
+def test_logit_bias_bans_and_forces_tokens_and_leaves_logprobs_raw() -> None:
+    logits = _logits(2)
+    banned = int(logits[0].argmax())
+    params = [SamplingParams(temperature=0, logprobs=0, logit_bias={banned: -100}), SamplingParams(
+        temperature=0, logprobs=0, logit_bias={5: 100.0})]  # fmt: skip
+    out = Sampler().sample(logits, params)
+    assert out.token_ids[0] != banned and out.token_ids[1] == 5
+    assert out.logprobs[1] == pytest.approx(torch.log_softmax(logits[1], -1)[5].item(), abs=1e-5)
+    with pytest.raises(ValueError, match="logit_bias token id 64"):
+        Sampler().sample(_logits(1), [SamplingParams(logit_bias={V: 1.0})])
+
+
+@pytest.mark.parametrize("bias", [{1: 101}, {-1: 1}, {1: math.inf}, {1: math.nan}, {1: 10**400}, {1: True}, [1]])
+def test_bad_logit_bias_is_refused(bias: object) -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)  # type: ignore[arg-type]

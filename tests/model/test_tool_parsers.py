@@ -160,3 +160,31 @@ def test_rendered_calls_parse_back() -> None:
 )
 def test_format_detected_from_the_template(source: str | None, expected: str) -> None:
     assert detect_format(source) == expected
+
+
+@pytest.mark.parametrize("parser_type", [HermesParser, Llama3JsonParser, MistralParser])
+def test_a_distinct_parser_ends_at_the_first_repeated_call(parser_type: type[ToolCallParser]) -> None:
+    calls = [("get_weather", {"city": "Paris", "unit": "C"}), ("search", {"q": "x"})]
+    repeat = ("get_weather", {"unit": "C", "city": "Paris"})  # the same call, its keys in another order
+    text = parser_type.render_calls([*calls, repeat, ("noop", {})])
+    plain = parser_type(NAMES)
+    assert len(parse_all(plain, text)[1]) == 4 and not plain.ended  # without `distinct`: every call
+    distinct = parser_type(NAMES, distinct=True)
+    content, parsed = parse_all(distinct, text)
+    assert content is None and _shape(parsed) == calls  # the repeat and all after it are dropped
+    assert distinct.ended
+
+
+def test_a_distinct_parser_says_so_as_soon_as_the_repeat_closes() -> None:
+    parser = HermesParser(NAMES, distinct=True)
+    one = HermesParser.render_calls([("noop", {})])
+    assert len(parser.feed(one)) == 1 and not parser.ended
+    assert parser.feed("\n" + one) == [] and parser.ended  # streamed: the engine can stop here
+    assert parser.feed("\n" + HermesParser.render_calls([("search", {"q": "y"})])) == [] and parser.finish() == []
+
+
+def test_a_single_call_parser_ends_at_the_second_call() -> None:
+    parser = HermesParser(NAMES, single=True)
+    text = "Checking. " + HermesParser.render_calls([("noop", {}), ("search", {"q": "y"})]) + " more"
+    content, calls = parse_all(parser, text)
+    assert content == "Checking." and _shape(calls) == [("noop", {})] and parser.ended

@@ -124,15 +124,31 @@ COMMON = {
     "stop_token_ids": st.one_of(st.lists(NUMBERS, max_size=3), JSON),
     "logprobs": st.one_of(st.booleans(), NUMBERS),
 }
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 4}}, "required": ["city"]}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+# Valid values of the fields agent frameworks combine (constraints, logprobs, bias), and wrong ones.
+FORMATS = st.one_of(
+    st.sampled_from([{"type": "text"}, {"type": "json_object"},
+                     {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}]),
+    JSON,
+)  # fmt: skip
+TOOL_CHOICES = st.one_of(
+    st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]), JSON
+)
+LOGIT_BIAS = st.one_of(st.dictionaries(st.sampled_from(["0", "5", "49999", "x", "-1"]), NUMBERS, max_size=3), JSON)
 FIELDS = {
     "/v1/chat/completions": {
         **COMMON,
         "messages": MESSAGES,
         "max_completion_tokens": NUMBERS,
         "top_logprobs": NUMBERS,
-        "tools": JSON,
+        "tools": st.one_of(st.just([TOOL]), JSON),
+        "tool_choice": TOOL_CHOICES,
+        "parallel_tool_calls": st.one_of(st.booleans(), JSON),
+        "response_format": FORMATS,
+        "logit_bias": LOGIT_BIAS,
     },
-    "/v1/completions": {**COMMON, "prompt": PROMPT, "echo": JSON},
+    "/v1/completions": {**COMMON, "prompt": PROMPT, "echo": JSON, "logit_bias": LOGIT_BIAS},
     "/v1/responses": {
         "model": STRINGS,
         "input": st.one_of(STRINGS, MESSAGES),

@@ -162,3 +162,43 @@ def test_response_input_forms() -> None:
 def test_malformed_json(raw: bytes) -> None:
     error = _error(decode_json, raw)
     assert error.param is None
+
+
+OPEN = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("strict", [None, False, True])
+@pytest.mark.parametrize("open_objects", [False, True])
+def test_format_objects_are_closed_unless_the_server_keeps_them_open(open_objects: bool, strict: bool | None) -> None:
+    spec = {"name": "w", "schema": OPEN, **({} if strict is None else {"strict": strict})}
+    chat = parse_chat({"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": spec}},
+                      open_objects)  # fmt: skip
+    response = parse_response({"input": "hi", "text": {"format": {"type": "json_schema", **spec}}}, open_objects)
+    closed = bool(strict) or not open_objects  # strict always closes; --allow-additional-properties opens the rest
+    for req in (chat, response):
+        assert isinstance(req.format_schema, dict)
+        assert req.format_schema.get("additionalProperties") is (False if closed else None)
+    assert response.text_format == {"type": "json_schema", **spec}  # echoed as sent
+    assert OPEN == {"type": "object", "properties": {"city": {"type": "string"}}}  # the request's schema untouched
+
+
+@pytest.mark.parametrize(
+    ("body", "bias"),
+    [({"logit_bias": {"5": -100, " 7 ": 2.5}}, {5: -100.0, 7: 2.5}), ({"logit_bias": {}}, None), ({}, None)],
+)
+def test_logit_bias_is_read_as_token_ids(body: dict, bias: dict | None) -> None:
+    assert parse_chat({"messages": MESSAGES, **body}).logit_bias == bias
+    assert parse_completion({"prompt": "x", **body}).logit_bias == bias
+
+
+def test_stream_options_continuous_usage_stats_implies_include_usage() -> None:
+    req = parse_chat({"messages": MESSAGES, "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    assert req.continuous_usage and req.include_usage
+    assert _error(parse_chat, {"messages": MESSAGES, "stream_options": {"continuous_usage_stats": 1}}).param == (
+        "stream_options.continuous_usage_stats"
+    )
+
+
+@pytest.mark.parametrize("bias", [{"5": 10**400}, {"5": float("nan")}, {"5": True}, {"-1": 1}, {"5x": 1}, [5]])
+def test_bad_logit_bias_is_a_400(bias: object) -> None:
+    assert _error(parse_chat, {"messages": MESSAGES, "logit_bias": bias}).param == "logit_bias"

@@ -174,7 +174,7 @@ def test_auto_leaves_plain_text_as_content(client: openai.OpenAI) -> None:
         ),
         (
             "/v1/chat/completions",
-            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "xml"}},
             "response_format",
         ),
         ("/v1/responses", {"tools": [{"type": "function", "name": 5}]}, "tools[0].name"),

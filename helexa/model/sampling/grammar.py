@@ -18,7 +18,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["GrammarError", "GrammarTokenizer", "TokenConstraint", "apply_masks", "json_schema_grammar", "lark_grammar"]
+__all__ = [
+    "GrammarError",
+    "GrammarTokenizer",
+    "TokenConstraint",
+    "allocate_bitmask",
+    "json_schema_grammar",
+    "lark_grammar",
+    "masked_logits",
+]
 
 
 class GrammarError(ValueError):
@@ -135,14 +143,19 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
 
 
-def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set to -inf, in place, the logits of tokens the bitmask forbids, in `rows` only (logits (S, V);
-    bitmask (len(rows), W) int32 on the host, W >= ceil(V / 32)). Rows outside `rows` are not touched.
-    One host-to-device copy of the bitmask; the bits are unpacked on the logits' device."""
+def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` (S, V) with the tokens `bitmask` forbids set to -inf, as a new tensor (the input is not
+    changed). `bitmask`: (S, W) int32 on the host, W >= ceil(V / 32), one row per logits row, every bit set
+    in a row without a constraint (`allocate_bitmask`); such rows are copied unchanged. One host-to-device
+    copy of the constrained rows' words; the bits are unpacked on the logits' device."""
     vocab = logits.shape[1]
-    words = bitmask[:, : -(-vocab // 32)].to(logits.device, non_blocking=True)  # (R, ceil(V / 32))
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # (32,)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # (R, V)
+    words = bitmask[:, : -(-vocab // 32)]  # (S, ceil(V / 32))
+    rows = (words != -1).any(dim=1).nonzero().flatten().tolist()  # host tensor: no device sync
+    if not rows:
+        return logits
     index = torch.tensor(rows, device=logits.device)  # (R,)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # (32,)
+    row_words = words[rows].to(logits.device, non_blocking=True)  # (R, ceil(V / 32))
+    allowed = ((row_words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # (R, V)
     masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))  # (R, V)
-    logits.index_copy_(0, index, masked)
+    return logits.index_copy(0, index, masked)

@@ -7,12 +7,18 @@ from dataclasses import dataclass
 
 from helexa.values import is_int, is_number
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams"]
+__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SamplingParams"]
 
 MAX_LOGPROBS = 20  # most top-n logprobs a request may ask for (OpenAI's limit)
+MAX_LOGIT_BIAS = 100.0  # a bias is in [-100, 100] (OpenAI's range)
 _TOP_K_MAX = 2**31 - 1  # larger values mean "all tokens" anyway, and must fit a device integer
 _GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them would overflow)
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+def _is_bias(value: object) -> bool:
+    """A number (not a bool) in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]; NaN and integers too large for a float are not."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= MAX_LOGIT_BIAS
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,8 @@ class SamplingParams:
     `grammar`: an llguidance grammar the output must follow (`grammar.json_schema_grammar(schema)`
     makes one from a JSON schema); None for free text. `skip_special_tokens`: whether the output text
     leaves out special tokens (as vLLM; a tool-call format whose marker is one needs them kept).
+    `logit_bias`: token id → a bias in [-100, 100] added to that token's logit before sampling (OpenAI's
+    semantics: -100 bans the token, 100 all but forces it); logprobs are taken before it.
     Every field is checked in `__post_init__`; a bad value raises ValueError naming the field.
     """
 
@@ -45,6 +53,7 @@ class SamplingParams:
     n: int = 1
     grammar: str | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, expected: str) -> ValueError:
@@ -86,6 +95,14 @@ class SamplingParams:
             raise bad("grammar", "None or a non-empty grammar string")
         if not isinstance(self.skip_special_tokens, bool):
             raise bad("skip_special_tokens", "a boolean")
+        if self.logit_bias is not None and not (
+            isinstance(self.logit_bias, dict)
+            and all(is_int(t) and t >= 0 for t in self.logit_bias)
+            and all(_is_bias(v) for v in self.logit_bias.values())
+        ):
+            raise bad(
+                "logit_bias", f"None or a map of token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+            )
 
     @property
     def is_greedy(self) -> bool:  # temperature 0 (below 1e-5): the argmax, no randomness

@@ -1,15 +1,18 @@
 """One vectorised sampling call per step: `Sampler.sample` turns logits `[S, V]` into one token per row.
 
 Per row, in this order: (1) logprobs, if asked, are `log_softmax` of the **raw** logits (before
-penalties, temperature and filters, as OpenAI clients expect); (2) penalties: repetition over prompt
+penalties, `logit_bias`, a grammar's mask, temperature and filters, as OpenAI clients expect: the
+model's own distribution, so every logprob is finite); (2) penalties: repetition over prompt
 and output tokens (a positive logit divided by it, a negative one multiplied, as Hugging Face and
 vLLM do), then frequency (`-= f * count`) and presence (`-= p * [count > 0]`) over output tokens;
-(3) greedy rows (temperature < 1e-5) take the argmax; (4) other rows are divided by temperature,
-then top-k (exactly k survive, ties at the k-th value broken by token id), top-p (the smallest set of
-most likely tokens whose probability, renormalised after top-k, reaches top_p) and min-p (tokens
-below `min_p × max probability` dropped) apply, and one uniform `u` per row picks the first token
-whose cumulative probability exceeds `u × total`. A seeded row draws `u` from its own generator only
-(unseeded rows share the default one), so its tokens do not depend on the rest of the batch.
+(2b) `logit_bias` is added to its tokens' logits; (2c) a structured-output grammar's mask sets the
+tokens it forbids to -inf (`bitmask`); (3) greedy rows (temperature < 1e-5) take the argmax; (4)
+other rows are divided by temperature, then top-k (exactly k survive, ties at the k-th value broken
+by token id), top-p (the smallest set of most likely tokens whose probability, renormalised after
+top-k, reaches top_p) and min-p (tokens below `min_p × max probability` dropped) apply, and one
+uniform `u` per row picks the first token whose cumulative probability exceeds `u × total`. A seeded
+row draws `u` from its own generator only (unseeded rows share the default one), so its tokens do
+not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from helexa.model.sampling.grammar import masked_logits
 from helexa.model.sampling.params import SamplingParams
 
 __all__ = ["SampleResult", "Sampler", "make_generator"]
@@ -53,15 +57,22 @@ class Sampler:
         generators: Sequence[torch.Generator | None] | None = None,
         prompt_ids: Sequence[Sequence[int]] | None = None,
         output_ids: Sequence[Sequence[int]] | None = None,
+        bitmask: torch.Tensor | None = None,
     ) -> SampleResult:
-        """One token per row of `logits` `[S, V]` float32 under `params[i]`. `generators[i]` (on the
-        logits' device; required for seeded rows, see `make_generator`) drives row i's randomness;
-        `prompt_ids[i]`, `output_ids[i]` (host lists) are needed only for rows with penalties."""
+        """One token per row of `logits` `[S, V]` float32 under `params[i]` (`logits` is not changed).
+        `generators[i]` (on the logits' device; required for seeded rows, see `make_generator`) drives row
+        i's randomness; `prompt_ids[i]`, `output_ids[i]` (host lists) are needed only for rows with
+        penalties. `bitmask` `[S, W]` int32 on the host (`grammar.allocate_bitmask`, filled by each
+        constrained row's `TokenConstraint`): the tokens each row may sample; logprobs never see it."""
         rows, vocab = self._check(logits, params, generators)
         device = logits.device
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits, params, prompt_ids, output_ids)
+        if any(p.logit_bias for p in params):
+            logits = _with_bias(logits, params)
+        if bitmask is not None:
+            logits = masked_logits(logits, bitmask)
         greedy = [p.is_greedy for p in params]
         if all(greedy):
             sampled = logits.argmax(dim=-1)  # (S,)
@@ -178,6 +189,22 @@ class Sampler:
             top = None if p.logprobs is None else [(int(row[2 + j]), row[2 + top_n + j]) for j in range(p.logprobs)]
             top_logprobs.append(top)
         return SampleResult([int(row[0]) for row in packed], logprobs, top_logprobs)
+
+
+def _with_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`logits` `[S, V]` plus each row's `logit_bias` (a new tensor). A token id outside `[0, V)` raises
+    ValueError (the request's own error)."""
+    vocab = logits.shape[1]
+    rows, ids, values = [], [], []
+    for i, p in enumerate(params):
+        for token_id, bias in (p.logit_bias or {}).items():
+            if token_id >= vocab:
+                raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab})")
+            rows.append(i)
+            ids.append(token_id)
+            values.append(bias)
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
+    return logits.index_put(index, torch.tensor(values, device=logits.device), accumulate=True)
 
 
 def _token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

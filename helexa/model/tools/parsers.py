@@ -9,6 +9,11 @@ an unclosed block that does not parse) stays text, marker and all: nothing is lo
 Whitespace is held back between items: whitespace before a call, and trailing whitespace once any call
 was made, is dropped (so `"<tool_call>..</tool_call>\\n"` is a call with no content).
 
+A parser can end an answer at a call it may not hold: with `distinct=True` (the server's parsers) at
+the first call identical to an earlier one (same name, same arguments);
+with `single=True` (`parallel_tool_calls: false`) at a second call. That call and everything after it
+are dropped, and `ended` turns True, so whoever runs the model can stop it there.
+
 Formats (`PARSERS`, chosen per model by `detect_format`, overridden by `--tool-call-parser`):
 - `hermes` (Hermes, Qwen 2/2.5/3, and helexa's rendering for templates without tools):
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, any number, after optional text.
@@ -42,14 +47,20 @@ Item = str | ToolCall  # one parsed piece of a choice's output, in order
 
 
 class _Emitter:
-    """Collects items, holding whitespace back as the module docstring says."""
+    """Collects items, holding whitespace back as the module docstring says; nothing from a call that
+    ends the answer on (`ended`: a repeat with `distinct`, a second call with `single`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, distinct: bool = False, single: bool = False) -> None:
         self.items: list[Item] = []
         self._pending = ""  # whitespace not yet emitted
         self.made_call = False
+        self.ended = False
+        self._distinct, self._single = distinct, single
+        self._seen: set[tuple[str, str]] = set()  # (name, arguments with sorted keys) of each call so far
 
     def text(self, text: str) -> None:
+        if self.ended:
+            return
         text = self._pending + text
         body = text.rstrip()
         self._pending = text[len(body) :]
@@ -57,12 +68,19 @@ class _Emitter:
             self.items.append(body)
 
     def call(self, call: ToolCall) -> None:
+        if self.ended:
+            return
+        key = (call.name, json.dumps(json.loads(call.arguments), sort_keys=True))
+        if (self._single and self.made_call) or (self._distinct and key in self._seen):
+            self.ended, self._pending = True, ""
+            return
+        self._seen.add(key)
         self._pending = ""
         self.made_call = True
         self.items.append(call)
 
     def finish(self) -> None:
-        if self._pending and not self.made_call:
+        if self._pending and not self.made_call and not self.ended:
             self.items.append(self._pending)
         self._pending = ""
 
@@ -80,15 +98,16 @@ def _held_prefix(text: str, marker: str) -> int:
 
 
 class ToolCallParser(ABC):
-    """One choice's parser. `tool_names`: the declared functions; a call to any other stays text."""
+    """One choice's parser. `tool_names`: the declared functions; a call to any other stays text.
+    `distinct`, `single`: end at the first repeat of an identical call, at a second call (module docstring)."""
 
     name: ClassVar[str]
     id_style: ClassVar[str] = "openai"
     keeps_special_tokens: ClassVar[bool] = False  # its marker is a special token the text must keep
 
-    def __init__(self, tool_names: frozenset[str]) -> None:
+    def __init__(self, tool_names: frozenset[str], distinct: bool = False, single: bool = False) -> None:
         self.tool_names = tool_names
-        self._out = _Emitter()
+        self._out = _Emitter(distinct, single)
         self._finished = False
         self._buf = ""  # text not yet emitted
 
@@ -126,6 +145,12 @@ class ToolCallParser(ABC):
         """Whether any call was parsed so far."""
         return self._out.made_call
 
+    @property
+    def ended(self) -> bool:
+        """Whether a call the answer may not hold (a repeat with `distinct`, a second call with `single`)
+        ended it: that call and all after it were dropped."""
+        return self._out.ended
+
     @abstractmethod
     def _consume(self, text: str) -> None: ...
 
@@ -159,9 +184,9 @@ class ToolCallParser(ABC):
     @classmethod
     @abstractmethod
     def call_grammar(cls, call_json: str, parallel: bool, marker_token: int | None) -> str:
-        """A Lark grammar (llguidance dialect) of one or more (`parallel`) calls, each call's JSON given
-        by the Lark rule text `call_json` (a `%json {...}` item). `marker_token`: the id of the format's
-        marker when the tokenizer has it as a special token."""
+        """Lark rules (llguidance dialect) whose rule `calls` is one or more (`parallel`) calls, each call's
+        JSON given by the Lark rule text `call_json` (a `%json {...}` item); the caller adds `start`.
+        `marker_token`: the id of the format's marker when the tokenizer has it as a special token."""
 
     marker: ClassVar[str | None] = None  # the special token the format starts calls with, if any
 
@@ -172,8 +197,8 @@ class HermesParser(ToolCallParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self, tool_names: frozenset[str]) -> None:
-        super().__init__(tool_names)
+    def __init__(self, tool_names: frozenset[str], distinct: bool = False, single: bool = False) -> None:
+        super().__init__(tool_names, distinct, single)
         self._in_call = False
 
     def _consume(self, text: str) -> None:
@@ -216,7 +241,7 @@ class HermesParser(ToolCallParser):
     @classmethod
     def call_grammar(cls, call_json: str, parallel: bool, marker_token: int | None) -> str:
         more = ' ("\\n" call)*' if parallel else ""
-        return f'start: call{more}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: {call_json}\n'
+        return f'calls: call{more}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: {call_json}\n'
 
 
 def _decode_sequence(text: str, separator: str) -> list[Any] | None:
@@ -246,8 +271,8 @@ class Llama3JsonParser(ToolCallParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
 
-    def __init__(self, tool_names: frozenset[str]) -> None:
-        super().__init__(tool_names)
+    def __init__(self, tool_names: frozenset[str], distinct: bool = False, single: bool = False) -> None:
+        super().__init__(tool_names, distinct, single)
         self._mode = "undecided"  # then "json" (buffer to the end) or "text" (pass through)
 
     def _consume(self, text: str) -> None:
@@ -284,7 +309,7 @@ class Llama3JsonParser(ToolCallParser):
     @classmethod
     def call_grammar(cls, call_json: str, parallel: bool, marker_token: int | None) -> str:
         more = ' ("; " call)*' if parallel else ""
-        return f"start: call{more}\ncall: {call_json}\n"
+        return f"calls: call{more}\ncall: {call_json}\n"
 
 
 class MistralParser(ToolCallParser):
@@ -296,8 +321,8 @@ class MistralParser(ToolCallParser):
     marker = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
 
-    def __init__(self, tool_names: frozenset[str]) -> None:
-        super().__init__(tool_names)
+    def __init__(self, tool_names: frozenset[str], distinct: bool = False, single: bool = False) -> None:
+        super().__init__(tool_names, distinct, single)
         self._in_calls = False
 
     def _consume(self, text: str) -> None:
@@ -347,7 +372,7 @@ class MistralParser(ToolCallParser):
     def call_grammar(cls, call_json: str, parallel: bool, marker_token: int | None) -> str:
         marker = f"<[{marker_token}]>" if marker_token is not None else json.dumps(cls.marker)
         more = ' (", " call)*' if parallel else ""
-        return f'start: {marker} "[" call{more} "]"\ncall: {call_json}\n'
+        return f'calls: {marker} "[" call{more} "]"\ncall: {call_json}\n'
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
