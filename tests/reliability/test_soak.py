@@ -110,7 +110,7 @@ def _read_stream(response: httpx.Response, route: str, cancel_after: int | None)
         if "error" in data:
             return Outcome("bad", f"error event mid-stream: {data['error']}")
         if route == "/v1/responses":
-            if data.get("type") == "response.completed":
+            if data.get("type") in ("response.completed", "response.incomplete"):  # incomplete: cut at its limit
                 return Outcome("ok")
         elif any(c.get("finish_reason") for c in data.get("choices", ())):
             finished = True
