@@ -92,6 +92,8 @@ def test_paged_attention_checks_its_inputs() -> None:
         paged_attention(q, cache, cache, tables.long(), lens, starts.int())
     with pytest.raises(ValueError, match="ending at 1"):
         paged_attention(q, cache, cache, tables, lens, torch.tensor([0, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="more blocks than its table holds"):  # 5 tokens, one block of 4
+        paged_attention(q, cache, cache, tables, lens * 5, starts.int())
     with pytest.raises(ValueError, match="more query rows than its length"):  # 2 rows of a 1-token sequence
         paged_attention(torch.randn(2, 2, 16), cache, cache, tables, lens, torch.tensor([0, 2], dtype=torch.int32))
 

@@ -269,6 +269,8 @@ def paged_attention(
     b = block_tables.shape[0]
     if seq_lens.shape != (b,) or query_start_loc.shape != (b + 1,) or int(query_start_loc[-1]) != t:
         raise ValueError(f"{b} sequences need seq_lens ({b},) and query_start_loc ({b + 1},) ending at {t}")
+    if b and int(seq_lens.max()) > block_tables.shape[1] * block_size:
+        raise ValueError(f"a sequence of {int(seq_lens.max())} tokens needs more blocks than its table holds")
     q, lens, starts = q.contiguous(), seq_lens.contiguous(), query_start_loc.contiguous()
     out = torch.empty_like(q)
     rc = native.library().helexa_paged_attention(
