@@ -36,6 +36,7 @@ from helexa.server.middleware import (
 from helexa.server.protocol import GenerationRequest, decode_json, parse_detokenize, parse_tokenize
 from helexa.server.settings import ServerSettings
 from helexa.server.sse import EventStreamResponse, race_disconnect, sse
+from helexa.server.structured import GrammarCompiler
 from helexa.server.tools import ToolCalling
 
 logger = logging.getLogger("helexa.server")
@@ -51,6 +52,7 @@ class ServerState:
     logprobs: LogprobFormatter
     connections: ConnectionLimit
     tools: ToolCalling
+    grammars: GrammarCompiler
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
 
@@ -89,15 +91,19 @@ def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[list[int]]:
 
 
 def _check_can_fit(state: ServerState, req: GenerationRequest) -> None:
-    """400 `context_length_exceeded` before tokenising a prompt whose text is too long to fit in any tokenisation
-    (more UTF-8 bytes than `max_model_len` tokens of the longest token can hold): tokenising megabytes takes
-    seconds and memory for a request that can never run."""
+    """400 `context_length_exceeded` before rendering or tokenising a prompt whose text is too long to fit in any
+    tokenisation (more UTF-8 bytes than `max_model_len` tokens of the longest token can hold): tokenising
+    megabytes takes seconds and memory for a request that can never run. Everything that reaches the chat
+    template counts (`template_text_bytes`): message text, tool calls and tool results, and the tools (shown
+    to the model unless `tool_choice` is "none"); `param` names `tools` when they alone cannot fit."""
     engine = state.engine
     limit = engine.max_model_len * engine.tokenizer.max_token_bytes
+    param = "messages" if req.messages is not None else "prompt"
     if req.messages is not None:
-        texts = [m["content"] for m in req.messages if isinstance(m.get("content"), str)]
-        texts += [p["text"] for m in req.messages if isinstance(m.get("content"), list) for p in m["content"]]
-        sizes = [sum(map(_utf8_len, texts))]
+        tools = req.tools if req.tool_choice != "none" else None
+        tool_bytes = template_text_bytes(tools, keys=True)
+        sizes = [template_text_bytes(req.messages, keys=False) + tool_bytes]
+        param = "tools" if tool_bytes > limit else param
     else:
         sizes = [_utf8_len(p) for p in req.prompts if isinstance(p, str)]
     if sizes and max(sizes) > limit:
@@ -106,8 +112,25 @@ def _check_can_fit(state: ServerState, req: GenerationRequest) -> None:
             f"the prompt's {max(sizes)} bytes of text cannot fit the maximum context length of "
             f"{engine.max_model_len} tokens (no token of this model stands for more than "
             f"{engine.tokenizer.max_token_bytes} bytes)",
-            param="messages" if req.messages is not None else "prompt",
+            param=param,
         )
+
+
+def template_text_bytes(value: object, keys: bool) -> int:
+    """UTF-8 bytes of every string in `value` (a JSON value: messages, tools), the object keys too with `keys`
+    (tools reach a template as JSON, keys and all). Iterative: a body's depth is bounded, its width is not."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += _utf8_len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+            if keys:
+                stack.extend(item.keys())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 def _check_logit_bias(state: ServerState, req: GenerationRequest) -> None:
@@ -142,12 +165,17 @@ async def generate(request: Request) -> Response | EventStreamResponse:
         raise APIError("shutting_down", "the server is shutting down and admits no new requests")
     parse, fmt_type = FORMATS[request.url.path]
     _json_body_type(request)
-    req = state.tools.constrain(parse(decode_json(await request.body()), state.settings.allow_additional_properties))
+    req = parse(decode_json(await request.body()), state.settings.allow_additional_properties)
     _check_logit_bias(state, req)
+    await run_in_threadpool(_check_can_fit, state, req)  # before the grammar and the template see the tools
+    req = await state.grammars.constrain(req)  # off the event loop, once for all choices
     prompt_ids = await run_in_threadpool(_prompt_ids, state, req)
     run_id = f"{fmt_type.id_prefix}{uuid.uuid4().hex}"
     run = GenerationRun(state.engine, run_id, prompt_ids, req, lambda: state.tools.parser_for(req))
-    run.submit()
+    if req.grammar is not None:  # each choice copies the prepared matcher; a worker thread even if it was evicted
+        await run_in_threadpool(run.submit)
+    else:
+        run.submit()
     fmt = fmt_type(req, run, state.engine.model_name, state.logprobs)
     if req.stream:
         events = run.events()
@@ -367,13 +395,15 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starlette:
     """The OpenAI-compatible app over a started `engine`; `app.state.helexa` is its `ServerState`."""
     settings = settings or ServerSettings()
+    tools = ToolCalling(engine.tokenizer, settings.tool_call_parser)
     state = ServerState(
         engine=engine,
         settings=settings,
         metrics=ServerMetrics(engine),
         logprobs=LogprobFormatter(engine.tokenizer),
         connections=ConnectionLimit(settings.max_connections),
-        tools=ToolCalling(engine.tokenizer, settings.tool_call_parser),
+        tools=tools,
+        grammars=GrammarCompiler(tools, engine.grammar_tokenizer),
     )
     routes = [
         *(Route(path, generate, methods=["POST"]) for path in FORMATS),
