@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from helexa.engine import Engine, TokenEvent
+from helexa.model.text.chat_template import ChatTemplateBroken
 from helexa.model.text.tokenizer import TooManyTokens
 from helexa.server.connections import ConnectionLimit, ConnectionLimitMiddleware
 from helexa.server.dashboard import Dashboard
@@ -76,7 +77,7 @@ def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[list[int]]:
             except TooManyTokens:
                 raise
             except ValueError as exc:  # ChatTemplateError is a ValueError
-                raise APIError("invalid_request", f"chat template: {exc}", param=param) from None
+                raise _template_error(exc, param) from None
         ids = [tokenizer.encode(p, max_length=limit) if isinstance(p, str) else list(p) for p in req.prompts]
     except TooManyTokens as exc:  # refused before its ids are built: it can never run here
         raise APIError(
@@ -88,6 +89,16 @@ def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[list[int]]:
     if any(not p for p in ids):
         raise APIError("invalid_request", "the prompt is empty after tokenisation", param="prompt")
     return ids
+
+
+def _template_error(exc: ValueError, param: str) -> APIError:
+    """The answer to a conversation the chat template did not render: 400 naming `param` when the conversation
+    is to blame (malformed, refused by the template's own `raise_exception` or by the sandbox's bounds); 500
+    `template_error` when the template broke for a reason of its own (the server's fault; logged as a
+    `WARNING` with the request id, as every 5xx)."""
+    if isinstance(exc, ChatTemplateBroken):
+        return APIError("template_error", f"the server's chat template is broken, not the request: {exc}")
+    return APIError("invalid_request", f"chat template: {exc}", param=param)
 
 
 def _check_can_fit(state: ServerState, req: GenerationRequest) -> None:
@@ -296,7 +307,7 @@ async def tokenize(request: Request) -> Response:
                     messages, add_generation_prompt=req.add_generation_prompt, tools=tools
                 )
             except ValueError as exc:  # ChatTemplateError is a ValueError
-                raise APIError("invalid_request", f"chat template: {exc}", param="messages") from None
+                raise _template_error(exc, "messages") from None
         assert req.prompt is not None
         return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
