@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -38,6 +39,7 @@ from helexa.server.protocol import GenerationRequest, decode_json, parse_detoken
 from helexa.server.settings import ServerSettings
 from helexa.server.sse import EventStreamResponse, race_disconnect, sse
 from helexa.server.structured import GrammarCompiler
+from helexa.server.tenancy import isolated_salt
 from helexa.server.tools import ToolCalling
 
 logger = logging.getLogger("helexa.server")
@@ -177,6 +179,8 @@ async def generate(request: Request) -> Response | EventStreamResponse:
     parse, fmt_type = FORMATS[request.url.path]
     _json_body_type(request)
     req = parse(decode_json(await request.body()), state.settings.allow_additional_properties)
+    if state.settings.prefix_cache_isolation == "per-key":  # each key (and tenant) salts its own prefixes
+        req = dataclasses.replace(req, cache_salt=isolated_salt(request.headers, req.cache_salt))
     _check_logit_bias(state, req)
     await run_in_threadpool(_check_can_fit, state, req)  # before the grammar and the template see the tools
     req = await state.grammars.constrain(req)  # off the event loop, once for all choices
@@ -425,12 +429,13 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
         Route("/v1/admission", admission, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        *Dashboard(engine, lambda: state.draining).routes(),  # `GET /`: the operator page, and its data
+        # `GET /`: the operator page, and its data
+        *Dashboard(engine, lambda: state.draining, admin_api_key=settings.admin_api_key).routes(),
     ]
     middleware = [
         Middleware(ConnectionLimitMiddleware, limit=state.connections),
         Middleware(RequestContextMiddleware, metrics=state.metrics, generation_paths=frozenset(FORMATS)),
-        Middleware(AuthMiddleware, api_key=settings.api_key),
+        Middleware(AuthMiddleware, api_key=settings.api_key, admin_api_key=settings.admin_api_key),
         Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_secs=settings.body_timeout_secs),
     ]
     app = Starlette(
