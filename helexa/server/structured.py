@@ -18,15 +18,25 @@ llguidance resolves `$ref` chains by recursion (a chain of 2,500 references over
 thread stack and kills the process), so the compile threads run on `COMPILE_STACK_BYTES` stacks
 (address space: only the pages a compile touches become resident), deep enough for any schema
 within `MAX_SCHEMA_BYTES`.
+
+Memory: the compiled grammars and ready matchers are cached within fixed bounds (`grammar.py`), and
+after compiling a large schema (over `TRIM_AFTER_BYTES` of JSON text) the compile thread hands the C
+heap's free pages back to the system (glibc's `malloc_trim`, at most once every `TRIM_EVERY_SECS`):
+llguidance's temporary structures for an `anyOf` thousands wide are tens of MiB, which glibc's
+arenas would otherwise keep resident.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
 import json
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -42,6 +52,8 @@ MAX_SCHEMA_BYTES = 512 << 10  # JSON text of one output format's schema, or of a
 COMPILE_BUDGET_SECS = 5.0  # longest a request waits for its grammar (queued behind others included)
 COMPILE_THREADS = 2
 COMPILE_STACK_BYTES = 256 << 20
+TRIM_AFTER_BYTES = 64 << 10
+TRIM_EVERY_SECS = 2.0  # at most one trim this often: a trim walks the whole heap
 
 T = TypeVar("T")
 
@@ -132,11 +144,19 @@ class GrammarCompiler:
         )
 
     def _compile(self, req: GenerationRequest) -> GenerationRequest:
+        size = 0
         if req.format_schema is not None:
-            self._check_size(req.format_schema, req.format_param)
+            size += self._check_size(req.format_schema, req.format_param)
         if self._forces_tools(req):
             assert req.tools is not None
-            self._check_size([t["function"].get("parameters") for t in req.tools], "tools")
+            size += self._check_size([t["function"].get("parameters") for t in req.tools], "tools")
+        try:
+            return self._compiled(req)
+        finally:
+            if size > TRIM_AFTER_BYTES:
+                _trim_heap()
+
+    def _compiled(self, req: GenerationRequest) -> GenerationRequest:
         req = self.tools.constrain(req)  # the forced calls' grammar (400 naming the tool that fails)
         param = "tools" if self._forces_tools(req) else req.format_param
         try:
@@ -150,7 +170,8 @@ class GrammarCompiler:
             raise APIError("invalid_request", f"{param}: {exc}", param=param) from None
         return req
 
-    def _check_size(self, schema: Any, param: str) -> None:
+    def _check_size(self, schema: Any, param: str) -> int:
+        """The size of `schema`'s JSON text; 400 naming `param` over `max_schema_bytes`."""
         size = len(json.dumps(schema, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"))
         if size > self.max_schema_bytes:
             raise APIError(
@@ -158,3 +179,24 @@ class GrammarCompiler:
                 f"{param}: the schema's JSON text is {size} bytes, over the limit of {self.max_schema_bytes}",
                 param=param,
             )
+        return size
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's `malloc_trim`, or None where the C library has none."""
+    name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+
+
+_last_trim = 0.0
+
+
+def _trim_heap() -> None:
+    """Return the C heap's free pages to the system (a no-op without glibc, or within `TRIM_EVERY_SECS` of
+    the last trim)."""
+    global _last_trim
+    trim, now = _malloc_trim(), time.monotonic()
+    if trim is not None and now - _last_trim >= TRIM_EVERY_SECS:
+        _last_trim = now
+        trim(0)

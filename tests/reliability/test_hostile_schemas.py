@@ -3,13 +3,15 @@
 `minItems` 10^9, and the same as forced tool schemas. While each runs, a stream keeps running and
 `/health` is probed every 50 ms: the stream's largest inter-token gap and `/health`'s p99 must stay
 within the first hardening round's margins (`tests/server/test_hardening.py`,
-`tests/reliability/test_soak.py`). Every answer is a 200 or a documented 400 naming the field, and no
-block is left reserved or allocated afterwards.
+`tests/reliability/test_soak.py`). Every answer is a 200 or a documented 400 naming the field, no
+block is left reserved or allocated afterwards, and the process's RSS comes back to within
+`RSS_MARGIN_BYTES` of what it was before the hostile cases.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -20,11 +22,16 @@ import httpx
 import pytest
 
 from tests.reliability.test_fuzz import _assert_documented, _assert_nothing_leaked
-from tests.support.servers import RunningServer, serving, wait_for
+from tests.support.servers import RunningServer, rss_bytes, serving, wait_for
 
 # The first round's margins, on this noisy 2-core machine: /health p99 < 1.0 s (the soak's) and no probe
 # over 1.5 s; a running stream's largest gap under its own baseline + 1.0 s (the largest-bodies test's).
 HEALTH_P99_SECS, HEALTH_MAX_SECS, GAP_MARGIN_SECS = 1.0, 1.5, 1.0
+# RSS after the cases, over before: the grammar caches' bounds (192 MiB of ready matchers, 32 MiB of grammar
+# text) and 64 MiB for everything else. Measured: +{MEASURED} MiB; before the bounds and the heap trim, the same
+# cases left ~{BEFORE} MiB resident (the issue saw +1.5 GB over its probes with the default model).
+RSS_MARGIN_BYTES = 256 << 20
+DISTINCT_SCHEMAS = 24  # each a new anyOf 1,000 wide: a client that never repeats one fills the caches
 
 
 def _object(i: int) -> dict[str, Any]:
@@ -98,6 +105,8 @@ def test_hostile_schemas_stall_no_one(server: RunningServer) -> None:
     stream = _Stream(server.url)
     assert wait_for(lambda: len(stream.arrivals) > 30, 30)
     baseline = max(stream.gaps(0.0, time.monotonic()))
+    gc.collect()
+    rss_before = rss_bytes()
     probes: list[float] = []
     windows: list[tuple[str, float]] = []
     outcomes: dict[str, int] = {}
@@ -143,4 +152,12 @@ def test_hostile_schemas_stall_no_one(server: RunningServer) -> None:
     assert worst_gap[1] < baseline + GAP_MARGIN_SECS, (worst_gap, baseline)
     assert outcomes["anyOf 2,000 wide, n=64 (response_format)"] == 200  # compiled once, shared by 64 choices
     assert outcomes["anyOf 5,000 wide (response_format)"] == 400  # over the size budget, refused before work
+    for i in range(DISTINCT_SCHEMAS):  # a client that never repeats a schema fills the caches to their bounds
+        schema = {"anyOf": [_object(j + 1000 * i) for j in range(1000)]}
+        body = {**_hostile_body(schema, 1, False), "max_tokens": 1}
+        assert httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
     _assert_nothing_leaked(server)
+    gc.collect()
+    growth = rss_bytes() - rss_before
+    print(f"hostile schemas: RSS grew {growth / (1 << 20):.0f} MiB (margin {RSS_MARGIN_BYTES >> 20} MiB)")
+    assert growth < RSS_MARGIN_BYTES, f"RSS grew {growth / (1 << 20):.0f} MiB"
