@@ -72,3 +72,22 @@ def test_tools_and_tool_results_are_counted_before_the_template(
     assert error["param"] == ("tools" if where == "tools" else "messages")
     assert rendered == [], "the template rendered (and the prompt was tokenised) before the size check"
     print(f"refused {where} in {time.monotonic() - started:.3f} s")
+
+
+def test_a_schema_over_the_compile_budget_is_a_400_naming_the_field(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compile's time budget (5 s by default; a millisecond here): a 400 naming `response_format`, and the
+    node keeps serving. The compile itself runs on, off the event loop, and its result is kept for next time."""
+    monkeypatch.setattr(server.app.state.helexa.grammars, "budget_secs", 0.001)
+    schema = {"anyOf": [{"type": "object", "properties": {f"slow{i}": {"type": "integer"}}} for i in range(1500)]}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    }
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    error = _error(response, 400, "invalid_request")
+    assert error["param"] == "response_format" and "did not compile within" in error["message"], error
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
