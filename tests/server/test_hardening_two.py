@@ -10,18 +10,12 @@ import httpx
 import pytest
 
 from helexa.server.protocol import MAX_TOOLS
+from tests.server.test_hardening import _error
 from tests.support.servers import RunningServer
 
 
 def _tool(i: int, description: str = "") -> dict:
     return {"type": "function", "function": {"name": f"f{i}", "description": description, "parameters": {}}}
-
-
-def _error(response: httpx.Response, status: int, code: str) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert error["code"] == code and set(error) == {"message", "type", "code", "param"}
-    return error
 
 
 def test_more_tools_than_openai_allows_is_a_400_naming_tools(server: RunningServer) -> None:
