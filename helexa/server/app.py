@@ -107,15 +107,15 @@ def _check_can_fit(state: ServerState, req: GenerationRequest) -> None:
     """400 `context_length_exceeded` before rendering or tokenising a prompt whose text is too long to fit in any
     tokenisation (more UTF-8 bytes than `max_model_len` tokens of the longest token can hold): tokenising
     megabytes takes seconds and memory for a request that can never run. Everything that reaches the chat
-    template counts (`template_text_bytes`): message text, tool calls and tool results, and the tools (shown
+    template counts (`_template_text_bytes`): message text, tool calls and tool results, and the tools (shown
     to the model unless `tool_choice` is "none"); `param` names `tools` when they alone cannot fit."""
     engine = state.engine
     limit = engine.max_model_len * engine.tokenizer.max_token_bytes
     param = "messages" if req.messages is not None else "prompt"
     if req.messages is not None:
         tools = req.tools if req.tool_choice != "none" else None
-        tool_bytes = template_text_bytes(tools, keys=True)
-        sizes = [template_text_bytes(req.messages, keys=False) + tool_bytes]
+        tool_bytes = _template_text_bytes(tools, keys=True)
+        sizes = [_template_text_bytes(req.messages, keys=False) + tool_bytes]
         param = "tools" if tool_bytes > limit else param
     else:
         sizes = [_utf8_len(p) for p in req.prompts if isinstance(p, str)]
@@ -129,7 +129,7 @@ def _check_can_fit(state: ServerState, req: GenerationRequest) -> None:
         )
 
 
-def template_text_bytes(value: object, keys: bool) -> int:
+def _template_text_bytes(value: object, keys: bool) -> int:
     """UTF-8 bytes of every string in `value` (a JSON value: messages, tools), the object keys too with `keys`
     (tools reach a template as JSON, keys and all). Iterative: a body's depth is bounded, its width is not."""
     total, stack = 0, [value]
