@@ -119,6 +119,7 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.dtype)
         self.max_model_len = _max_model_len(config, self.model_config)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
+        self.tokenizer.probe_chat_templates()  # a template that fails on every conversation refuses to start
         # Defaults for the sampling fields a request omits (`--generation-config`); read once, before the weights.
         self.sampling_defaults: SamplingDefaults = resolve_sampling_defaults(config.generation_config, self.model_dir)
         logger.info(f"engine: {self.sampling_defaults.describe()}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -19,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from helexa.engine import Engine, TokenEvent
+from helexa.model.text.chat_template import ChatTemplateBroken
 from helexa.model.text.tokenizer import TooManyTokens
 from helexa.server.connections import ConnectionLimit, ConnectionLimitMiddleware
 from helexa.server.dashboard import Dashboard
@@ -36,6 +38,8 @@ from helexa.server.middleware import (
 from helexa.server.protocol import GenerationRequest, decode_json, parse_detokenize, parse_tokenize
 from helexa.server.settings import ServerSettings
 from helexa.server.sse import EventStreamResponse, race_disconnect, sse
+from helexa.server.structured import GrammarCompiler
+from helexa.server.tenancy import isolated_salt
 from helexa.server.tools import ToolCalling
 
 logger = logging.getLogger("helexa.server")
@@ -51,6 +55,7 @@ class ServerState:
     logprobs: LogprobFormatter
     connections: ConnectionLimit
     tools: ToolCalling
+    grammars: GrammarCompiler
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
 
@@ -74,7 +79,7 @@ def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[list[int]]:
             except TooManyTokens:
                 raise
             except ValueError as exc:  # ChatTemplateError is a ValueError
-                raise APIError("invalid_request", f"chat template: {exc}", param=param) from None
+                raise _template_error(exc, param) from None
         ids = [tokenizer.encode(p, max_length=limit) if isinstance(p, str) else list(p) for p in req.prompts]
     except TooManyTokens as exc:  # refused before its ids are built: it can never run here
         raise APIError(
@@ -88,16 +93,30 @@ def _prompt_ids(state: ServerState, req: GenerationRequest) -> list[list[int]]:
     return ids
 
 
+def _template_error(exc: ValueError, param: str) -> APIError:
+    """The answer to a conversation the chat template did not render: 400 naming `param` when the conversation
+    is to blame (malformed, refused by the template's own `raise_exception` or by the sandbox's bounds); 500
+    `template_error` when the template broke for a reason of its own (the server's fault; logged as a
+    `WARNING` with the request id, as every 5xx)."""
+    if isinstance(exc, ChatTemplateBroken):
+        return APIError("template_error", f"the server's chat template is broken, not the request: {exc}")
+    return APIError("invalid_request", f"chat template: {exc}", param=param)
+
+
 def _check_can_fit(state: ServerState, req: GenerationRequest) -> None:
-    """400 `context_length_exceeded` before tokenising a prompt whose text is too long to fit in any tokenisation
-    (more UTF-8 bytes than `max_model_len` tokens of the longest token can hold): tokenising megabytes takes
-    seconds and memory for a request that can never run."""
+    """400 `context_length_exceeded` before rendering or tokenising a prompt whose text is too long to fit in any
+    tokenisation (more UTF-8 bytes than `max_model_len` tokens of the longest token can hold): tokenising
+    megabytes takes seconds and memory for a request that can never run. Everything that reaches the chat
+    template counts (`_template_text_bytes`): message text, tool calls and tool results, and the tools (shown
+    to the model unless `tool_choice` is "none"); `param` names `tools` when they alone cannot fit."""
     engine = state.engine
     limit = engine.max_model_len * engine.tokenizer.max_token_bytes
+    param = "messages" if req.messages is not None else "prompt"
     if req.messages is not None:
-        texts = [m["content"] for m in req.messages if isinstance(m.get("content"), str)]
-        texts += [p["text"] for m in req.messages if isinstance(m.get("content"), list) for p in m["content"]]
-        sizes = [sum(map(_utf8_len, texts))]
+        tools = req.tools if req.tool_choice != "none" else None
+        tool_bytes = _template_text_bytes(tools, keys=True)
+        sizes = [_template_text_bytes(req.messages, keys=False) + tool_bytes]
+        param = "tools" if tool_bytes > limit else param
     else:
         sizes = [_utf8_len(p) for p in req.prompts if isinstance(p, str)]
     if sizes and max(sizes) > limit:
@@ -106,8 +125,25 @@ def _check_can_fit(state: ServerState, req: GenerationRequest) -> None:
             f"the prompt's {max(sizes)} bytes of text cannot fit the maximum context length of "
             f"{engine.max_model_len} tokens (no token of this model stands for more than "
             f"{engine.tokenizer.max_token_bytes} bytes)",
-            param="messages" if req.messages is not None else "prompt",
+            param=param,
         )
+
+
+def _template_text_bytes(value: object, keys: bool) -> int:
+    """UTF-8 bytes of every string in `value` (a JSON value: messages, tools), the object keys too with `keys`
+    (tools reach a template as JSON, keys and all). Iterative: a body's depth is bounded, its width is not."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += _utf8_len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+            if keys:
+                stack.extend(item.keys())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 def _check_logit_bias(state: ServerState, req: GenerationRequest) -> None:
@@ -142,12 +178,19 @@ async def generate(request: Request) -> Response | EventStreamResponse:
         raise APIError("shutting_down", "the server is shutting down and admits no new requests")
     parse, fmt_type = FORMATS[request.url.path]
     _json_body_type(request)
-    req = state.tools.constrain(parse(decode_json(await request.body()), state.settings.allow_additional_properties))
+    req = parse(decode_json(await request.body()), state.settings.allow_additional_properties)
+    if state.settings.prefix_cache_isolation == "per-key":  # each key (and tenant) salts its own prefixes
+        req = dataclasses.replace(req, cache_salt=isolated_salt(request.headers, req.cache_salt))
     _check_logit_bias(state, req)
+    await run_in_threadpool(_check_can_fit, state, req)  # before the grammar and the template see the tools
+    req = await state.grammars.constrain(req)  # off the event loop, once for all choices
     prompt_ids = await run_in_threadpool(_prompt_ids, state, req)
     run_id = f"{fmt_type.id_prefix}{uuid.uuid4().hex}"
     run = GenerationRun(state.engine, run_id, prompt_ids, req, lambda: state.tools.parser_for(req))
-    run.submit()
+    if req.grammar is not None:  # each choice copies the prepared matcher; a worker thread even if it was evicted
+        await run_in_threadpool(run.submit)
+    else:
+        run.submit()
     fmt = fmt_type(req, run, state.engine.model_name, state.logprobs)
     if req.stream:
         events = run.events()
@@ -268,7 +311,7 @@ async def tokenize(request: Request) -> Response:
                     messages, add_generation_prompt=req.add_generation_prompt, tools=tools
                 )
             except ValueError as exc:  # ChatTemplateError is a ValueError
-                raise APIError("invalid_request", f"chat template: {exc}", param="messages") from None
+                raise _template_error(exc, "messages") from None
         assert req.prompt is not None
         return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
@@ -367,13 +410,15 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starlette:
     """The OpenAI-compatible app over a started `engine`; `app.state.helexa` is its `ServerState`."""
     settings = settings or ServerSettings()
+    tools = ToolCalling(engine.tokenizer, settings.tool_call_parser)
     state = ServerState(
         engine=engine,
         settings=settings,
         metrics=ServerMetrics(engine),
         logprobs=LogprobFormatter(engine.tokenizer),
         connections=ConnectionLimit(settings.max_connections),
-        tools=ToolCalling(engine.tokenizer, settings.tool_call_parser),
+        tools=tools,
+        grammars=GrammarCompiler(tools, engine.grammar_tokenizer),
     )
     routes = [
         *(Route(path, generate, methods=["POST"]) for path in FORMATS),
@@ -384,12 +429,13 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
         Route("/v1/admission", admission, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        *Dashboard(engine, lambda: state.draining).routes(),  # `GET /`: the operator page, and its data
+        # `GET /`: the operator page, and its data
+        *Dashboard(engine, lambda: state.draining, admin_api_key=settings.admin_api_key).routes(),
     ]
     middleware = [
         Middleware(ConnectionLimitMiddleware, limit=state.connections),
         Middleware(RequestContextMiddleware, metrics=state.metrics, generation_paths=frozenset(FORMATS)),
-        Middleware(AuthMiddleware, api_key=settings.api_key),
+        Middleware(AuthMiddleware, api_key=settings.api_key, admin_api_key=settings.admin_api_key),
         Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_secs=settings.body_timeout_secs),
     ]
     app = Starlette(

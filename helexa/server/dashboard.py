@@ -33,6 +33,7 @@ from helexa.engine.view import EngineView
 from helexa.kvcache import HoldingView
 from helexa.server.blockmap import BlockMap, read_block_map
 from helexa.server.errors import ADMISSION_ERRORS
+from helexa.server.tenancy import is_admin, redact_dashboard
 
 if TYPE_CHECKING:
     from helexa.engine import Engine
@@ -239,11 +240,13 @@ def build_dashboard(
 class Dashboard:
     """The page's routes over one engine: its files (read from the package once) and the data route.
 
-    `draining()` says whether the server is shutting down (shown on the page).
+    `draining()` says whether the server is shutting down (shown on the page). With `admin_api_key`, only
+    requests bearing it see request ids and session keys; others see pseudonyms (`tenancy.redact_dashboard`).
     """
 
-    def __init__(self, engine: Engine, draining: Any = lambda: False) -> None:
+    def __init__(self, engine: Engine, draining: Any = lambda: False, admin_api_key: str | None = None) -> None:
         self.engine = engine
+        self._admin_api_key = admin_api_key
         self.history = History(engine)
         self._draining = draining
         static = importlib.resources.files("helexa.server") / "static"
@@ -266,4 +269,6 @@ class Dashboard:
         body = await run_in_threadpool(
             build_dashboard, self.engine, self.history, draining=bool(self._draining()), budget_line=self._budget_line
         )
+        if self._admin_api_key is not None and not is_admin(request.headers, self._admin_api_key):
+            body = redact_dashboard(body)
         return JSONResponse(body, headers={"cache-control": "no-store"})

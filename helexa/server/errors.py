@@ -33,6 +33,7 @@ _SERVER_ERRORS: dict[str, tuple[int, str]] = {
     "overloaded": (503, "service_unavailable_error"),
     "device_fault": (500, "server_error"),
     "internal_error": (500, "server_error"),
+    "template_error": (500, "server_error"),  # the served chat template broke (not raise_exception)
 }
 
 

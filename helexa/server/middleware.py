@@ -78,11 +78,13 @@ class RequestContextMiddleware:
 
 class AuthMiddleware:
     """With an API key, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer <key>` (compared in
-    constant time), else 401; `/health` and `/metrics` stay open, and everything is open without a key."""
+    constant time), else 401; `/health` and `/metrics` stay open, and everything is open without a key.
+    The admin key (`--admin-api-key`), when given, is accepted wherever the API key is."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None = None) -> None:
         self.app = app
         self._key = api_key.encode() if api_key else None
+        self._admin = admin_api_key.encode() if admin_api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -91,7 +93,9 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key):
+        sent = token.strip().encode()
+        admin = self._admin is not None and hmac.compare_digest(sent, self._admin)
+        if scheme.lower() == "bearer" and (hmac.compare_digest(sent, self._key) or admin):
             await self.app(scope, receive, send)
             return
         message = "missing API key: send 'Authorization: Bearer <key>'" if not token else "incorrect API key"

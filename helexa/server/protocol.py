@@ -16,7 +16,6 @@ from typing import Any
 
 from helexa.model.sampling import MAX_LOGPROBS
 from helexa.model.sampling.closed_schema import close_objects
-from helexa.model.sampling.grammar import GrammarError, json_schema_grammar
 from helexa.model.sampling.params import MAX_LOGIT_BIAS
 from helexa.model.text.chat_template import validate_messages
 from helexa.model.tools import ToolSpecError, read_tools, tool_names
@@ -26,6 +25,7 @@ from helexa.values import is_int
 MAX_N = 128  # most choices one request may ask for
 MAX_STOP = 16  # most stop strings (OpenAI allows 4; vLLM has no limit)
 MAX_JSON_DEPTH = 64  # deepest nesting of arrays/objects in a body (tool schemas need a dozen or so)
+MAX_TOOLS = 128  # most tools one request may declare (OpenAI's limit)
 MAX_TOP_K = 2**31 - 1  # any k over the vocabulary filters nothing; larger ones would overflow the sampler's tensors
 
 
@@ -46,10 +46,12 @@ class GenerationRequest:
     - `include_usage`: streaming only — a final chunk carries `usage` (`stream_options.include_usage`);
       `continuous_usage`: every chunk carries the usage so far too (vLLM's
       `stream_options.continuous_usage_stats`, which implies `include_usage`).
-    - `grammar`: structured output — the output must be JSON valid under the request's
-      `response_format` (chat) or `text.format` (responses) schema, `format_schema` (None for free
-      text). With tools (`ToolCalling.constrain`) it is replaced: a forced call wins; under "auto"
-      the answer is calls or JSON text valid under `format_schema` (the format governs text only).
+    - `format_schema`: structured output — the output must be JSON valid under the request's
+      `response_format` (chat) or `text.format` (responses) schema (`format_param` names the field);
+      None for free text. Parsing never compiles it: `grammar` stays None here and is filled by the
+      server's `GrammarCompiler` (off the event loop, within its budgets) from `format_schema` or, with
+      tools, from the forced calls (`ToolCalling.constrain`: a forced call wins; under "auto" the answer
+      is calls or JSON text valid under `format_schema`, which governs text only).
     - `text_format`: the Responses API's `text.format` as sent (echoed in the response), None without.
     - `logit_bias`: token id → bias in [-100, 100], None without (token ids checked against the
       vocabulary by the server, which knows it).
@@ -81,6 +83,11 @@ class GenerationRequest:
     format_schema: dict[str, Any] | bool | None = None
     text_format: dict[str, Any] | None = None
     logit_bias: dict[int, float] | None = None
+
+    @property
+    def format_param(self) -> str:
+        """The request field that holds its output format: `response_format` (chat), `text.format` (responses)."""
+        return "text.format" if self.kind == "response" else "response_format"
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:
@@ -176,21 +183,13 @@ def _cache_key(body: dict[str, Any], name: str) -> str | None:
     return _get(body, name, ok, f"a non-empty string of at most {MAX_CACHE_KEY} characters")
 
 
-@dataclass(frozen=True)
-class JsonFormat:
-    """An output format's JSON `schema` (objects closed as `_json_format` decides) and its compiled `grammar`."""
-
-    schema: dict[str, Any] | bool
-    grammar: str
-
-
-def _json_format(value: Any, param: str, schema_at: str | None, open_objects: bool) -> JsonFormat | None:
-    """An OpenAI JSON output format and its grammar: `{"type": "text"}` (none), `{"type": "json_object"}`
+def _json_format(value: Any, param: str, schema_at: str | None, open_objects: bool) -> dict[str, Any] | bool | None:
+    """The JSON schema of an OpenAI output format: `{"type": "text"}` (None), `{"type": "json_object"}`
     (any JSON object) or `{"type": "json_schema", ...}` with its schema at `value[schema_at]["schema"]`
     (chat) or `value["schema"]` (responses, `schema_at` None). The schema's objects are closed
     (`close_objects`) under `"strict": true`, and without it unless `open_objects`
-    (`--allow-additional-properties`). 400 naming `param` for anything else, including a schema that
-    cannot be compiled."""
+    (`--allow-additional-properties`). 400 naming `param` for anything else. It is not compiled here
+    (the server's `GrammarCompiler` does that, off the event loop)."""
     if value is None:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
@@ -211,10 +210,7 @@ def _json_format(value: Any, param: str, schema_at: str | None, open_objects: bo
             schema = close_objects(schema)
     else:
         raise _bad(param, "an object with 'type' 'text', 'json_object' or 'json_schema'", value)
-    try:
-        return JsonFormat(schema, json_schema_grammar(schema))
-    except GrammarError as exc:
-        raise APIError("invalid_request", str(exc), param=param) from None
+    return schema
 
 
 @dataclass(frozen=True)
@@ -228,7 +224,12 @@ class _Tools:
 def _tools(body: dict[str, Any]) -> _Tools:
     """`tools`, `tool_choice` and `parallel_tool_calls`, as OpenAI defines them (chat's nested function
     objects, or the Responses API's flat ones). `tool_choice` defaults to "auto" with tools, "none" without;
-    "required" or a named function without tools is a 400."""
+    "required" or a named function without tools is a 400, and so are more than `MAX_TOOLS` tools."""
+    declared = body.get("tools")
+    if isinstance(declared, list) and len(declared) > MAX_TOOLS:
+        raise APIError(
+            "invalid_request", f"'tools' declares {len(declared)} tools; at most {MAX_TOOLS} are allowed", param="tools"
+        )
     try:
         tools = read_tools(body["tools"]) if body.get("tools") is not None else None
     except ToolSpecError as exc:
@@ -423,8 +424,7 @@ def parse_chat(body: dict[str, Any], open_objects: bool = False) -> GenerationRe
         continuous_usage=continuous_usage,
         logprobs=(top or 0) if want_logprobs else None,
         model=_str(body, "model"),
-        grammar=None if output_format is None else output_format.grammar,
-        format_schema=None if output_format is None else output_format.schema,
+        format_schema=output_format,
         logit_bias=_logit_bias(body),
         prompt_cache_key=_cache_key(body, "prompt_cache_key"),
         cache_salt=_cache_key(body, "cache_salt"),
@@ -542,8 +542,10 @@ def _response_input(value: Any) -> list[dict[str, Any]]:
     return _messages([{k: v for k, v in m.items() if k != "_open"} for m in messages], "input")
 
 
-def _text_format(body: dict[str, Any], open_objects: bool) -> tuple[JsonFormat | None, dict[str, Any] | None]:
-    """The Responses API's `text.format` (its `response_format`): (its schema and grammar, the format as sent)."""
+def _text_format(
+    body: dict[str, Any], open_objects: bool
+) -> tuple[dict[str, Any] | bool | None, dict[str, Any] | None]:
+    """The Responses API's `text.format` (its `response_format`): (its schema, the format as sent)."""
     text = body.get("text")
     if text is None:
         return None, None
@@ -583,8 +585,7 @@ def parse_response(body: dict[str, Any], open_objects: bool = False) -> Generati
         max_tokens=_int(body, "max_output_tokens", 1),
         stream=bool(_bool(body, "stream")),
         model=_str(body, "model"),
-        grammar=None if output_format is None else output_format.grammar,
-        format_schema=None if output_format is None else output_format.schema,
+        format_schema=output_format,
         text_format=text_format,
         prompt_cache_key=_cache_key(body, "prompt_cache_key"),
         cache_salt=_cache_key(body, "cache_salt"),

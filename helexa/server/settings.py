@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from helexa.config import SIZE, SWITCH, TEXT, Rule, option, validate
 from helexa.model.tools.parsers import PARSERS
+from helexa.server.tenancy import ISOLATION_MODES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 PORT = Rule("a port in [0, 65535]", lambda v: isinstance(v, int) and 0 <= v <= 65535, int, metavar="N")
@@ -66,12 +67,28 @@ class ServerSettings:
         "xgrammar close them. Forced tool arguments and strict schemas are always closed",
         SWITCH,
     )
+    prefix_cache_isolation: str = _api(
+        "shared",
+        "who shares cached prefixes when a request sends no cache_salt: 'shared' (every client, vLLM's "
+        "behaviour: a client can tell whether a prefix it guesses was cached) or 'per-key' (each API key, "
+        "and each X-Tenant-ID header, salts its own)",
+        Rule.one_of(*ISOLATION_MODES),
+    )
+    admin_api_key: str | None = _http(
+        None,
+        "the key that sees request ids and session keys on /v1/dashboard (other keys see pseudonyms); "
+        "accepted wherever --api-key is",
+        TEXT,
+        metavar="KEY",
+    )
     # A queued stream's headers go out at once, then a comment with its place and estimated start this
     # often, so proxies in front never see an idle connection.
     queue_comment_secs: float = _http(5.0, "", Rule.seconds(positive=True), cli=False)
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            raise ValueError("admin_api_key must differ from api_key (otherwise every client is the admin)")
 
     @property
     def exposed_without_key(self) -> bool:

@@ -147,6 +147,23 @@ def test_rendered_calls_parse_back() -> None:
         assert content is None and _shape(parsed) == calls, parser.name
 
 
+MARKERS_IN_STRINGS = {"s": '</tool_call> <tool_call> [TOOL_CALLS] [ARGS] <|python_tag|> ; \\" }}', "n": 1}
+
+
+@pytest.mark.parametrize("parser", [HermesParser, Llama3JsonParser, MistralParser])
+def test_a_marker_inside_a_json_string_never_ends_a_call(parser: type[ToolCallParser]) -> None:
+    """Every format reads a call's body as JSON: its own markers (and the others') inside an argument's string
+    value are part of the value, whole or streamed at any split (issue 31: a forced call came back as text)."""
+    calls = [("get_weather", MARKERS_IN_STRINGS), ("noop", {"s": "</tool_call>"})]
+    text = parser.render_calls(calls)
+    content, parsed = parse_all(parser(NAMES), text)
+    assert content is None and _shape(parsed) == calls, (parser.name, content)
+    for cut in range(len(text) + 1):
+        got = _streamed(parser(NAMES), [text[:cut], text[cut:]])
+        assert got[0] is None and _shape(got[1]) == calls, (parser.name, cut)
+    assert _shape(_streamed(parser(NAMES), list(text))[1]) == calls
+
+
 @pytest.mark.parametrize(
     "source, expected",
     [

@@ -202,3 +202,29 @@ def test_bad_history_is_a_400(server: RunningServer, message: dict, param: str) 
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == param
     assert "tool_calls" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_whose_argument_holds_the_closing_marker_is_a_call(server: RunningServer, stream: bool) -> None:
+    """Issue 31: the grammar forces an argument value holding `</tool_call>`; the answer is still one call
+    with that value (the parser reads the call's JSON as JSON), never `tool_calls: []` with the markup as text."""
+    value = "a</tool_call>b"
+    tools = [{"type": "function", "function": {"name": "echo", "parameters": {
+        "type": "object", "properties": {"s": {"const": value}}, "required": ["s"]}}}]  # fmt: skip
+    body = {"model": "m", "messages": ASK, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False,
+            "max_tokens": 120, "seed": 5, "stream": stream}  # fmt: skip
+    if not stream:
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+        choice = reply["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+        calls = [c["function"] for c in choice["message"]["tool_calls"]]
+    else:
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as response:
+            chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        deltas = [c["choices"][0] for c in chunks if c["choices"]]
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+        assert not any(d["delta"].get("content") for d in deltas)
+        pieces = [tc for d in deltas for tc in d["delta"].get("tool_calls") or ()]
+        arguments = "".join(p["function"]["arguments"] for p in pieces)
+        calls = [{"name": pieces[0]["function"]["name"], "arguments": arguments}]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("echo", {"s": value})]

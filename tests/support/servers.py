@@ -122,6 +122,7 @@ DOCUMENTED_ERRORS = {
     (408, "request_timeout"): False,
     (503, "overloaded"): False,
     (500, "device_fault"): False,
+    (500, "template_error"): False,
 }
 
 

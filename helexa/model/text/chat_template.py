@@ -25,13 +25,28 @@ import jinja2.nodes
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import MAX_RANGE, ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "validate_messages"]
+__all__ = ["PROBE_CONVERSATION", "ChatTemplate", "ChatTemplateBroken", "ChatTemplateError", "validate_messages"]
 
 _MAX_VALUE_LEN = 1_000_000  # items/chars a template may build with `*`; digits with `**`
 
 
 class ChatTemplateError(ValueError):
-    """A chat template failed to compile or render (the template's fault or the request's)."""
+    """A chat template failed to compile or render. Raised as is when the conversation is to blame: the
+    template's own `raise_exception(message)` refused it, or the sandbox refused what it made the template
+    do (an unsafe attribute, a value or a render time over the bounds); `ChatTemplateBroken` otherwise."""
+
+
+class ChatTemplateBroken(ChatTemplateError):
+    """A chat template failed for a reason of its own (a type error, an undefined name, a failing filter):
+    the fault of whoever serves it, not of the conversation."""
+
+
+class _TemplateRaised(jinja2.exceptions.TemplateError):
+    """What the template's `raise_exception(message)` raises."""
+
+
+# What a template is rendered on at load: any template that fails on it fails on every conversation.
+PROBE_CONVERSATION: tuple[dict[str, str], ...] = ({"role": "user", "content": "hello"},)
 
 
 def _plain(value: Any, where: str) -> Any:
@@ -192,7 +207,7 @@ class _TemplateDict:
 
 
 def _raise_exception(message: Any) -> None:
-    raise jinja2.exceptions.TemplateError(str(message))
+    raise _TemplateRaised(str(message))
 
 
 def _tojson(
@@ -287,7 +302,8 @@ class ChatTemplate:
     ) -> str:
         """The prompt text of `messages` (see `validate_messages`); text parts are joined with "\\n" unless
         the template loops over `content`. `ValueError` for malformed messages or tools, its subclass
-        `ChatTemplateError` for anything that goes wrong inside the template."""
+        `ChatTemplateError` when the template refuses the conversation (`raise_exception`, the sandbox's
+        bounds), and its subclass `ChatTemplateBroken` when the template fails for any other reason."""
         messages = validate_messages(messages)
         for message in messages:  # a turn with only tool calls has no content: templates get an empty one
             message.setdefault("content", [] if self.content_format == "parts" else "")
@@ -312,7 +328,9 @@ class ChatTemplate:
                 chunks.append(chunk)
                 _check_budget()
             return "".join(chunks)
-        except Exception as exc:  # noqa: BLE001 — a template failure is an error for this request only
+        except (_TemplateRaised, SecurityError) as exc:  # the conversation is refused: its sender's to fix
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 — the template broke: an error for this request only
+            raise ChatTemplateBroken(f"chat template failed: {type(exc).__name__}: {exc}") from exc
         finally:
             _budget.reset(token)

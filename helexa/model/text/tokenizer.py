@@ -20,7 +20,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, processors
 
-from helexa.model.text.chat_template import ChatTemplate
+from helexa.model.text.chat_template import PROBE_CONVERSATION, ChatTemplate, ChatTemplateError
 
 __all__ = ["Tokenizer", "TooManyTokens", "bos_eos_processor"]
 
@@ -63,11 +63,17 @@ class Tokenizer:
         """From a Hugging Face style directory: tokenizer.json; tokenizer_config.json's special tokens,
         `added_tokens_decoder`, `add_bos/eos_token` and `chat_template` (a string or `[{"name", "template"}]`);
         chat_template.jinja (the default template); generation_config.json's `eos_token_id` (int or list).
-        `FileNotFoundError` without tokenizer.json, `ValueError` for malformed configs, `ChatTemplateError`."""
+        `FileNotFoundError` without tokenizer.json, `ValueError` for a malformed tokenizer.json (one line: what
+        the `tokenizers` library could not read) or malformed configs, `ChatTemplateError`."""
         path = Path(path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
-        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:  # noqa: BLE001 — the library raises a bare Exception with the reason
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            where = path / "tokenizer.json"
+            raise ValueError(f"{where} is not a tokenizer the tokenizers library can read: {reason}") from None
         backend.no_truncation()
         backend.no_padding()
         config = _read_json(path / "tokenizer_config.json")
@@ -149,6 +155,17 @@ class Tokenizer:
     def chat_template(self) -> ChatTemplate | None:
         """The default chat template, or None when the model ships none."""
         return self.chat_templates.get("default")
+
+    def probe_chat_templates(self) -> None:
+        """Render every chat template once on `PROBE_CONVERSATION` (one user message), as a server does at
+        load: a template that fails on it fails on every conversation. Raises `ChatTemplateError` naming the
+        template, with the template's own error."""
+        for name, template in self.chat_templates.items():
+            try:
+                template.render([dict(m) for m in PROBE_CONVERSATION], add_generation_prompt=True)
+            except ChatTemplateError as exc:
+                what = f"the {name!r} chat template fails on a one-message conversation"
+                raise ChatTemplateError(f"{what}: {exc}") from None
 
     def template_for(self, tools: bool) -> ChatTemplate | None:
         """The template a conversation renders with: with tools, one named "tool_use" if the model ships

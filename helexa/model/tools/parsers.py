@@ -5,6 +5,8 @@ message content) or a complete `ToolCall`. It is fed every delta (`feed`) and th
 items are the same however the text was split into deltas, so a streamed response and a whole one
 agree. Text that looks like a call but is not a valid one (bad JSON, a function that was not declared,
 an unclosed block that does not parse) stays text, marker and all: nothing is lost and nothing raises.
+A call's body is read as JSON: a closing marker inside a JSON string (an argument whose value holds
+`</tool_call>` or `[TOOL_CALLS]`) is part of the value and never ends the call.
 
 Whitespace is held back between items: whitespace before a call, and trailing whitespace once any call
 was made, is dropped (so `"<tool_call>..</tool_call>\\n"` is a call with no content).
@@ -87,6 +89,39 @@ class _Emitter:
     def take(self) -> list[Item]:
         items, self.items = self.items, []
         return items
+
+
+class _JsonScan:
+    """Finds a marker outside JSON strings in a growing buffer, scanning each character once: the state
+    (inside a string, after a backslash) carries over from one `find` to the next."""
+
+    def __init__(self) -> None:
+        self.pos, self._in_string, self._escaped = 0, False, False
+
+    def find(self, buf: str, marker: str) -> int:
+        """The index of the first `marker` in `buf` outside any JSON string, or -1 (then the scan resumes
+        where it stopped: at the end, or where a marker may still be arriving)."""
+        i = self.pos
+        while i < len(buf):
+            ch = buf[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch == marker[0]:
+                if buf.startswith(marker, i):
+                    self.pos = i
+                    return i
+                if marker.startswith(buf[i:]):  # the marker may still be arriving
+                    break
+            i += 1
+        self.pos = i
+        return -1
 
 
 def _held_prefix(text: str, marker: str) -> int:
@@ -200,6 +235,7 @@ class HermesParser(ToolCallParser):
     def __init__(self, tool_names: frozenset[str], distinct: bool = False, single: bool = False) -> None:
         super().__init__(tool_names, distinct, single)
         self._in_call = False
+        self._scan = _JsonScan()  # the open call's body, read as JSON: its closing marker is outside strings
 
     def _consume(self, text: str) -> None:
         self._buf += text
@@ -207,9 +243,9 @@ class HermesParser(ToolCallParser):
             if not self._in_call:
                 if not self._text_until(self.OPEN):
                     return
-                self._in_call = True
+                self._in_call, self._scan = True, _JsonScan()
             else:
-                end = self._buf.find(self.CLOSE)
+                end = self._scan.find(self._buf, self.CLOSE)
                 if end < 0:
                     return
                 body, self._buf, self._in_call = self._buf[:end], self._buf[end + len(self.CLOSE) :], False
@@ -341,24 +377,34 @@ class MistralParser(ToolCallParser):
         self._buf = ""
 
     def _parse(self, text: str) -> list[ToolCall] | None:
+        """The calls of `text` (from the first marker on), each marker followed by a JSON value (a list of
+        calls or one call) or by `name[ARGS]` and a JSON object; the JSON is decoded as JSON, so a marker
+        inside one of its strings is part of the value. None when it is anything else."""
         assert self.marker is not None
-        calls: list[ToolCall | None] = []
-        for segment in text.split(self.marker)[1:]:
-            segment = segment.strip()
-            if segment.startswith(("[", "{")):
-                values = _decode_sequence(segment, ",")
-                if values is None or len(values) != 1:
-                    return None
-                value = values[0]
-                calls += [self._call(v, ("arguments",)) for v in (value if isinstance(value, list) else [value])]
-            elif self.ARGS in segment:
-                name, _, args = segment.partition(self.ARGS)
-                try:
-                    calls.append(self._call({"name": name.strip(), "arguments": json.loads(args)}))
-                except ValueError:
-                    return None
-            else:
+        decoder, calls, pos = json.JSONDecoder(), [], 0
+        while pos < len(text):
+            if not text.startswith(self.marker, pos):
                 return None
+            pos += len(self.marker)
+            while pos < len(text) and text[pos].isspace():
+                pos += 1
+            try:
+                if text.startswith(("[", "{"), pos):
+                    value, pos = decoder.raw_decode(text, pos)
+                    calls += [self._call(v, ("arguments",)) for v in (value if isinstance(value, list) else [value])]
+                else:
+                    at = text.find(self.ARGS, pos)
+                    if at < 0:
+                        return None
+                    name, pos = text[pos:at].strip(), at + len(self.ARGS)
+                    while pos < len(text) and text[pos].isspace():
+                        pos += 1
+                    args, pos = decoder.raw_decode(text, pos)
+                    calls.append(self._call({"name": name, "arguments": args}))
+            except ValueError:
+                return None
+            while pos < len(text) and text[pos].isspace():
+                pos += 1
         if not calls or not all(calls):
             return None
         return [c for c in calls if c is not None]
