@@ -190,6 +190,7 @@ class Engine:
             self.kv_events = KVEventRecorder.open(
                 config.kv_events_endpoint, replay_endpoint=config.kv_events_replay_endpoint,
                 topic=config.kv_events_topic or "", block_size=config.block_size,
+                tagged_maps=config.kv_events_encoding == "map",
                 queue_batches=config.kv_events_queue_batches, buffer_batches=config.kv_events_buffer_batches,
             )  # fmt: skip
             self.kv_events.start(self.kv.prefix_cache)
