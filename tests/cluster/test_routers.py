@@ -36,7 +36,7 @@ from tests.support.servers import make_tiny_model_dir
 # The router releases these tests run (also pinned in pyproject.toml's `test` extra).
 VLLM_ROUTER = ("vllm-router", "0.1.17")
 SGLANG_ROUTER = ("sglang-router", "0.3.2")
-SESSIONS, TURNS, ANSWER_TOKENS = 6, 4, 4
+SESSIONS, TURNS, ANSWER_TOKENS = 4, 4, 4
 BLOCK_SIZE, NUM_BLOCKS = 16, 1024  # every session fits one replica's cache: the best possible is all hits
 
 
@@ -117,9 +117,9 @@ class Replica:
         argv = [
             sys.executable, "-m", "helexa.server", "--model", str(self.model_dir), "--device", "cpu",
             "--host", "127.0.0.1", "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
-            "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "4", "--max-model-len", "2048",
+            "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "2", "--max-model-len", "2048",
             "--kv-events-endpoint", self.events, "--kv-events-replay-endpoint", self.replay,
-            "--kv-events-encoding", "map", "--log-level", "warning",
+            "--kv-events-encoding", "map", "--log-level", "info",  # info: the access log shows the load polls
         ]  # fmt: skip
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -136,8 +136,12 @@ class Replica:
         if self.proc is not None:
             _stop(self.proc)
 
+    def load_polls(self) -> int:
+        """`GET /get_load` requests this replica has answered (its access log)."""
+        return self.log.read_text(errors="replace").count('"GET /get_load HTTP/1.1" 200')
+
     def admission(self) -> dict:
-        return httpx.get(self.url + "/v1/admission", timeout=10).json()
+        return httpx.get(self.url + "/v1/admission", timeout=60).json()  # a busy CPU replica answers slowly
 
 
 @pytest.fixture(scope="module")
@@ -201,14 +205,14 @@ def _model(reps: list[Replica]) -> str:
 @dataclass
 class SessionRun:
     cached: dict[tuple[int, int], int]  # (session, turn) -> prompt tokens found cached
-    served_by: dict[tuple[int, int], int]  # (session, turn) -> replica index
+    served_by: dict[tuple[int, int], list[int]]  # (session, turn) -> the replicas whose admissions rose
 
     def later_hits(self) -> int:
         return sum(v for (_, t), v in self.cached.items() if t > 0)
 
     def session_replicas(self) -> set[int]:
         """The replicas that served the sessions' second turns (where each session's cache is)."""
-        return {rep for (_, t), rep in self.served_by.items() if t == 1}
+        return {rep for (_, t), reps in self.served_by.items() if t == 1 for rep in reps}
 
 
 def run_sessions(url: str, reps: list[Replica], model: str, session_header: bool = False) -> SessionRun:
@@ -245,9 +249,7 @@ def run_sessions(url: str, reps: list[Replica], model: str, session_header: bool
                 before = [r.admission()["admitted_total"] for r in reps]
                 turn_of(s, turn, http)
                 after = [r.admission()["admitted_total"] for r in reps]
-                served = [i for i in range(len(reps)) if after[i] > before[i]]
-                assert len(served) == 1, (before, after)
-                run.served_by[(s, turn)] = served[0]
+                run.served_by[(s, turn)] = [i for i in range(len(reps)) if after[i] > before[i]]
     return run
 
 
@@ -277,6 +279,9 @@ def test_vllm_router_keeps_sessions_on_their_cache(
     _flush(replicas)
     with running_router(vllm_router(replicas, policy, *extra), tmp_path / "router.log") as url:
         run = run_sessions(url, replicas, model, session_header=policy == "consistent_hash")
+        if policy == "kv_aware":  # the router fans its /flush_cache out to every replica (behind their key)
+            assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
+            assert all(r.admission()["blocks_cached"] == 0 for r in replicas)
     _check_sessions(run, best, f"vllm-router {policy}")
 
 
@@ -295,7 +300,7 @@ def test_sglang_router_cache_aware_keeps_sessions_on_their_cache(
 
 
 def test_power_of_two_routes_around_a_full_replica(replicas: list[Replica], tmp_path: Path) -> None:
-    """Replica 0's four sequence slots are taken by long streams and a fifth waits; after the router's next
+    """Replica 0's two sequence slots are taken by long streams and a third waits; after the router's next
     load polls, requests through `power_of_two` never reach it while the others have room."""
     full = replicas[0]
     model = _model(replicas)
@@ -303,22 +308,24 @@ def test_power_of_two_routes_around_a_full_replica(replicas: list[Replica], tmp_
     stop = threading.Event()
 
     def hold() -> None:  # a stream kept open until the test ends (closing it aborts the request)
-        with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", full.url + "/v1/completions", json=long) as r:
-            for _ in r.iter_bytes():
-                if stop.is_set():
-                    return
+        with contextlib.suppress(httpx.HTTPError):
+            with httpx.stream("POST", full.url + "/v1/completions", json=long, timeout=120) as r:
+                for _ in r.iter_bytes():
+                    if stop.is_set():
+                        return
 
-    holders = [threading.Thread(target=hold, daemon=True) for _ in range(5)]
+    holders = [threading.Thread(target=hold, daemon=True) for _ in range(3)]
     with running_router(vllm_router(replicas, "power_of_two"), tmp_path / "router.log") as url:
         try:
             for t in holders:
                 t.start()
-            assert _poll(lambda: full.admission()["queue_depth"] == 1, 30)
+            assert _poll(lambda: full.admission()["queue_depth"] == 1, 90)
             load = httpx.get(full.url + "/get_load", timeout=10).json()
             others = [httpx.get(r.url + "/get_load", timeout=10).json() for r in replicas[1:]]
             assert load["admissible_tokens"] == 0 and load["num_waiting_reqs"] == 1
             assert all(o["admissible_tokens"] > 0 and o["load"] < load["load"] for o in others)
-            time.sleep(11)  # two of the router's load polls (every 5 s)
+            polls = full.load_polls()  # the router polls /get_load on its own (every 5-10 s): wait for two polls
+            assert _poll(lambda: full.load_polls() >= polls + 2, 60), "the router never polled the full replica"
             before = {i: r.admission()["admitted_total"] for i, r in enumerate(replicas)}
             short = {"model": model, "prompt": "four five", "max_tokens": 2}
             for _ in range(9):
@@ -353,18 +360,18 @@ def test_a_killed_replica_costs_no_request_and_rejoins_with_its_kv_events(
     with running_router(vllm_router(replicas, "kv_aware", *extra), tmp_path / "router.log") as url:
         results: list[int] = []
 
-        def load() -> None:  # bounded: 40 requests, a new prompt each
+        def load() -> None:  # bounded: 20 requests, a new prompt each
             with httpx.Client(timeout=60) as http:
-                for i in range(40):
+                for i in range(20):
                     body = {"model": model, "prompt": f"load {i} " + "alpha beta " * 20, "max_tokens": 4}
                     results.append(http.post(url + "/v1/completions", json=body).status_code)
 
         worker = threading.Thread(target=load)
         worker.start()
-        assert _poll(lambda: len(results) >= 5, 60)
+        assert _poll(lambda: len(results) >= 3, 60)
         victim.kill()
         worker.join(120)
-        assert results == [200] * 40, results
+        assert results == [200] * 20, results
 
         victim.start()  # the same HTTP, KV event and replay ports
         victim.wait_ready()
