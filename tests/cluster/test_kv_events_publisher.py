@@ -204,6 +204,8 @@ def test_tagged_maps_are_vllms_newer_encoding_and_replays_carry_the_topic() -> N
     assert decode_batch(encode_batch(batch, tagged_maps=True)) == batch
     with pytest.raises(msgspec.ValidationError):
         decode_batch(msgspec.msgpack.encode([1.0, [{"type": "Nope"}], 0]))
+    with pytest.raises(ValueError, match="kv_events_encoding"):
+        EngineConfig(kv_events_encoding="json")
 
     publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, topic="kv", tagged_maps=True)
     publisher.start()

@@ -117,7 +117,9 @@ class Replica:
         argv = [
             sys.executable, "-m", "helexa.server", "--model", str(self.model_dir), "--device", "cpu",
             "--host", "127.0.0.1", "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
-            "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "2", "--max-model-len", "2048",
+            "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "2",
+            "--max-model-len", "2048",
+            "--max-wait-secs", "36000",  # the full replica's queued request waits (on CPU its estimate is long)
             "--kv-events-endpoint", self.events, "--kv-events-replay-endpoint", self.replay,
             "--kv-events-encoding", "map", "--log-level", "info",  # info: the access log shows the load polls
         ]  # fmt: skip
