@@ -238,7 +238,7 @@ def test_a_loopback_endpoint_is_bound_on_a_fixed_port_that_survives_a_restart() 
     sub = Subscriber(fixed)
     try:
         for ts in (1.0, 2.0):  # the replica, then the replica restarted
-            publisher = KVEventPublisher(fixed)
+            publisher = _bind_when_free(fixed)
             publisher.start()
             try:
                 deadline = time.monotonic() + 10
@@ -253,3 +253,16 @@ def test_a_loopback_endpoint_is_bound_on_a_fixed_port_that_survives_a_restart() 
                 publisher.close()
     finally:
         sub.close()
+
+
+def _bind_when_free(endpoint: str) -> KVEventPublisher:
+    """A publisher on `endpoint`, once ZMQ's I/O thread has let the previous one's listener go (closing a
+    socket is asynchronous in ZMQ; a restarted process finds its dead predecessor's port free at once)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return KVEventPublisher(endpoint)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
