@@ -274,6 +274,12 @@ class EngineConfig:
         TEXT,
         metavar="TOPIC",
     )
+    kv_events_encoding: str = _events(
+        "array",
+        "how each event is written: array (positional, vLLM through v0.23; llm-d's indexer) or map (vLLM's newer "
+        "tagged maps; vllm-router's kv_aware needs it)",
+        Rule.one_of("array", "map"),
+    )
     # Batches waiting to be sent (beyond: dropped, counted, then a resync) and batches kept for replay.
     kv_events_queue_batches: int = _events(1024, "", Rule.at_least(1), cli=False)
     kv_events_buffer_batches: int = _events(10_000, "", Rule.at_least(0), cli=False)

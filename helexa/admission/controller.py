@@ -582,6 +582,10 @@ class AdmissionController:
             "in_flight": len(self._running),
             "max_in_flight": cfg.max_num_seqs,
             "queue_depth": len(self._queue) + len(self._resume),
+            "blocks_queued": sum(  # what the waiting tickets would reserve at most: their bounds
+                self.capacity.blocks_for(t.prompt_tokens + t.max_tokens)
+                for t in (*self._queue.values(), *self._resume.values())
+            ),
             "max_queue_depth": cfg.max_queue_depth,
             "max_wait_secs": cfg.max_wait_secs,
             "policy": cfg.policy,

@@ -78,11 +78,29 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
-def encode_batch(batch: KVEventBatch) -> bytes:
-    """The msgpack payload of a batch."""
-    return _ENCODER.encode(batch)
+def encode_batch(batch: KVEventBatch, tagged_maps: bool = False) -> bytes:
+    """The msgpack payload of a batch: events as positional arrays, or with `tagged_maps` as vLLM's newer
+    tagged maps (`{"type": "BlockStored", "block_hashes": ..., ...}`, every field written), which
+    vllm-router's `kv_aware` indexer requires; the batch itself stays `[ts, events, data_parallel_rank]`."""
+    if not tagged_maps:
+        return _ENCODER.encode(batch)
+    events = [{"type": type(e).__name__, **msgspec.structs.asdict(e)} for e in batch.events]
+    return _ENCODER.encode([batch.ts, events, batch.data_parallel_rank])
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
-    """A batch from its msgpack payload (raises `msgspec.ValidationError` or `msgspec.DecodeError` on a bad one)."""
-    return _DECODER.decode(payload)
+    """A batch from its msgpack payload, its events positional or tagged maps (raises `msgspec.ValidationError`
+    or `msgspec.DecodeError` on a bad one)."""
+    try:
+        return _DECODER.decode(payload)
+    except msgspec.ValidationError:
+        raw = msgspec.msgpack.decode(payload)
+        if not (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[1], list)):
+            raise
+        if not all(isinstance(e, dict) and e.get("type") in _EVENT_TYPES for e in raw[1]):
+            raise
+        events = [[e["type"], *(e.get(f) for f in _EVENT_TYPES[e["type"]].__struct_fields__)] for e in raw[1]]
+        return msgspec.convert([raw[0], events, raw[2]], KVEventBatch)
+
+
+_EVENT_TYPES: dict[str, type[KVCacheEvent]] = {c.__name__: c for c in (BlockStored, BlockRemoved, AllBlocksCleared)}

@@ -8,11 +8,13 @@ Wire protocol (vLLM's `ZmqEventPublisher`, which llm-d's KV indexer reads):
 - ROUTER (replay): a request `[b"", start]` (from a DEALER; a REQ socket adds the empty frame itself)
   with `start` 8 bytes big-endian is answered with every buffered batch whose sequence number is
   `>= start`, in order, each as `[b"", seq, payload]`, then the end marker `[b"", (-1 as 8 signed
-  bytes), b""]`. The buffer keeps the last `buffer_batches` batches sent.
+  bytes), b""]`. The buffer keeps the last `buffer_batches` batches sent. With `tagged_maps` (vLLM's newer
+  format, which vllm-router reads) each reply also carries the topic: `[b"", topic, seq, payload]`.
 
 An endpoint is bound when it contains `*` or `::` or is `ipc://` / `inproc://` (`tcp://*:5557`, or
-`tcp://127.0.0.1:*` for a free port), else connected (`tcp://epp.ns.svc:5557`: the picker binds, as in
-llm-d's central mode) — vLLM's rule. The replay endpoint is always bound.
+`tcp://127.0.0.1:*` for a free port) — vLLM's rule — or names a loopback address (`tcp://127.0.0.1:5557`:
+a fixed port that survives restarts, for a router on the same host); else connected
+(`tcp://epp.ns.svc:5557`: the picker binds, as in llm-d's central mode). The replay endpoint is always bound.
 """
 
 from __future__ import annotations
@@ -34,9 +36,14 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)  # the sequence frame that 
 _POLL_SECONDS = 0.1  # how often the thread looks at the replay socket while no batch arrives (as vLLM)
 
 
+_LOOPBACK_HOSTS = ("tcp://127.", "tcp://localhost:", "tcp://[::1]:")
+
+
 def binds(endpoint: str) -> bool:
-    """True when `endpoint` is one to bind (vLLM's rule: a wildcard, `::`, `ipc://` or `inproc://`)."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+    """True when `endpoint` is one to bind: vLLM's rule (a wildcard, `::`, `ipc://` or `inproc://`), and a
+    loopback address (`tcp://127.0.0.1:5557`): a fixed port on this host only, which a router on the same
+    host (vllm-router connects, never binds) keeps reaching across the replica's restarts."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://", *_LOOPBACK_HOSTS))
 
 
 class KVEventPublisher:
@@ -55,6 +62,7 @@ class KVEventPublisher:
         *,
         replay_endpoint: str | None = None,
         topic: str = "",
+        tagged_maps: bool = False,
         queue_batches: int = 1024,
         buffer_batches: int = 10_000,
         hwm: int = 100_000,
@@ -65,6 +73,7 @@ class KVEventPublisher:
                 f"queue_batches must be >= 1 and buffer_batches >= 0, got {queue_batches}, {buffer_batches}"
             )
         self.topic = topic
+        self.tagged_maps = tagged_maps  # events as vLLM's newer tagged maps (vllm-router), else positional arrays
         self.published = 0  # batches sent (the next sequence number)
         self.dropped = 0  # batches dropped because the queue was full or the publisher closed (publishing thread)
         self.failed = 0  # batches that could not be encoded or sent (the publisher's thread)
@@ -169,7 +178,7 @@ class KVEventPublisher:
     def _send(self, batch: KVEventBatch) -> None:
         seq = self.published
         try:
-            payload = encode_batch(batch)
+            payload = encode_batch(batch, self.tagged_maps)
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         except Exception:  # a bad batch or a closed socket: never kill the thread, never reuse the number
             logger.exception("kv events: could not send batch %d", seq)
@@ -185,12 +194,13 @@ class KVEventPublisher:
             logger.warning("kv events: ignored a replay request of %d frames", len(frames))
             return
         client, start = frames[0], int.from_bytes(frames[2], "big")
+        head = (client, b"", self._topic) if self.tagged_maps else (client, b"")  # vllm-router reads a topic frame
         sent = 0
         for seq, payload in list(self._buffer):
             if seq >= start:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+                self._replay.send_multipart((*head, seq.to_bytes(8, "big"), payload))
                 sent += 1
-        self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+        self._replay.send_multipart((*head, END_OF_REPLAY, b""))
         logger.debug("kv events: replayed %d batches from %d", sent, start)
 
     def _close_sockets(self) -> None:

@@ -70,6 +70,7 @@ class KVEventRecorder:
         replay_endpoint: str | None,
         topic: str,
         block_size: int,
+        tagged_maps: bool = False,
         queue_batches: int = 1024,
         buffer_batches: int = 10_000,
     ) -> KVEventRecorder:
@@ -78,13 +79,15 @@ class KVEventRecorder:
             endpoint,
             replay_endpoint=replay_endpoint,
             topic=topic,
+            tagged_maps=tagged_maps,
             queue_batches=queue_batches,
             buffer_batches=buffer_batches,
         )
         publisher.start()
         logger.info(
-            "kv events: publishing on %s (replay: %s) topic=%r block_size=%d",
+            "kv events: publishing on %s (replay: %s) topic=%r block_size=%d encoding=%s",
             publisher.endpoint, publisher.replay_endpoint or "off", topic, block_size,
+            "map" if tagged_maps else "array",
         )  # fmt: skip
         return cls(publisher, block_size)
 

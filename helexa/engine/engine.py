@@ -12,6 +12,7 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,6 +177,7 @@ class Engine:
         self._deferred: dict[int, tuple[Ticket, str, int]] = {}  # ticket id -> (ticket, source request id, blocks)
         self._pending: dict[str, RequestHandle] = {}  # submitted, not ended; any thread, under _lock
         self._aborts: set[str] = set()  # abort requests for running sequences, under _lock
+        self._flushes: list[Future[int]] = []  # `flush_prefix_cache` calls waiting for the loop, under _lock
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._wakeup = threading.Condition()  # its own lock: admission calls _wake while _lock may be held
@@ -189,6 +191,7 @@ class Engine:
             self.kv_events = KVEventRecorder.open(
                 config.kv_events_endpoint, replay_endpoint=config.kv_events_replay_endpoint,
                 topic=config.kv_events_topic or "", block_size=config.block_size,
+                tagged_maps=config.kv_events_encoding == "map",
                 queue_batches=config.kv_events_queue_batches, buffer_batches=config.kv_events_buffer_batches,
             )  # fmt: skip
             self.kv_events.start(self.kv.prefix_cache)
@@ -310,6 +313,17 @@ class Engine:
             self._end_unstarted(handle, TokenEvent(finish_reason="abort"))
         self._wake()
 
+    def flush_prefix_cache(self, timeout: float = 10.0) -> int:
+        """Evict every cached block no request holds, on the loop's thread at its next step boundary; returns
+        how many were evicted. Blocks in use (running, preempted-and-pinned, deferred) are never touched, so
+        no request loses its KV; KV event subscribers hear each eviction. Raises `TimeoutError` when the
+        loop does not reach a step boundary within `timeout` seconds (a poisoned or reloading engine)."""
+        done: Future[int] = Future()
+        with self._lock:
+            self._flushes.append(done)
+        self._wake()
+        return done.result(timeout)
+
     def snapshot(self) -> dict[str, Any]:
         """The `/v1/admission` body: pool and admission numbers, recomputed tokens, the prefill chunk budget and
         the model state."""
@@ -348,6 +362,7 @@ class Engine:
         self._take_admitted()
         self._release_deferred()
         self._apply_aborts()
+        self._apply_flushes()
         chunks = schedule(self._running, self.config.max_num_batched_tokens, self.step_budget.prefill_limit)
         if self._adaptive:
             chunks = self._provision(chunks)
@@ -546,6 +561,19 @@ class Engine:
         for tid, (ticket, _, _) in list(self._deferred.items()):
             if ticket.request_id in aborts:  # held back, never started: its reservation and pins return
                 self._end_deferred(tid, TokenEvent(finish_reason="abort"))
+
+    def _apply_flushes(self) -> None:
+        with self._lock:
+            if not self._flushes:
+                return
+            flushes, self._flushes = self._flushes, []
+        cache = self.kv.prefix_cache
+        evicted = cache.clear() if cache is not None else 0  # held blocks stay: only unheld ones are evicted
+        self.counters.prefix_cache_evictions = self.kv.evictions
+        if self.kv_events is not None:  # the evictions go out now, not with the next working step
+            self.kv_events.end_step()
+        for done in flushes:
+            done.set_result(evicted)
 
     def _end_deferred(self, ticket_id: int, final: TokenEvent) -> None:
         ticket = self._deferred.pop(ticket_id)[0]

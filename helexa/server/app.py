@@ -22,10 +22,11 @@ from starlette.routing import Route
 from helexa.engine import Engine, TokenEvent
 from helexa.model.text.chat_template import ChatTemplateBroken
 from helexa.model.text.tokenizer import TooManyTokens
+from helexa.server.backend import backend_routes
 from helexa.server.connections import ConnectionLimit, ConnectionLimitMiddleware
 from helexa.server.dashboard import Dashboard
 from helexa.server.errors import APIError, error_response
-from helexa.server.formats import FORMATS, ApiFormat, LogprobFormatter
+from helexa.server.formats import FORMATS, RENDERED, ApiFormat, LogprobFormatter
 from helexa.server.generation import Choice, GenerationRun, event_error
 from helexa.server.metrics import ServerMetrics
 from helexa.server.middleware import (
@@ -234,6 +235,34 @@ async def generate(request: Request) -> Response | EventStreamResponse:
         _observe(state, run)
 
 
+async def render(request: Request) -> Response:
+    """`POST /v1/chat/completions/render`, `/v1/completions/render` (vLLM's shapes): the prompt's token ids as
+    the generation route would build them (same validation, same chat template), without generating.
+
+    Chat answers one object, completions a list (one per prompt); each carries `token_ids` (what a KV-aware
+    router hashes into blocks), the `model` and the request's `sampling_params`.
+    """
+    state = _state(request)
+    parse, _ = FORMATS[request.url.path.removesuffix("/render")]
+    _json_body_type(request)
+    req = parse(decode_json(await request.body()), state.settings.allow_additional_properties)  # no grammar built
+    prompt_ids = await run_in_threadpool(_prompt_ids, state, req)
+    params: dict[str, object] = {**req.sampling, "max_tokens": req.max_tokens, "n": req.n, "seed": req.seed}
+    bodies = [
+        {
+            "request_id": f"render-{uuid.uuid4().hex}",
+            "token_ids": ids,
+            "features": None,
+            "sampling_params": params,
+            "model": state.engine.model_name,
+            "stream": req.stream,
+            "cache_salt": req.cache_salt,
+        }
+        for ids in prompt_ids
+    ]
+    return JSONResponse(bodies if req.kind == "completion" else bodies[0])
+
+
 async def _stream_queued(
     state: ServerState,
     fmt: ApiFormat,
@@ -422,6 +451,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
     )
     routes = [
         *(Route(path, generate, methods=["POST"]) for path in FORMATS),
+        *(Route(f"{path}/render", render, methods=["POST"]) for path in RENDERED),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
@@ -429,6 +459,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
         Route("/v1/admission", admission, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *backend_routes(),  # what vLLM's and SGLang's routers probe: load, server and model info, cache flush
         # `GET /`: the operator page, and its data
         *Dashboard(engine, lambda: state.draining, admin_api_key=settings.admin_api_key).routes(),
     ]

@@ -422,3 +422,5 @@ FORMATS: dict[str, tuple[Callable[[dict[str, Any], bool], GenerationRequest], ty
     "/v1/completions": (parse_completion, CompletionFormat),
     "/v1/responses": (parse_response, ResponsesFormat),
 }
+# The generation paths with a `/render` twin (vLLM's): the prompt's token ids without generating.
+RENDERED = ("/v1/chat/completions", "/v1/completions")

@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from helexa.admission import REJECTION_REASONS
 from helexa.engine import MODEL_STATES, Engine
+from helexa.server.backend import median_wait
 
 # Every metric the server exports (counters with their `_total` sample suffix).
 METRIC_NAMES = (
@@ -163,11 +164,7 @@ class _EngineCollector(Collector):
     def _cluster(self) -> Iterator[Metric]:
         """The estimated wait of a median-size request, and the KV event stream's batch counters."""
         engine = self._engine
-        try:
-            bs = engine.config.block_size  # before any request: one block of prompt and one of output
-            wait = engine.request_sizes.median_wait(engine.admission.estimate_wait, (bs, bs))
-        except ValueError:  # an observed size always fits; the default one does not in a pool of one block
-            wait = float("nan")
+        wait = median_wait(engine)
         yield GaugeMetricFamily(
             "helexa_admission_estimated_wait_seconds",
             "Seconds a request of the median recent size would wait for admission if it arrived now.",

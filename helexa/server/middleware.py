@@ -77,9 +77,10 @@ class RequestContextMiddleware:
 
 
 class AuthMiddleware:
-    """With an API key, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer <key>` (compared in
-    constant time), else 401; `/health` and `/metrics` stay open, and everything is open without a key.
-    The admin key (`--admin-api-key`), when given, is accepted wherever the API key is."""
+    """With an API key, `/v1/*`, `/tokenize`, `/detokenize` and `/flush_cache` need `Authorization: Bearer <key>`
+    (compared in constant time), else 401; `/health`, `/metrics` and the routers' load and info probes stay
+    open, and everything is open without a key. The admin key (`--admin-api-key`), when given, is accepted
+    wherever the API key is."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, admin_api_key: str | None = None) -> None:
         self.app = app
@@ -88,7 +89,7 @@ class AuthMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        guarded = path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        guarded = path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/flush_cache")
         if self._key is None or scope["type"] != "http" or not guarded:
             await self.app(scope, receive, send)
             return

@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import time
 
+import msgspec
 import pytest
 import zmq
 
 from helexa.cluster import (
+    END_OF_REPLAY,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -185,3 +187,82 @@ def test_block_hashes_are_sha256_and_the_same_in_every_process() -> None:
     # Fixed values: Python's salted hash() would give others in every process (and did, before).
     assert (root_hash(None), root_hash("t")) == (0x4B6E096511A36B5E, 0x8C46A8BD3917C399)
     assert block_hash(root_hash("t"), [7, 8, 9, 10]) == 0x627B917A66D57994
+
+
+def test_tagged_maps_are_vllms_newer_encoding_and_replays_carry_the_topic() -> None:
+    """`--kv-events-encoding map`: each event a map tagged by `type` (every field written), the batch still
+    `[ts, events, rank]`; a replay reply is `[b"", topic, seq, payload]` (what vllm-router reads)."""
+    stored = BlockStored([7, 8], 6, list(range(8)), 4, None, "GPU", None)
+    batch = KVEventBatch(2.5, [stored, BlockRemoved([7], "GPU"), AllBlocksCleared()], 0)
+    raw = msgspec.msgpack.decode(encode_batch(batch, tagged_maps=True))
+    assert raw[0] == 2.5 and raw[2] == 0
+    assert raw[1][0] == {
+        "type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash": 6, "token_ids": list(range(8)),
+        "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None,
+    }  # fmt: skip
+    assert raw[1][1:] == [{"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}, {"type": "AllBlocksCleared"}]
+    assert decode_batch(encode_batch(batch, tagged_maps=True)) == batch
+    with pytest.raises(msgspec.ValidationError):
+        decode_batch(msgspec.msgpack.encode([1.0, [{"type": "Nope"}], 0]))
+    with pytest.raises(ValueError, match="kv_events_encoding"):
+        EngineConfig(kv_events_encoding="json")
+
+    publisher = KVEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK, topic="kv", tagged_maps=True)
+    publisher.start()
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        assert publisher.publish(batch)
+        assert _settle(publisher) == 0
+        dealer.connect(publisher.replay_endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert dealer.poll(10_000)
+        empty, topic, seq, payload = dealer.recv_multipart()
+        assert (empty, topic, int.from_bytes(seq, "big")) == (b"", b"kv", 0)
+        assert decode_batch(payload) == batch
+        assert dealer.poll(10_000)
+        assert dealer.recv_multipart() == [b"", b"kv", END_OF_REPLAY, b""]
+    finally:
+        dealer.close()
+        publisher.close()
+
+
+def test_a_loopback_endpoint_is_bound_on_a_fixed_port_that_survives_a_restart() -> None:
+    """`tcp://127.0.0.1:PORT` binds (a router on this host connects to it); a publisher restarted on the same
+    port is reached again by the subscriber that was connected before."""
+    assert binds("tcp://127.0.0.1:5557") and binds("tcp://localhost:5557") and binds("tcp://[::1]:5557")
+    first = KVEventPublisher(LOOPBACK)
+    port = int(first.endpoint.rsplit(":", 1)[1])
+    first.close()
+    fixed = f"tcp://127.0.0.1:{port}"
+    sub = Subscriber(fixed)
+    try:
+        for ts in (1.0, 2.0):  # the replica, then the replica restarted
+            publisher = _bind_when_free(fixed)
+            publisher.start()
+            try:
+                deadline = time.monotonic() + 10
+                while not sub.sock.poll(50) and time.monotonic() < deadline:  # the SUB (re)connects, then receives
+                    publisher.publish(KVEventBatch(ts, [AllBlocksCleared()], 0))
+                    publisher.flush(5.0)
+                topic, seq, payload = sub.sock.recv_multipart()
+                assert decode_batch(payload).ts == ts
+                while sub.sock.poll(100):
+                    sub.sock.recv_multipart()
+            finally:
+                publisher.close()
+    finally:
+        sub.close()
+
+
+def _bind_when_free(endpoint: str) -> KVEventPublisher:
+    """A publisher on `endpoint`, once ZMQ's I/O thread has let the previous one's listener go (closing a
+    socket is asynchronous in ZMQ; a restarted process finds its dead predecessor's port free at once)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return KVEventPublisher(endpoint)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
