@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from helexa import __version__
+from helexa._version import __version__
 from helexa.engine import Engine
 from helexa.server.errors import APIError
 
