@@ -253,6 +253,22 @@ class EngineConfig:
         "unretained cached block, for this long",
         Rule.seconds(),
     )
+    speculative: str = _scheduling(
+        "suffix",
+        "speculative decoding: verify drafts of each decoding request's next tokens in one step, taken from its own "
+        "text (ngram: prompt lookup) and also from its session's earlier outputs (suffix: by prompt_cache_key, per "
+        "cache_salt); the output is exactly what decoding without drafts gives; off: no drafts",
+        Rule.one_of("off", "ngram", "suffix"),
+    )
+    num_speculative_tokens: int = _scheduling(
+        8, "longest draft a request verifies in one step (each request adapts its own, up to this)", Rule.at_least(1)
+    )
+    prompt_lookup_min: int = _scheduling(
+        2, "shortest run of a request's last tokens a draft is matched on", Rule.at_least(1)
+    )
+    prompt_lookup_max: int = _scheduling(
+        4, "longest run of a request's last tokens a draft is matched on", Rule.at_least(1)
+    )
     max_fault_retries: int = _faults(
         3, "consecutive device faults the engine recovers from before it gives up", Rule.at_least(0)
     )
@@ -302,6 +318,10 @@ class EngineConfig:
             raise ValueError(
                 f"--kv-cache-dtype {self.kv_cache_dtype} cannot be combined with --tensor-parallel-size "
                 f"{self.tensor_parallel_size}: a tensor-parallel KV cache is kept in the model dtype"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"--prompt-lookup-min {self.prompt_lookup_min} must be <= --prompt-lookup-max {self.prompt_lookup_max}"
             )
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")

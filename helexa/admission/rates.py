@@ -37,8 +37,8 @@ class EngineRates:
 class RateTracker:
     """The median measured step costs over the last `window` steps, safe to read from any thread.
 
-    `decode_step_seconds` is the wall time of one step that decodes (each running sequence gains a
-    token per step); `prefill_token_seconds` the cost of one prompt token; a mixed step is split by the
+    `decode_step_seconds` is the wall time in which each running sequence gains one token: a step that
+    decodes, divided by the tokens a sequence gained in it (more than one where speculative drafts were kept); `prefill_token_seconds` the cost of one prompt token; a mixed step is split by the
     current estimates' shares. Until a cost has been measured it is `EngineRates()`' prior. A median, not
     a moving average: a burst of slow steps shorter than half the window (a storm of arriving requests
     competing for the interpreter, a page fault) does not move it, while a lasting change does within
@@ -68,8 +68,12 @@ class RateTracker:
         with self._lock:
             return statistics.median(self._prefill) if self._prefill else EngineRates.prefill_token_seconds
 
-    def observe_step(self, seconds: float, num_decode_tokens: int, num_prefill_tokens: int) -> None:
-        """Fold one step's wall time in; a mixed step is split by the current estimates' shares."""
+    def observe_step(
+        self, seconds: float, num_decode_tokens: int, num_prefill_tokens: int, decode_yield: float = 1.0
+    ) -> None:
+        """Fold one step's wall time in; a mixed step is split by the current estimates' shares. `decode_yield`:
+        tokens each decoding sequence gained in the step, on average (above 1 where speculative drafts were
+        kept): the decode sample is the time in which a sequence gains one token, what every estimate needs."""
         if seconds <= 0 or (num_decode_tokens == 0 and num_prefill_tokens == 0):
             return
         decode_now, prefill_now = self.decode_step_seconds, self.prefill_token_seconds
@@ -78,7 +82,8 @@ class RateTracker:
         total_est = prefill_est + decode_est
         with self._lock:
             if num_decode_tokens:
-                self._decode.append(seconds * (decode_est / total_est) if total_est > 0 else seconds)
+                share = seconds * (decode_est / total_est) if total_est > 0 else seconds
+                self._decode.append(share / max(1.0, decode_yield))
             if num_prefill_tokens:
                 share = seconds * (prefill_est / total_est) if total_est > 0 else seconds
                 self._prefill.append(share / num_prefill_tokens)

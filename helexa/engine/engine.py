@@ -27,9 +27,10 @@ from helexa.engine.loading import kv_calibration_ids, load
 from helexa.engine.output import append_token
 from helexa.engine.parallel.group import fault_injection
 from helexa.engine.recovery import FaultRecovery
-from helexa.engine.runner import ModelRunner, StepInputs
+from helexa.engine.runner import ModelRunner, StepInputs, StepSamples
 from helexa.engine.scheduler import ScheduledChunk, schedule
 from helexa.engine.sequence import Request, Sequence
+from helexa.engine.speculative import Drafter, SpecStats
 from helexa.engine.step_budget import MeasuredStepCost, StepBudget
 from helexa.engine.stream import RequestStream, TokenEvent
 from helexa.engine.view import EngineView
@@ -37,7 +38,7 @@ from helexa.kvcache import BlockPool, KVBudget, KVManager
 from helexa.model.config import ModelConfig
 from helexa.model.generation_defaults import SamplingDefaults, resolve_sampling_defaults
 from helexa.model.loader import resolve_dtype
-from helexa.model.sampling import SampleResult, SamplingParams, make_generator
+from helexa.model.sampling import SamplingParams, make_generator
 from helexa.model.sampling.grammar import GrammarTokenizer
 from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.text.stopping import StopChecker
@@ -167,6 +168,12 @@ class Engine:
             device=self.device,
         )
         self._adaptive = config.admission.policy == "adaptive"
+        # `--speculative`: drafts from each request's own tokens (and its session's outputs), verified in the step.
+        self.drafter: Drafter | None = None
+        if config.speculative != "off":
+            self.drafter = Drafter(
+                config.speculative, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
         # HELEXA_FAULT_INJECT fires here (rank 0), or on the worker rank HELEXA_FAULT_INJECT_RANK names.
         self._faults = FaultInjector.from_env() if fault_rank == 0 else FaultInjector()
         self._last_end: float | None = None  # when the previous step that ran the model ended (None: idle since)
@@ -325,10 +332,11 @@ class Engine:
         return done.result(timeout)
 
     def snapshot(self) -> dict[str, Any]:
-        """The `/v1/admission` body: pool and admission numbers, recomputed tokens, the prefill chunk budget and
-        the model state."""
+        """The `/v1/admission` body: pool and admission numbers, speculative decoding's totals (zero when it is
+        off), recomputed tokens, the prefill chunk budget and the model state."""
         return {
             **self.admission.snapshot(),
+            **(self.drafter.stats if self.drafter is not None else SpecStats()).snapshot(),
             "recomputed_tokens": self.counters.recomputed_tokens,
             "target_step_secs": self.target_step_secs,
             "prefill_chunk_tokens": self.step_budget.chunk_tokens,
@@ -363,7 +371,8 @@ class Engine:
         self._release_deferred()
         self._apply_aborts()
         self._apply_flushes()
-        chunks = schedule(self._running, self.config.max_num_batched_tokens, self.step_budget.prefill_limit)
+        drafts = self._propose_drafts() if self.drafter is not None else None
+        chunks = schedule(self._running, self.config.max_num_batched_tokens, self.step_budget.prefill_limit, drafts)
         if self._adaptive:
             chunks = self._provision(chunks)
         if not chunks:
@@ -377,23 +386,25 @@ class Engine:
                 chunk.seq.num_computed += chunk.num_new
             t1 = time.perf_counter()
             self._faults.check(self._step_no)
-            samples, failures = self.runner.execute(inputs, [s.generator for s in inputs.sampled], self._step_no)
+            sampled = self.runner.execute(inputs, self._step_no)
         except Exception as exc:  # any failure on the device side: recover and replay
             self._on_device_fault(exc, chunks)
             return True
         t2 = time.perf_counter()
         self.recovery.succeeded()
         self.counters.prefix_cache_evictions = self.kv.evictions
+        finished = self._postprocess(inputs, sampled)
         for chunk in chunks:  # every block the step filled is now computed: offer it to the prefix cache
             self.kv.offer(chunk.seq.request_id, chunk.seq.num_computed)
-        self._postprocess(inputs, samples, failures)
+        for seq, event in finished:
+            self._finish(seq, event)
         if self.kv_events is not None:  # this step's stored and evicted blocks, as one batch (never blocks)
             self.kv_events.end_step()
         t3 = time.perf_counter()
         # The rate estimates are made from the loop's cadence: from the end of the previous working step
         # (back to back under load) to the end of this one, so the loop's own overhead and the threads
         # it shares the interpreter with are in it, as they are in every real wait.
-        self._record(inputs, t3 - begin, t3 - t0, t2 - t1)
+        self._record(inputs, t3 - begin, t3 - t0, t2 - t1, _decode_yield(inputs, sampled))
         self._last_end = t3
         return True
 
@@ -582,38 +593,79 @@ class Engine:
         if handle is not None:
             self._end_unstarted(handle, final)
 
-    def _postprocess(self, inputs: StepInputs, samples: SampleResult | None, failures: dict[int, Exception]) -> None:
-        """Stream each sampled token's event and finish what ended.
+    def _postprocess(self, inputs: StepInputs, sampled: StepSamples | None) -> list[tuple[Sequence, TokenEvent]]:
+        """Append each sequence's emitted tokens (a verified draft's kept tokens, then the next one), stream
+        their events, and return the sequences that ended with their final event (the caller ends them once
+        their blocks are offered).
 
-        The whole step's progress reaches admission before any sequence is released, so its wait
-        estimates never see half a step.
+        A sequence whose draft was cut short forgets the rejected positions' slots first, so its table
+        covers exactly its computed tokens; a sequence that ends inside its emitted tokens drops the rest
+        (they were never shown). The whole step's progress reaches admission before any sequence is
+        released, so its wait estimates never see half a step.
         """
         finished: list[tuple[Sequence, TokenEvent]] = []
-        if samples is not None:
-            for row, seq in enumerate(inputs.sampled):
-                if row in failures:  # this request's own parameters broke its sampling
-                    error = RequestFailed(
-                        f"sampling failed for this request: {type(failures[row]).__name__}: {failures[row]}"
-                    )
-                    logger.warning("engine: request %s failed in sampling: %s", seq.request_id, error)
-                    finished.append((seq, _final(seq, "error", error)))
-                    continue
+        for gi, group in enumerate(inputs.groups if sampled is not None else []):
+            assert sampled is not None
+            seq = group.seq
+            if gi in sampled.failures:  # this request's own parameters broke its sampling
+                error = RequestFailed(
+                    f"sampling failed for this request: {type(sampled.failures[gi]).__name__}: {sampled.failures[gi]}"
+                )
+                logger.warning("engine: request %s failed in sampling: %s", seq.request_id, error)
+                finished.append((seq, _final(seq, "error", error)))
+                continue
+            emitted = sampled.emitted[gi]
+            if group.draft:
+                self._settle_draft(seq, len(group.draft), emitted - 1)
+            for row in range(group.row, group.row + emitted):
+                token = sampled.samples.token_ids[row]
                 if seq.constraint is not None:  # the mask allowed it: the grammar moves on
-                    seq.constraint.accept(samples.token_ids[row])
-                event = append_token(seq, samples, row, self.tokenizer.eos_token_ids)
+                    seq.constraint.accept(token)
+                event = append_token(seq, sampled.samples, row, self.tokenizer.eos_token_ids)
                 self.counters.generation_tokens += 1
                 if event.finished:
                     finished.append((seq, event))
-                else:
-                    seq.stream.put(event)
+                    seq.num_computed = min(seq.num_computed, seq.num_tokens)  # only the tokens it kept
+                    break
+                seq.stream.put(event)
         ending = {id(seq) for seq, _ in finished}
         for seq in self._running:
             if id(seq) not in ending:
                 self.admission.progress(
                     seq.ticket, prompt_prefilled=min(seq.num_computed, seq.prompt_len), tokens_generated=seq.num_output
                 )
-        for seq, event in finished:
-            self._finish(seq, event)
+        return finished
+
+    def _propose_drafts(self) -> dict[Sequence, tuple[int, ...]]:
+        """Speculative decoding: the draft each decoding sequence verifies this step. A draft never needs a
+        slot beyond the request's reservation (nor its context), and never takes the output past its
+        granted limit: a request near either drafts less. A structured-output request drafts only what its
+        grammar allows."""
+        drafter, block_size = self.drafter, self.config.block_size
+        assert drafter is not None
+        drafts: dict[Sequence, tuple[int, ...]] = {}
+        for seq in self._running:
+            if seq.num_tokens - seq.num_computed != 1 or seq.in_prefill or not seq.params.speculative:
+                continue
+            if seq.draft_state is None:
+                seq.draft_state = drafter.new_state()
+            room = (seq.ticket.blocks_reserved + self.kv.shared_blocks(seq.request_id)) * block_size - seq.num_tokens
+            limit = min(room, seq.granted_max_tokens - seq.num_output - 1, self.max_model_len - seq.num_tokens)
+            draft = drafter.propose(seq.token_ids, seq.draft_state, limit, seq.request.cache_salt, seq.request.session)
+            if draft and seq.constraint is not None:
+                draft = draft[: seq.constraint.valid_prefix(draft)]
+            if draft:
+                drafts[seq] = draft
+        return drafts
+
+    def _settle_draft(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verified draft kept its first `accepted` tokens: the rejected positions' slots are forgotten (their
+        blocks, never offered, return to the pool) and the request's next draft length adapts."""
+        assert self.drafter is not None and seq.draft_state is not None
+        seq.num_computed -= drafted - accepted
+        if accepted < drafted:
+            self.kv.trim(seq.request_id, seq.num_computed)
+        self.drafter.verified(seq.draft_state, drafted, accepted)
 
     def _provision(self, chunks: list[ScheduledChunk[Sequence]]) -> list[ScheduledChunk[Sequence]]:
         """Policy adaptive: grow each scheduled sequence's reservation to cover its chunk, oldest first.
@@ -650,6 +702,8 @@ class Engine:
         if self._preempted.pop(seq.ticket.id, None) is None:
             self._running.remove(seq)
         self.kv.drop_table(seq.request_id)  # its own blocks; those it shares go with the reservation
+        if self.drafter is not None and final.finish_reason in ("stop", "length"):  # a session's next turns may copy it
+            self.drafter.finished(seq.request.cache_salt, seq.request.session, seq.output_ids)
         if seq.ticket.state is TicketState.QUEUED:  # preempted, waiting to resume
             self.admission.cancel(seq.ticket)
         else:
@@ -670,13 +724,21 @@ class Engine:
             self._pending.pop(request_id, None)
             self._aborts.discard(request_id)
 
-    def _record(self, inputs: StepInputs, cadence_seconds: float, step_seconds: float, model_seconds: float) -> None:
-        """Counters get the step's own time; the cost model gets the loop's cadence (see `step`)."""
+    def _record(
+        self,
+        inputs: StepInputs,
+        cadence_seconds: float,
+        step_seconds: float,
+        model_seconds: float,
+        decode_yield: float = 1.0,
+    ) -> None:
+        """Counters get the step's own time; the cost model gets the loop's cadence (see `step`) and what each
+        decoding sequence gained in it (`decode_yield` tokens: more than one where drafts were kept)."""
         self.counters.steps += 1
         self.counters.step_seconds += step_seconds
         self.counters.model_seconds += model_seconds
         self.counters.prompt_tokens += inputs.num_prefill_tokens
-        self.step_budget.observe(cadence_seconds, inputs.num_decode_tokens, inputs.num_prefill_tokens)
+        self.step_budget.observe(cadence_seconds, inputs.num_decode_tokens, inputs.num_prefill_tokens, decode_yield)
         self.admission.set_rates(self.step_cost.rates())
 
     # ------------------------------------------------------------------ device faults
@@ -762,6 +824,14 @@ class Engine:
                 if not self._woken and not self._stopping:
                     self._wakeup.wait(timeout)
                 self._woken = False
+
+
+def _decode_yield(inputs: StepInputs, sampled: StepSamples | None) -> float:
+    """Tokens each decoding sequence gained in the step, on average: 1, plus the draft tokens kept."""
+    if sampled is None or inputs.num_decode_seqs == 0:
+        return 1.0
+    kept = sum(sampled.emitted[i] - 1 for i, g in enumerate(inputs.groups) if g.draft)
+    return 1.0 + kept / inputs.num_decode_seqs
 
 
 def _final(seq: Sequence, reason: str, error: BaseException | None = None) -> TokenEvent:

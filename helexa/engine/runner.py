@@ -23,6 +23,21 @@ from helexa.model.sampling.grammar import allocate_bitmask
 
 
 @dataclass(frozen=True)
+class SampleGroup:
+    """One sequence's sampling rows in a step: logits rows `row .. row + len(draft)`. Row `row` follows the
+    sequence's last known token; row `row + j` follows draft token `j` (a speculative draft, verified this
+    step: `draft` is () for a plain decode or a prefill's last chunk)."""
+
+    seq: Sequence
+    row: int
+    draft: tuple[int, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        return 1 + len(self.draft)
+
+
+@dataclass(frozen=True)
 class StepInputs:
     """Everything one forward needs, built once per step (never per layer)."""
 
@@ -30,9 +45,21 @@ class StepInputs:
     positions: torch.Tensor  # (T,) int64
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # (S,) int64 — rows of the flattened batch that sample
-    sampled: list[Sequence]  # the S sequences, in row order
-    num_decode_tokens: int
+    groups: list[SampleGroup]  # the sequences that sample, in row order (their rows add up to S)
+    num_decode_tokens: int  # tokens of sequences past their prompt (draft tokens included)
     num_prefill_tokens: int
+    num_decode_seqs: int = 0  # sequences past their prompt
+
+
+@dataclass(frozen=True)
+class StepSamples:
+    """A step's sampling: one token per row (`samples`), and per group how many of its rows are `emitted`: all
+    rows up to and including the first whose token differs from the draft (1 + the draft tokens kept).
+    `failures`: groups (by index) whose own parameters broke sampling, with the error; they emit nothing."""
+
+    samples: SampleResult
+    emitted: list[int]
+    failures: dict[int, Exception]
 
 
 class ModelRunner:
@@ -127,20 +154,22 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
-        sampled: list[Sequence] = []
-        num_decode = num_prefill = 0
+        groups: list[SampleGroup] = []
+        num_decode = num_prefill = num_decode_seqs = 0
         for chunk in chunks:
-            seq = chunk.seq
+            seq, draft = chunk.seq, chunk.draft
             start = seq.num_computed
-            ids.extend(seq.token_ids[start : start + chunk.num_new])
+            ids.extend(seq.token_ids[start : start + chunk.num_new - len(draft)])
+            ids.extend(draft)  # (a draft follows the last known token: num_new = 1 + len(draft))
             positions.extend(range(start, start + chunk.num_new))
             if chunk.samples:
-                sample_rows.append(len(ids) - 1)
-                sampled.append(seq)
+                groups.append(SampleGroup(seq, len(sample_rows), draft))
+                sample_rows.extend(range(len(ids) - 1 - len(draft), len(ids)))
             if seq.in_prefill:
                 num_prefill += chunk.num_new
             else:
                 num_decode += chunk.num_new
+                num_decode_seqs += 1
         packed = to_device(ids + positions + sample_rows, self.device)  # (2T + S,): one transfer
         num_tokens = len(ids)
         return StepInputs(
@@ -148,73 +177,114 @@ class ModelRunner:
             positions=packed[num_tokens : 2 * num_tokens],
             attn=attn,
             logits_indices=packed[2 * num_tokens :],
-            sampled=sampled,
+            groups=groups,
             num_decode_tokens=num_decode,
             num_prefill_tokens=num_prefill,
+            num_decode_seqs=num_decode_seqs,
         )
 
     @torch.inference_mode()
-    def execute(
-        self, inputs: StepInputs, generators: list[torch.Generator | None], step_no: int = 0
-    ) -> tuple[SampleResult | None, dict[int, Exception]]:
-        """Run the forward over the batch and sample one token for each sampling row.
+    def execute(self, inputs: StepInputs, step_no: int = 0) -> StepSamples | None:
+        """Run the forward over the batch, sample one token for each sampling row and verify each draft.
 
-        Returns the samples (None when no row samples) and the rows whose sampling failed because
-        of their own parameters, with the error: a failure that one request's parameters cause is
-        that request's, never a device fault. Exceptions from the forward propagate (under tensor
+        A group's rows are sampled as its plain decode steps would sample them one after another: row j
+        sees the draft's first j tokens as output (penalties, the grammar's mask), and a seeded row draws
+        from the request's generator in row order. The group emits its rows up to and including the
+        first whose token differs from the draft; its generator is then left exactly as far on as
+        those emitted draws, so the tokens are the ones decoding without a draft gives (greedy and
+        seeded alike), and an unseeded row's token is drawn from the same distribution.
+
+        None when no row samples. A failure one request's parameters cause is that request's (in
+        `failures`), never a device fault. Exceptions from the forward propagate (under tensor
         parallelism a `TensorParallelFault` naming the rank). `step_no`: the engine step, for the
         workers' fault injection (0: not an engine step).
         """
         logits = self._forward(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices, step_no)
-        if not inputs.sampled:
-            return None, {}
+        if not inputs.groups:
+            return None
         if self.sample_vocab_size is not None and self.sample_vocab_size < logits.shape[1]:
             logits = logits[:, : self.sample_vocab_size]  # (S, V_tokenizer)
-        seqs = inputs.sampled
-        constraints = [(row, seq.constraint) for row, seq in enumerate(seqs) if seq.constraint is not None]
+        rows = [_Row(g.seq, g.draft[:j], gi) for gi, g in enumerate(inputs.groups) for j in range(g.num_rows)]
         bitmask = None  # structured output: the tokens each row may sample (the sampler masks after logprobs)
-        if constraints:
-            width = max(logits.shape[1], *(c.vocab_size for _, c in constraints))
-            bitmask = allocate_bitmask(len(seqs), width)  # (S, ceil(width / 32)) int32 on the host, all allowed
-            for row, constraint in constraints:
-                constraint.fill(bitmask, row)
+        if any(g.seq.constraint is not None for g in inputs.groups):
+            width = max(logits.shape[1], *(g.seq.constraint.vocab_size for g in inputs.groups if g.seq.constraint))
+            bitmask = allocate_bitmask(len(rows), width)  # (S, ceil(width / 32)) int32 on the host, all allowed
+            for g in inputs.groups:
+                if g.seq.constraint is not None:
+                    g.seq.constraint.fill_ahead(bitmask, g.row, g.draft)
+        # A seeded group with a draft draws one number per row; it keeps only the draws of the rows it emits.
+        rewind = {
+            gi: (g.seq.generator, g.seq.generator.get_state())
+            for gi, g in enumerate(inputs.groups)
+            if g.draft and g.seq.generator is not None and not g.seq.params.is_greedy
+        }
+        samples, failures = self._sample_rows(logits, rows, bitmask)
+        emitted = [0 if gi in failures else _emitted(g, samples) for gi, g in enumerate(inputs.groups)]
+        for gi, (generator, state) in rewind.items():
+            _advance(generator, state, emitted[gi])
+        return StepSamples(samples, emitted, failures)
+
+    def _sample_rows(
+        self, logits: torch.Tensor, rows: list[_Row], bitmask: torch.Tensor | None
+    ) -> tuple[SampleResult, dict[int, Exception]]:
+        """One vectorised call over every row; if it raises, the groups whose parameters cause it are found
+        (their rows alone) and the others sampled again in one call."""
         try:
-            return self._sample(logits, seqs, generators, bitmask), {}
-        except Exception:  # find the rows that cause it; the others keep their one vectorised call
+            return self._sample(logits, rows, bitmask), {}
+        except Exception:
             failures: dict[int, Exception] = {}
-            for row, seq in enumerate(seqs):
+            for group in sorted({r.group for r in rows}):
+                mine = [i for i, r in enumerate(rows) if r.group == group]
                 try:
-                    rows_mask = None if bitmask is None else bitmask[row : row + 1]
-                    self._sample(logits[row : row + 1], [seq], generators[row : row + 1], rows_mask)
+                    self._sample(logits[mine], [rows[i] for i in mine], None if bitmask is None else bitmask[mine])
                 except Exception as exc:
-                    failures[row] = exc
+                    failures[group] = exc
             if not failures:
                 raise
-            ok = [row for row in range(len(seqs)) if row not in failures]
-            if not ok:
-                return SampleResult([], [], []), failures
-            ok_mask = None if bitmask is None else bitmask[ok]
-            partial = self._sample(logits[ok], [seqs[r] for r in ok], [generators[r] for r in ok], ok_mask)
-            merged = SampleResult([-1] * len(seqs), [None] * len(seqs), [None] * len(seqs))
-            for i, row in enumerate(ok):
-                merged.token_ids[row] = partial.token_ids[i]
-                merged.logprobs[row] = partial.logprobs[i]
-                merged.top_logprobs[row] = partial.top_logprobs[i]
+            ok = [i for i, r in enumerate(rows) if r.group not in failures]
+            merged = SampleResult([-1] * len(rows), [None] * len(rows), [None] * len(rows))
+            if ok:
+                partial = self._sample(logits[ok], [rows[i] for i in ok], None if bitmask is None else bitmask[ok])
+                for j, i in enumerate(ok):
+                    merged.token_ids[i] = partial.token_ids[j]
+                    merged.logprobs[i] = partial.logprobs[j]
+                    merged.top_logprobs[i] = partial.top_logprobs[j]
             return merged, failures
 
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        seqs: list[Sequence],
-        generators: list[torch.Generator | None],
-        bitmask: torch.Tensor | None = None,
-    ) -> SampleResult:
-        need_history = any(s.params.uses_penalties for s in seqs)
+    def _sample(self, logits: torch.Tensor, rows: list[_Row], bitmask: torch.Tensor | None = None) -> SampleResult:
+        need_history = any(r.seq.params.uses_penalties for r in rows)
         return self.sampler.sample(
             logits,
-            [s.params for s in seqs],
-            generators,
-            prompt_ids=[s.prompt_ids for s in seqs] if need_history else None,
-            output_ids=[s.output_ids for s in seqs] if need_history else None,
+            [r.seq.params for r in rows],
+            [r.seq.generator for r in rows],
+            prompt_ids=[r.seq.prompt_ids for r in rows] if need_history else None,
+            output_ids=[r.seq.output_ids + list(r.ahead) for r in rows] if need_history else None,
             bitmask=bitmask,
         )
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One sampling row: its sequence, the draft tokens before it, and its group's index."""
+
+    seq: Sequence
+    ahead: tuple[int, ...]
+    group: int
+
+
+def _emitted(group: SampleGroup, samples: SampleResult) -> int:
+    """Rows the group emits: up to and including the first whose sampled token is not the draft's next."""
+    kept = 0
+    for j, token in enumerate(group.draft):
+        if samples.token_ids[group.row + j] != token:
+            break
+        kept += 1
+    return kept + 1
+
+
+def _advance(generator: torch.Generator, state: torch.Tensor, draws: int) -> None:
+    """Put `generator` back to `state`, then on by `draws` draws of one number each (the sampler's per-row draw)."""
+    generator.set_state(state)
+    scratch = torch.empty(1, device=generator.device)
+    for _ in range(draws):
+        scratch.uniform_(generator=generator)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -23,15 +23,21 @@ S = TypeVar("S", bound=Schedulable)
 @dataclass(frozen=True)
 class ScheduledChunk(Generic[S]):
     """`num_new` tokens of `seq` (from position `seq.num_computed`) run this step; `samples` says
-    whether the step ends at the sequence's last known token and so samples its next one."""
+    whether the step ends at the sequence's last known token and so samples its next one. A decode
+    with a `draft` runs its last known token and then the draft's tokens (`num_new = 1 + len(draft)`),
+    and samples after each of them: the draft is verified."""
 
     seq: S
     num_new: int
     samples: bool
+    draft: tuple[int, ...] = ()
 
 
 def schedule(
-    running: Sequence[S], max_num_batched_tokens: int, prefill_limit: Callable[[int], int] | None = None
+    running: Sequence[S],
+    max_num_batched_tokens: int,
+    prefill_limit: Callable[[int], int] | None = None,
+    drafts: Mapping[S, tuple[int, ...]] | None = None,
 ) -> list[ScheduledChunk[S]]:
     """Pick this step's work under `max_num_batched_tokens`.
 
@@ -43,6 +49,10 @@ def schedule(
 
     `prefill_limit(num_decodes)`, when given, caps the prompt tokens of the step once its decodes are
     chosen (the `StepBudget` sizing prefill chunks to a step time); it never takes budget from a decode.
+
+    `drafts` (speculative decoding): a decoding sequence's draft tokens to verify this step. They take
+    what budget the decodes leave, in `running` order, a draft cut short (never below nothing) where
+    the budget runs out; a decode never loses its own token to another's draft.
     """
     budget = max_num_batched_tokens
     chunks: list[ScheduledChunk[S]] = []
@@ -54,6 +64,12 @@ def schedule(
             budget -= 1
         elif pending > 1:
             prefills.append(seq)
+    if drafts:
+        for i, chunk in enumerate(chunks):
+            draft = drafts.get(chunk.seq, ())[: max(0, budget)]
+            if draft:
+                chunks[i] = ScheduledChunk(chunk.seq, 1 + len(draft), True, tuple(draft))
+                budget -= len(draft)
     if prefills and prefill_limit is not None:
         budget = min(budget, prefill_limit(len(chunks)))
     for seq in prefills:

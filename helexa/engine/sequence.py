@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from helexa.admission import Ticket
+from helexa.engine.speculative.drafter import DraftState
 from helexa.engine.stream import RequestStream
 from helexa.model.sampling import SamplingParams
 from helexa.model.sampling.grammar import TokenConstraint
@@ -52,6 +53,7 @@ class Sequence:
     num_computed: int = 0
     cached_tokens: int = 0
     dropped_tokens: int = 0  # computed tokens a preemption dropped; those the cache no longer holds are recomputed
+    draft_state: DraftState | None = None  # speculative decoding: its prompt-lookup index and draft length
 
     @property
     def request_id(self) -> str:

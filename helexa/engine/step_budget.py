@@ -48,8 +48,9 @@ class StepCost(Protocol):
         """The cost of a step that decodes, predicted now."""
         ...
 
-    def observe(self, seconds: float, num_decode: int, num_prefill: int) -> None:
-        """One step ran `num_decode` decode and `num_prefill` prompt tokens in `seconds` (the loop's cadence)."""
+    def observe(self, seconds: float, num_decode: int, num_prefill: int, decode_yield: float = 1.0) -> None:
+        """One step ran `num_decode` decode and `num_prefill` prompt tokens in `seconds` (the loop's cadence);
+        each decoding sequence gained `decode_yield` tokens on average (speculative drafts kept: above 1)."""
         ...
 
 
@@ -115,10 +116,10 @@ class MeasuredStepCost:
         added = max(statistics.median(self._added), full / 4) if self._added else full
         return StepEstimate(decode, added, min(full, added))
 
-    def observe(self, seconds: float, num_decode: int, num_prefill: int) -> None:
+    def observe(self, seconds: float, num_decode: int, num_prefill: int, decode_yield: float = 1.0) -> None:
         if seconds <= 0 or (num_decode <= 0 and num_prefill <= 0):
             return
-        self.tracker.observe_step(seconds, num_decode, num_prefill)
+        self.tracker.observe_step(seconds, num_decode, num_prefill, decode_yield)
         with self._lock:
             if num_prefill <= 0:
                 self._decode.append(seconds)
@@ -187,11 +188,11 @@ class StepBudget:
         """What a prefill chunk may be now while requests decode (`max_num_batched_tokens` when off)."""
         return self._limit(self.cost.estimate()) if self.enabled else self.max_num_batched_tokens
 
-    def observe(self, seconds: float, num_decode: int, num_prefill: int) -> None:
-        """One finished step's cadence, for the cost model to learn from."""
+    def observe(self, seconds: float, num_decode: int, num_prefill: int, decode_yield: float = 1.0) -> None:
+        """One finished step's cadence, for the cost model to learn from (`decode_yield`: see `StepCost.observe`)."""
         if num_decode > 0:
             self._mixed_in_a_row = self._mixed_in_a_row + 1 if num_prefill > 0 else 0
-        self.cost.observe(seconds, num_decode, num_prefill)
+        self.cost.observe(seconds, num_decode, num_prefill, decode_yield)
 
     def _limit(self, est: StepEstimate) -> int:
         full = self.max_num_batched_tokens

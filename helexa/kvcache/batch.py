@@ -130,6 +130,20 @@ class BatchBuilder:
         self._free_rows.append(table.row)
         return list(table._block_ids)
 
+    def truncate(self, table: BlockTable, num_tokens: int) -> list[int]:
+        """Shrink a table to its first `num_tokens` tokens (slots beyond are forgotten: a speculative draft's
+        rejected positions) and return the block ids it no longer lists, in position order, for the caller
+        to let go (no reference dropped here). Raises `ValueError` for a count above the table's."""
+        self._check_live(table)
+        check_int(num_tokens, "num_tokens", 0)
+        if num_tokens > table.num_tokens:
+            raise ValueError(f"cannot truncate {table!r} to {num_tokens} tokens: it has {table.num_tokens}")
+        keep = _cdiv(num_tokens, self.pool.block_size)
+        dropped = table._block_ids[keep:]
+        del table._block_ids[keep:]
+        table.num_tokens = num_tokens
+        return dropped
+
     def blocks_needed(self, batch: Iterable[tuple[BlockTable, int]]) -> int:
         """Blocks `build(batch)` would allocate (the check half of check/commit)."""
         return sum(table.blocks_needed(n) for table, n in batch)

@@ -314,6 +314,21 @@ class KVManager:
                     return
                 h.parent, h.offered = node, i + 1
 
+    def trim(self, key: str, num_tokens: int) -> None:
+        """Forget the request's slots past its first `num_tokens` tokens (a speculative draft's rejected
+        positions): blocks its table no longer needs return to the pool at once. Those are always its own
+        (never offered: only computed tokens are, and these were not kept), so nothing cached or shared
+        changes; the K/V left in the slots of its last block is overwritten before any read. Raises
+        `ValueError` when the request has fewer tokens, or a dropped block is indexed."""
+        with self._lock:
+            table, cache = self._table(key), self._cache
+            keep = -(-num_tokens // self.pool.block_size)
+            if cache is not None and any(cache.node_of(b) is not None for b in table.block_ids[keep:]):
+                raise ValueError(f"request {key!r}: a block past token {num_tokens} is indexed; it cannot be trimmed")
+            dropped = self._live_builder().truncate(table, num_tokens)
+            if dropped:
+                self.pool.decref(dropped)
+
     def offered_blocks(self, key: str) -> int:
         """Leading full blocks of the request the index holds (those it offered, and its hit)."""
         h = self._holdings.get(key)

@@ -47,7 +47,8 @@ METRIC_NAMES = (
     "helexa_prefix_cache_evictions_total", "helexa_preemptions_total", "helexa_recomputed_tokens_total",
     "helexa_admission_wait_seconds", "helexa_time_to_first_token_seconds", "helexa_request_duration_seconds",
     "helexa_admission_estimated_wait_seconds", "helexa_kv_event_batches_published_total",
-    "helexa_kv_event_batches_dropped_total",
+    "helexa_kv_event_batches_dropped_total", "helexa_spec_drafts_total", "helexa_spec_draft_tokens_total",
+    "helexa_spec_accepted_tokens_total",
 )  # fmt: skip
 # The model-server protocol's metrics, under vLLM's names (the `model_name` label as vLLM sets it).
 VLLM_METRIC_NAMES = (
@@ -78,6 +79,13 @@ _SNAPSHOT_GAUGES = (
     ("prefill_chunk_tokens", "helexa_prefill_chunk_tokens", "Largest prefill chunk while requests decode (tokens)."),
 )
 
+# snapshot key -> (counter name, help): speculative decoding's totals (zero while it is off).
+_SNAPSHOT_COUNTERS = (
+    ("spec_drafts", "helexa_spec_drafts", "Speculative drafts verified."),
+    ("spec_draft_tokens", "helexa_spec_draft_tokens", "Draft tokens verified (speculative decoding)."),
+    ("spec_accepted_tokens", "helexa_spec_accepted_tokens", "Draft tokens kept: each one a decode step saved."),
+)
+
 # engine counter attribute -> (counter name, help).
 _ENGINE_COUNTERS = (
     ("prompt_tokens", "helexa_prompt_tokens", "Prompt tokens prefilled."),
@@ -105,6 +113,8 @@ class _EngineCollector(Collector):
         yield from self._cluster()
         for key, name, doc in _SNAPSHOT_GAUGES:
             yield GaugeMetricFamily(name, doc, value=snap[key])
+        for key, name, doc in _SNAPSHOT_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=snap[key])
         total = snap["blocks_total"]
         yield GaugeMetricFamily(
             "helexa_kv_cache_usage_ratio",

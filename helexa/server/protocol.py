@@ -290,6 +290,7 @@ _SAMPLING: dict[str, Callable[[dict[str, Any], str], Any]] = {
     "stop": _stop,
     "stop_token_ids": _token_ids,
     "skip_special_tokens": _bool,
+    "speculative": _bool,
 }
 
 
@@ -581,7 +582,7 @@ def parse_response(body: dict[str, Any], open_objects: bool = False) -> Generati
         tool_name=tools.name,
         parallel_tool_calls=tools.parallel,
         instructions=instructions,
-        sampling=_sampling(body, ("temperature", "top_p")),
+        sampling=_sampling(body, ("temperature", "top_p", "speculative")),
         max_tokens=_int(body, "max_output_tokens", 1),
         stream=bool(_bool(body, "stream")),
         model=_str(body, "model"),

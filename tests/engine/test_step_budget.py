@@ -35,8 +35,8 @@ class FixedCost:
     def estimate(self) -> StepEstimate:
         return StepEstimate(self.decode, self.per_token, self.full_rate or self.per_token)
 
-    def observe(self, seconds: float, num_decode: int, num_prefill: int) -> None:
-        assert seconds > 0
+    def observe(self, seconds: float, num_decode: int, num_prefill: int, decode_yield: float = 1.0) -> None:
+        assert seconds > 0 and decode_yield >= 1
         self.observed.append((num_decode, num_prefill))
 
     def seconds(self, num_decode: int, num_prefill: int) -> float:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -177,6 +178,27 @@ class TokenConstraint:
     def accept(self, token_id: int) -> None:
         """Advance past a sampled token (one the mask allowed)."""
         self._matcher.consume_token(int(token_id))
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar allows from here, one after another (the state is unchanged)."""
+        return int(self._matcher.validate_tokens([int(t) for t in tokens])) if tokens else 0
+
+    def fill_ahead(self, bitmask: torch.Tensor, row: int, draft: Sequence[int]) -> None:
+        """Rows `row .. row + len(draft)` of `bitmask` (see `fill`): row `row + j` allows what may come after
+        the draft's first `j` tokens. The state is the same afterwards. `draft` must be a `valid_prefix`;
+        rows after a token the grammar refuses stay as they were (a verifier never emits them: the
+        refused token cannot be sampled in the row before)."""
+        self.fill(bitmask, row)
+        allowed = self.valid_prefix(draft)
+        consumed = 0
+        try:
+            for j in range(allowed):
+                self._matcher.consume_token(int(draft[j]))
+                consumed += 1
+                self.fill(bitmask, row + j + 1)
+        finally:
+            if consumed:
+                self._matcher.rollback(consumed)
 
     @property
     def done(self) -> bool:

@@ -34,6 +34,8 @@ class SamplingParams:
     leaves out special tokens (as vLLM; a tool-call format whose marker is one needs them kept).
     `logit_bias`: token id → a bias in [-100, 100] added to that token's logit before sampling (OpenAI's
     semantics: -100 bans the token, 100 all but forces it); logprobs are taken before it.
+    `speculative`: False opts this request out of the engine's speculative decoding (which never
+    changes its tokens, only how many one step produces).
     Every field is checked in `__post_init__`; a bad value raises ValueError naming the field.
     """
 
@@ -54,6 +56,7 @@ class SamplingParams:
     grammar: str | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         def bad(field: str, expected: str) -> ValueError:
@@ -95,6 +98,8 @@ class SamplingParams:
             raise bad("grammar", "None or a non-empty grammar string")
         if not isinstance(self.skip_special_tokens, bool):
             raise bad("skip_special_tokens", "a boolean")
+        if not isinstance(self.speculative, bool):
+            raise bad("speculative", "a boolean")
         if self.logit_bias is not None and not (
             isinstance(self.logit_bias, dict)
             and all(is_int(t) and t >= 0 for t in self.logit_bias)

@@ -1,0 +1,131 @@
+"""Drafting for speculative decoding, in pure Python: prompt lookup against a brute-force reference, the
+sessions' bounded and salted memory, the adaptive draft length, and how the scheduler budgets drafts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helexa.admission.rates import RateTracker
+from helexa.engine.scheduler import schedule
+from helexa.engine.speculative import Drafter, DraftState, NgramIndex, SessionOutputs
+
+
+def _reference(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[int, ...]:
+    """The latest earlier occurrence of the longest suffix of min_n..max_n tokens; what followed it."""
+    end = len(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        if n > end:
+            continue
+        tail = tokens[end - n :]
+        for j in range(end - 1, n - 1, -1):  # j: the position right after an occurrence ending before `end`
+            if tokens[j - n : j] == tail:
+                return tuple(tokens[j : min(j + k, end)])
+    return ()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=0, max_size=120), st.integers(1, 3), st.integers(0, 2), st.integers(0, 9))
+def test_prompt_lookup_matches_the_brute_force_reference_as_the_list_grows(tokens, min_n, extra, k) -> None:
+    index = NgramIndex(min_n, min_n + extra)
+    for end in range(len(tokens) + 1):  # the same list, one token longer each call (incremental indexing)
+        assert index.propose(tokens[:end], k) == _reference(tokens[:end], k, min_n, min_n + extra)
+
+
+def test_prompt_lookup_prefers_the_longest_match_and_the_latest_occurrence() -> None:
+    index = NgramIndex(1, 3)
+    tokens = [5, 1, 2, 3, 9, 9, 2, 3, 7, 7, 1, 2, 3]
+    assert index.propose(tokens, 4) == (9, 9, 2, 3)  # "1 2 3" matched at 1..3 (length 3), not "2 3" at 6..7
+    index = NgramIndex(2, 2)
+    assert index.propose([1, 2, 8, 1, 2, 9, 1, 2], 2) == (9, 1)  # the latest of two occurrences
+    assert NgramIndex(2, 4).propose([1, 2, 3], 5) == ()
+    assert NgramIndex(2, 4).propose([1, 2, 3, 1, 2], 0) == ()
+
+
+def test_a_list_that_shrank_is_indexed_afresh() -> None:
+    index = NgramIndex(2, 2)
+    assert index.propose([1, 2, 3, 1, 2], 3) == (3, 1, 2)
+    assert index.propose([7, 8, 7], 3) == ()  # another (shorter) list: nothing of the first one is proposed
+    with pytest.raises(ValueError):
+        NgramIndex(3, 2)
+
+
+def test_session_outputs_draft_within_one_salted_session_only() -> None:
+    store = SessionOutputs(min_n=2, max_n=3)
+    store.record("tenant-a", "agent-1", [10, 11, 12, 13, 14])
+    assert store.propose("tenant-a", "agent-1", [99, 11, 12], 3) == (13, 14)  # never past the output's end
+    assert store.propose("tenant-b", "agent-1", [99, 11, 12], 3) == ()  # another tenant: nothing
+    assert store.propose("tenant-a", "agent-2", [99, 11, 12], 3) == ()
+    assert store.propose(None, "agent-1", [99, 11, 12], 3) == ()
+    store.record("tenant-a", "agent-1", [11, 12, 20])  # the latest output wins
+    assert store.propose("tenant-a", "agent-1", [11, 12], 3) == (20,)
+
+
+def test_session_outputs_are_bounded_per_session_and_in_all() -> None:
+    store = SessionOutputs(min_n=2, max_n=2, max_session_tokens=8, max_tokens=12)
+    store.record(None, "s1", [1, 2, 3, 4])
+    store.record(None, "s1", [5, 6, 7, 8])  # 10 tokens with separators: the oldest output goes
+    assert store.num_tokens <= 8
+    assert store.propose(None, "s1", [1, 2], 2) == ()
+    assert store.propose(None, "s1", [5, 6], 2) == (7, 8)
+    store.record(None, "s2", [1, 2, 3, 4, 5, 6, 7])  # 5 + 8 > 12 in all: the least recently used session goes
+    assert store.num_tokens <= 12 and store.num_sessions == 1
+    assert store.propose(None, "s1", [5, 6], 2) == ()
+    assert store.propose(None, "s2", [1, 2], 2) == (3, 4)
+
+
+def test_the_draft_length_adapts_and_backs_off_where_nothing_is_kept() -> None:
+    state = DraftState(2, 4, max_length=8)
+    assert state.next_length() == 4
+    state.observe(4, 4)  # kept whole: double
+    assert state.next_length() == 8
+    state.observe(8, 2)  # cut short: what was kept, plus one
+    assert state.next_length() == 3
+    state.observe(3, 0)
+    assert state.next_length() == 1  # first miss: one token, no pause yet
+    state.observe(1, 0)  # second miss in a row: pause 4 steps
+    assert [state.next_length() for _ in range(5)] == [0, 0, 0, 0, 1]
+    state.observe(1, 1)
+    assert state.next_length() == 2
+
+
+def test_the_drafter_counts_what_it_verified() -> None:
+    drafter = Drafter("ngram", 4, 2, 3)
+    state = drafter.new_state()
+    assert drafter.propose([1, 2, 3, 1, 2], state, 10, None, None) == (3, 1)  # capped at the list's end
+    assert drafter.propose([1, 2, 3, 1, 2], state, 1, None, None) == (3,)  # and at the limit
+    drafter.verified(state, 2, 1)
+    assert drafter.stats.snapshot()["spec_acceptance_rate"] == 0.5
+    assert drafter.stats.mean_accepted_length == 1.0
+    with pytest.raises(ValueError):
+        Drafter("off", 4, 2, 3)
+
+
+@dataclass(eq=False)
+class _Seq:
+    num_tokens: int
+    num_computed: int
+
+
+def test_drafts_take_only_the_budget_the_decodes_leave() -> None:
+    a, b, c, p = _Seq(10, 9), _Seq(20, 19), _Seq(5, 4), _Seq(50, 0)
+    drafts = {a: (1, 2, 3, 4), b: (5, 6, 7)}
+    chunks = schedule([a, b, c, p], 8, drafts=drafts)
+    # three decodes first (3 tokens), then a's draft (4), then 1 of b's; the prefill gets nothing
+    assert [(ch.seq, ch.num_new, ch.draft) for ch in chunks] == [(a, 5, (1, 2, 3, 4)), (b, 2, (5,)), (c, 1, ())]
+    chunks = schedule([a, p], 64, drafts={a: (1, 2)})
+    assert [(ch.num_new, ch.samples, ch.draft) for ch in chunks] == [(3, True, (1, 2)), (50, True, ())]
+
+
+def test_admission_rates_count_the_tokens_a_decode_step_yields() -> None:
+    """A 30 ms decode step in which each sequence kept 2 draft tokens (3 tokens) is 10 ms per token: the time
+    a wait estimate multiplies by the tokens still to generate."""
+    tracker = RateTracker()
+    tracker.observe_step(0.03, 4, 0, decode_yield=3.0)
+    assert tracker.decode_step_seconds == pytest.approx(0.01)
+    tracker = RateTracker()
+    tracker.observe_step(0.03, 4, 0)
+    assert tracker.decode_step_seconds == pytest.approx(0.03)
