@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.machine import cpu_name
 from helexa.model.loader import load_model
 from helexa.model.quant import native
 from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model
@@ -89,17 +90,6 @@ def _write_report(results: list[dict]) -> None:
     fig.tight_layout()
     fig.savefig(OUT_DIR / "step.png", dpi=120)
     plt.close(fig)
-
-
-def cpu_name() -> str:
-    """The CPU's model name, as /proc/cpuinfo gives it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 @pytest.mark.parametrize("impl", IMPLS)

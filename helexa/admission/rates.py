@@ -38,7 +38,8 @@ class RateTracker:
     """The median measured step costs over the last `window` steps, safe to read from any thread.
 
     `decode_step_seconds` is the wall time in which each running sequence gains one token: a step that
-    decodes, divided by the tokens a sequence gained in it (more than one where speculative drafts were kept); `prefill_token_seconds` the cost of one prompt token; a mixed step is split by the
+    decodes, divided by the tokens a sequence gained in it (more than one where speculative drafts were
+    kept); `prefill_token_seconds` the cost of one prompt token; a mixed step is split by the
     current estimates' shares. Until a cost has been measured it is `EngineRates()`' prior. A median, not
     a moving average: a burst of slow steps shorter than half the window (a storm of arriving requests
     competing for the interpreter, a page fault) does not move it, while a lasting change does within

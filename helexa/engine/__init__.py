@@ -1,7 +1,8 @@
 """helexa.engine: the continuous-batching loop over the paged KV cache.
 
 - `engine`     `Engine`: submit / abort / step / start / shutdown; `RequestHandle`, its errors.
-- `scheduler`  `schedule`: decode tokens first, then prefill chunks, under the token budget.
+- `scheduler`  `schedule`: decode tokens first, then their speculative drafts, then prefill chunks, under the budget.
+- `speculative` drafts from the request's own tokens and its session's earlier outputs (`Drafter`).
 - `runner`     `ModelRunner`: the model and its KV pool (loaded, and on a fault reloaded, as one); each step's forward.
 - `output`     a sampled token → its `TokenEvent`: finish reason, detokenised and stop-trimmed text, logprobs.
 - `sequence`   `Request` (what rides through admission) and `Sequence` (a running request).

@@ -643,15 +643,23 @@ class Engine:
         grammar allows."""
         drafter, block_size = self.drafter, self.config.block_size
         assert drafter is not None
+        decoding = [s for s in self._running if s.num_tokens - s.num_computed == 1 and not s.in_prefill]
+        # What one verified row costs against what one more token of a decoding request is worth: a row adds
+        # about what a prompt token adds to a step; a kept token saves its request a step, whose time the
+        # step's decodes share.
+        est = self.step_cost.estimate()
+        row_cost = est.per_token * len(decoding) / max(est.decode_seconds, 1e-9)
         drafts: dict[Sequence, tuple[int, ...]] = {}
-        for seq in self._running:
-            if seq.num_tokens - seq.num_computed != 1 or seq.in_prefill or not seq.params.speculative:
+        for seq in decoding:
+            if not seq.params.speculative:
                 continue
             if seq.draft_state is None:
                 seq.draft_state = drafter.new_state()
             room = (seq.ticket.blocks_reserved + self.kv.shared_blocks(seq.request_id)) * block_size - seq.num_tokens
             limit = min(room, seq.granted_max_tokens - seq.num_output - 1, self.max_model_len - seq.num_tokens)
-            draft = drafter.propose(seq.token_ids, seq.draft_state, limit, seq.request.cache_salt, seq.request.session)
+            draft = drafter.propose(
+                seq.token_ids, seq.draft_state, limit, seq.request.cache_salt, seq.request.session, row_cost
+            )
             if draft and seq.constraint is not None:
                 draft = draft[: seq.constraint.valid_prefix(draft)]
             if draft:

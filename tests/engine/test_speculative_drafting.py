@@ -23,7 +23,10 @@ def _reference(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[int, 
         tail = tokens[end - n :]
         for j in range(end - 1, n - 1, -1):  # j: the position right after an occurrence ending before `end`
             if tokens[j - n : j] == tail:
-                return tuple(tokens[j : min(j + k, end)])
+                extended = list(tokens)  # the text repeating with period end - j, as far as k tokens need
+                while len(extended) < j + k:
+                    extended.append(extended[len(extended) - (end - j)])
+                return tuple(extended[j : j + k]) if k else ()
     return ()
 
 
@@ -41,6 +44,7 @@ def test_prompt_lookup_prefers_the_longest_match_and_the_latest_occurrence() -> 
     assert index.propose(tokens, 4) == (9, 9, 2, 3)  # "1 2 3" matched at 1..3 (length 3), not "2 3" at 6..7
     index = NgramIndex(2, 2)
     assert index.propose([1, 2, 8, 1, 2, 9, 1, 2], 2) == (9, 1)  # the latest of two occurrences
+    assert NgramIndex(2, 3).propose([4, 1, 2, 3, 1, 2, 3], 7) == (1, 2, 3, 1, 2, 3, 1)  # a repeating text
     assert NgramIndex(2, 4).propose([1, 2, 3], 5) == ()
     assert NgramIndex(2, 4).propose([1, 2, 3, 1, 2], 0) == ()
 
@@ -48,7 +52,7 @@ def test_prompt_lookup_prefers_the_longest_match_and_the_latest_occurrence() -> 
 def test_a_list_that_shrank_is_indexed_afresh() -> None:
     index = NgramIndex(2, 2)
     assert index.propose([1, 2, 3, 1, 2], 3) == (3, 1, 2)
-    assert index.propose([7, 8, 7], 3) == ()  # another (shorter) list: nothing of the first one is proposed
+    assert index.propose([7, 8, 9], 3) == ()  # another (shorter) list: nothing of the first one is proposed
     with pytest.raises(ValueError):
         NgramIndex(3, 2)
 
@@ -77,25 +81,41 @@ def test_session_outputs_are_bounded_per_session_and_in_all() -> None:
     assert store.propose(None, "s2", [1, 2], 2) == (3, 4)
 
 
-def test_the_draft_length_adapts_and_backs_off_where_nothing_is_kept() -> None:
+def _best_length(acceptance: float, row_cost: float, max_length: int) -> int:
+    """The draft length maximising expected tokens per unit of time, by brute force."""
+    gains = {
+        k: (1 + sum(acceptance**i for i in range(1, k + 1))) / (1 + row_cost * k) for k in range(1, max_length + 1)
+    }
+    return max(gains, key=lambda k: (gains[k], -k))
+
+
+def test_the_draft_length_is_what_pays_best_at_the_measured_acceptance_and_row_cost() -> None:
     state = DraftState(2, 4, max_length=8)
-    assert state.next_length() == 4
-    state.observe(4, 4)  # kept whole: double
-    assert state.next_length() == 8
-    state.observe(8, 2)  # cut short: what was kept, plus one
-    assert state.next_length() == 3
-    state.observe(3, 0)
-    assert state.next_length() == 1  # first miss: one token, no pause yet
-    state.observe(1, 0)  # second miss in a row: pause 4 steps
-    assert [state.next_length() for _ in range(5)] == [0, 0, 0, 0, 1]
-    state.observe(1, 1)
-    assert state.next_length() == 2
+    assert state.acceptance == pytest.approx(0.6)
+    assert state.next_length(0.05) == _best_length(0.6, 0.05, 8) == 4
+    assert state.next_length(0.3) == _best_length(0.6, 0.3, 8) == 1  # dear rows: a short draft
+    for _ in range(10):  # drafts kept whole: long drafts, and longer the cheaper a row is
+        state.observe(8, 8)
+    assert state.acceptance > 0.95
+    assert state.next_length(0.01) == state.next_length(0.3) == 8
+    for _ in range(3):  # now every draft is cut at once: shorter drafts
+        state.observe(2, 0)
+    assert 1 <= state.next_length(0.05) < 4
+    for _ in range(5):  # and then not even that pays: one-token probes between longer and longer pauses
+        state.observe(1, 0)
+    assert state.acceptance < 0.05
+    lengths = [state.next_length(0.05) for _ in range(16)]
+    assert lengths == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
+    state.observe(1, 1)  # a probe kept: the pause starts again from one step
+    for _ in range(5):
+        state.observe(4, 4)
+    assert state.next_length(0.05) > 1
 
 
 def test_the_drafter_counts_what_it_verified() -> None:
     drafter = Drafter("ngram", 4, 2, 3)
     state = drafter.new_state()
-    assert drafter.propose([1, 2, 3, 1, 2], state, 10, None, None) == (3, 1)  # capped at the list's end
+    assert drafter.propose([1, 2, 3, 1, 2], state, 10, None, None) == (3, 1, 2, 3)  # the period, repeated
     assert drafter.propose([1, 2, 3, 1, 2], state, 1, None, None) == (3,)  # and at the limit
     drafter.verified(state, 2, 1)
     assert drafter.stats.snapshot()["spec_acceptance_rate"] == 0.5

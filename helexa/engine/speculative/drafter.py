@@ -1,11 +1,13 @@
 """What each decoding sequence proposes to verify this step, and how long a draft it tries.
 
-`Drafter.propose(seq_tokens, state, limit)` reads the request's own tokens (prompt lookup, `NgramIndex`)
-and, in mode `suffix`, its session's earlier outputs (`SessionOutputs`). Each request's `DraftState`
-chooses the draft's length from what its own drafts recently kept: a draft that was kept whole doubles
-the next one (up to `num_speculative_tokens`); one cut short makes the next one what was kept, plus one;
-a request whose drafts keep nothing stops drafting for a while (2, 4, ... up to 64 steps), so text that
-does not copy pays next to nothing.
+`Drafter.propose(tokens, state, limit, ...)` reads the request's own tokens (prompt lookup,
+`NgramIndex`) and, in mode `suffix`, its session's earlier outputs (`SessionOutputs`). Each request's
+`DraftState` chooses the draft's length from what its own drafts recently kept and from what a verified
+row costs now: a verified row costs about what a prompt token adds to a step, while a kept token saves
+this request a step, whose time its batch's decodes share. So a copying request at one stream drafts
+long, a request whose drafts keep little drafts short, and where not even one token pays (text that
+does not copy, or a batch large enough that rows are dear) it pauses, probing again now and then:
+speculation then costs next to nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +21,11 @@ from helexa.engine.speculative.sessions import SessionOutputs
 __all__ = ["DraftState", "Drafter", "SpecStats", "SPECULATIVE_MODES"]
 
 SPECULATIVE_MODES = ("off", "ngram", "suffix")
-_MAX_BACKOFF_STEPS = 64
+_PRIOR_KEPT, _PRIOR_CUT = 1.5, 1.0  # the acceptance estimate before any draft: 0.6
+_DECAY = 0.5  # per verified draft: the last few drafts decide
+_MIN_GAIN = 0.02  # a draft must promise 2% more tokens per unit of time than decoding alone
+_MAX_PAUSE_STEPS = 64
+_DEFAULT_ROW_COST = 0.05  # before the engine has measured its steps
 
 
 @dataclass
@@ -52,36 +58,53 @@ class SpecStats:
 
 
 class DraftState:
-    """One request's drafting: its prompt-lookup index and the adaptive draft length (see the module
-    docstring). `next_length()` is the draft length to try now (0: skip this step)."""
+    """One request's drafting: its prompt-lookup index and what its drafts have kept, from which
+    `next_length(row_cost)` picks the draft length that pays best now (see the module docstring)."""
 
-    __slots__ = ("index", "length", "max_length", "_misses", "_skip")
+    __slots__ = ("index", "max_length", "_kept", "_cut", "_skip", "_wait")
 
     def __init__(self, min_n: int, max_n: int, max_length: int) -> None:
         self.index = NgramIndex(min_n, max_n)
         self.max_length = max_length
-        self.length = max(1, max_length // 2)
-        self._misses = 0  # verified drafts in a row that kept nothing
+        # Decayed counts of draft tokens kept and of drafts cut short: a Beta-like estimate of the chance
+        # that the next draft token is kept, starting at 0.6 (a draft is tried before anything is known).
+        self._kept, self._cut = _PRIOR_KEPT, _PRIOR_CUT
         self._skip = 0  # steps left without drafting
+        self._wait = 1  # the next pause, doubled each time drafting does not pay (at most 64 steps)
 
-    def next_length(self) -> int:
-        """The draft length to try this step (0 while backing off); each call is one step."""
+    @property
+    def acceptance(self) -> float:
+        """The estimated chance that the request's next draft token is kept."""
+        return self._kept / (self._kept + self._cut)
+
+    def next_length(self, row_cost: float = _DEFAULT_ROW_COST) -> int:
+        """The draft length to try this step (0: skip). `row_cost`: what one more verified row costs, as a
+        fraction of what one more token of this request is worth (a step's time shared by its decodes).
+        With acceptance a, a draft of k tokens keeps a(1 - a^k)/(1 - a) on average for a cost of k rows;
+        the length maximising (1 + kept) / (1 + row_cost k) is chosen. Where even one token does not pay,
+        the request pauses (2, 4, ... 64 steps), then tries one token again."""
         if self._skip > 0:
             self._skip -= 1
             return 0
-        return self.length
+        a = self.acceptance
+        best, best_gain, kept, power = 0, 1.0 + _MIN_GAIN, 0.0, 1.0
+        for k in range(1, self.max_length + 1):
+            power *= a
+            kept += power  # a + a^2 + ... + a^k: the expected tokens kept of a k-token draft
+            gain = (1.0 + kept) / (1.0 + row_cost * k)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        if best == 0:
+            self._skip, self._wait = self._wait, min(_MAX_PAUSE_STEPS, 2 * self._wait)
+            return 1  # a probe: without one the estimate would never learn that drafts pay again
+        return best
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A draft of `drafted` tokens was verified and its first `accepted` kept."""
-        if accepted >= drafted:
-            self.length = min(self.max_length, 2 * max(self.length, drafted))
-        else:
-            self.length = max(1, min(self.max_length, accepted + 1))
-        if accepted == 0:
-            self._misses += 1
-            self._skip = min(_MAX_BACKOFF_STEPS, 1 << self._misses) if self._misses >= 2 else 0
-        else:
-            self._misses = 0
+        self._kept = _DECAY * self._kept + accepted
+        self._cut = _DECAY * self._cut + (1 if accepted < drafted else 0)
+        if accepted:  # drafts pay again: no pause
+            self._skip, self._wait = 0, 1
 
 
 class Drafter:
@@ -100,11 +123,19 @@ class Drafter:
         return DraftState(self.min_n, self.max_n, self.num_speculative_tokens)
 
     def propose(
-        self, tokens: Sequence[int], state: DraftState, limit: int, salt: str | None, session: Hashable | None
+        self,
+        tokens: Sequence[int],
+        state: DraftState,
+        limit: int,
+        salt: str | None,
+        session: Hashable | None,
+        row_cost: float = _DEFAULT_ROW_COST,
     ) -> tuple[int, ...]:
         """The draft to verify after `tokens` (the request's prompt + output): at most `limit` tokens and the
-        state's `next_length()`; () when drafting is backing off or nothing matches."""
-        k = min(limit, state.next_length())
+        state's `next_length(row_cost)`; () when drafting does not pay now or nothing matches."""
+        if limit <= 0:
+            return ()
+        k = min(limit, state.next_length(row_cost))
         if k <= 0:
             return ()
         draft = state.index.propose(tokens, k)

@@ -25,10 +25,12 @@ class NgramIndex:
 
     Guarantees: `propose(tokens, k)` returns at most `k` tokens, taken from `tokens` right after the
     latest occurrence, ending before the list's end, of its last `n` tokens, for the longest `n` in
-    `[min_n, max_n]` with such an occurrence; an empty tuple when none exists. The returned tokens are
+    `[min_n, max_n]` with such an occurrence; an empty tuple when none exists. Where that occurrence is
+    so recent that fewer than `k` tokens follow it (the text repeats with a period of `p` tokens), the
+    draft goes on repeating that period up to `k` tokens. The returned tokens are
     what came next then, so they are only a guess: a verifier decides what is kept."""
 
-    __slots__ = ("min_n", "max_n", "_maps", "_indexed")
+    __slots__ = ("min_n", "max_n", "_maps", "_indexed", "_last_start")
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         self.min_n = check_int(min_n, "min_n", 1)
@@ -37,6 +39,7 @@ class NgramIndex:
         # Every n-gram followed by a token at a position < `_indexed` is in the maps: the n-gram ending
         # at i (tokens[i-n:i]) maps to i, the position of the token that followed it (the latest such i).
         self._indexed = 0
+        self._last_start = 0  # where the last continuation began
 
     def __len__(self) -> int:
         """Tokens indexed so far."""
@@ -63,7 +66,11 @@ class NgramIndex:
         if k <= 0 or len(tokens) < self.min_n:
             return ()
         self.extend(tokens)  # every n-gram followed by a known token: the list's own last n-gram is not
-        return self.continuation(tokens, tokens[-self.max_n :], k)
+        draft = list(self.continuation(tokens, tokens[-self.max_n :], k))
+        period = len(tokens) - self._last_start
+        while draft and len(draft) < k:  # a match `period` tokens back: the text repeats, the draft too
+            draft.append(draft[len(draft) - period])
+        return tuple(draft)
 
     def continuation(self, text: Sequence[int], tail: Sequence[int], k: int) -> tuple[int, ...]:
         """Up to `k` tokens of `text` (the list this index covers) that followed the latest indexed occurrence
@@ -76,5 +83,6 @@ class NgramIndex:
                 continue
             start = self._maps[offset].get(tuple(tail[len(tail) - n :]))
             if start is not None and start < end:
+                self._last_start = start
                 return tuple(text[start : min(start + k, end)])
         return ()
