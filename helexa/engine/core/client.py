@@ -93,6 +93,10 @@ def engine_process_enabled(value: str | None = None) -> bool:
     raise ValueError(f"HELEXA_ENGINE_PROCESS must be 0 or 1 (or true/false), got {text!r}")
 
 
+class _ChannelLost(EngineError):
+    """A call the core never answered: it died meanwhile."""
+
+
 class CoreDied(RuntimeError):
     """The engine core process ended without being asked to (its exit status or signal is the message)."""
 
@@ -106,6 +110,7 @@ class _Remote:
     key: str | None
     delivered: list[tuple[int, ...]] = field(default_factory=list)  # token ids of each event the stream got
     replayed: int | None = None  # while replaying: how many of `delivered` the new core has re-derived
+    queue: tuple[int, float, float] | None = None  # while it waits: (place, seconds to start, when reported)
 
 
 class CoreProcess:
@@ -121,6 +126,9 @@ class CoreProcess:
         )
         theirs.close()
         self.sock = ours
+        self.alive = True  # until its channel ends (under the client's lock)
+        self.calls: dict[int, Future[Any]] = {}  # sent to this core, not yet answered (under the client's lock)
+        logger.info("engine core: started (pid %d); loading", self.process.pid)
         try:
             write_frame(ours, to_plain(config))
             kind, body = read_frame(ours)
@@ -183,9 +191,8 @@ class EngineClient:
         self.grammar_tokenizer = GrammarTokenizer(
             self.tokenizer.backend.to_str(), tuple(sorted(self.tokenizer.eos_token_ids))
         )
-        self._lock = threading.Lock()  # guards _inflight, _calls, _core
+        self._lock = threading.Lock()  # guards _inflight, each core's `alive` and `calls`, and _serving's clearing
         self._inflight: OrderedDict[str, _Remote] = OrderedDict()  # in submit order
-        self._calls: dict[int, Future[Any]] = {}
         self._call_ids = itertools.count(1)
         self._request_ids = itertools.count(1)
         self._write_lock = threading.Lock()
@@ -297,7 +304,6 @@ class EngineClient:
             raise EngineClosed("the engine is shutting down and admits no new requests")
         if self.own_health.fault_cause is not None:
             raise DeviceFault(self.own_health.fault_cause)
-        self._wait_for_core()
         if params.seed is None and params.temperature > 0:  # its replay after a core death must be exact
             params = dataclasses.replace(params, seed=secrets.randbits(62))
         request_id = request_id or f"req-{next(self._request_ids)}"
@@ -307,12 +313,19 @@ class EngineClient:
         request = Request(request_id, prompt, params, stream, cache_salt, prompt_cache_key)
         handle = RequestHandle(request_id, stream, len(prompt), 0, ticket, request)
         remote = _Remote(handle, cache_salt, prompt_cache_key)
-        with self._lock:
-            if request_id in self._inflight:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._inflight[request_id] = remote  # before the call: its first events may beat the reply
+        while True:  # in flight only while a core serves, and sent to that core: a replay never sends it twice
+            with self._lock:
+                if request_id in self._inflight:
+                    raise ValueError(f"request id {request_id!r} is already in use")
+                core = self._core
+                if self._serving.is_set() and core is not None:
+                    self._inflight[request_id] = remote  # before the call: its first events may beat the reply
+                    break
+            self._wait_for_core()
         try:
-            reply = self._submit_remote(remote)
+            reply = self._submit_remote(remote, core)
+        except _ChannelLost:  # the core died under the call: it is in flight, and the replay submits it
+            return dataclasses.replace(handle, max_tokens=params.max_tokens or 0)
         except BaseException:
             with self._lock:
                 self._inflight.pop(request_id, None)
@@ -336,10 +349,12 @@ class EngineClient:
             {"reload_left_s": round(left, 3)},
         )
 
-    def _submit_remote(self, remote: _Remote) -> dict[str, Any]:
+    def _submit_remote(self, remote: _Remote, core: CoreProcess | None) -> dict[str, Any]:
         h = remote.handle
         args = (h.request.prompt, to_plain(h.request.params), h.request_id, remote.salt, remote.key)
-        reply = self._call("submit", *args)
+        reply = self._call_on(core, "submit", *args)
+        status = reply["queue_status"]
+        remote.queue = None if status is None else (status[0], status[1], time.monotonic())
         granted = from_plain(Ticket, reply["ticket"])
         for f in dataclasses.fields(Ticket):  # the handle keeps its ticket object; its fields are the core's
             setattr(h.ticket, f.name, getattr(granted, f.name))
@@ -385,21 +400,28 @@ class EngineClient:
     # ------------------------------------------------------------------ the channel
 
     def _call(self, method: str, *args: Any, timeout: float = _CALL_TIMEOUT_SECS) -> Any:
+        return self._call_on(self._core, method, *args, timeout=timeout)
+
+    def _call_on(self, core: CoreProcess | None, method: str, *args: Any, timeout: float = _CALL_TIMEOUT_SECS) -> Any:
+        """`method(*args)` in `core`, its answer or its exception; `_ChannelLost` when that core is (or goes) away."""
         done: Future[Any] = Future()
         call_id = next(self._call_ids)
         with self._lock:
-            self._calls[call_id] = done
+            if core is None or not core.alive:
+                raise _ChannelLost(f"the engine core is not running ({self.own_health.state})")
+            core.calls[call_id] = done
         try:
-            self._send(("call", call_id, method, list(args)))
+            with self._write_lock:
+                write_frame(core.sock, ("call", call_id, method, list(args)))
         except OSError as exc:
             with self._lock:
-                self._calls.pop(call_id, None)
-            raise EngineError(f"the engine core is not running ({self.own_health.state}): {exc}") from None
+                core.calls.pop(call_id, None)
+            raise _ChannelLost(f"the engine core is not running ({self.own_health.state}): {exc}") from None
         try:
             return done.result(timeout)
         except TimeoutError:
             with self._lock:
-                self._calls.pop(call_id, None)
+                core.calls.pop(call_id, None)
             raise TimeoutError(f"the engine core did not answer {method} within {timeout:g} s") from None
 
     def _send(self, frame: Any) -> None:
@@ -416,24 +438,46 @@ class EngineClient:
                 frame = read_frame(core.sock)
                 kind = frame[0]
                 if kind == "events":
+                    self.recovery.succeeded()  # the core runs steps: its next death is the first in a row again
                     for request_id, event, granted_at in frame[1]:
                         self._deliver(request_id, from_plain(TokenEvent, event), granted_at)
                 elif kind == "reply":
                     _, call_id, ok, value = frame
                     with self._lock:
-                        done = self._calls.pop(call_id, None)
+                        done = core.calls.pop(call_id, None)
                     if done is not None:
                         done.set_result(value) if ok else done.set_exception(decode_error(value))
+                elif kind == "queued":
+                    self._set_queued(frame[1])
                 elif kind == "health":
                     self._core_health = CoreHealth(*frame[1:])
         except (ChannelClosed, OSError):
             pass
         with self._lock:
-            calls, self._calls = self._calls, {}
+            core.alive = False
+            calls, core.calls = core.calls, {}
         for done in calls.values():
-            done.set_exception(EngineError("the engine core exited before answering"))
+            done.set_exception(_ChannelLost("the engine core exited before answering"))
         if not self._closing:
             self._died.set()
+
+    def _set_queued(self, waiting: list[tuple[str, int, float]]) -> None:
+        now, places = time.monotonic(), {rid: (place, secs) for rid, place, secs in waiting}
+        with self._lock:
+            for request_id, remote in self._inflight.items():
+                status = places.get(request_id)
+                remote.queue = None if status is None else (*status, now)
+
+    def queue_status(self, request_id: str) -> tuple[int, float] | None:
+        """`(place, estimated seconds to start)` while the request waits for admission, as the core last said
+        (within 0.25 s); None once it runs or ends. Never a round trip: the event loop may ask."""
+        with self._lock:
+            remote = self._inflight.get(request_id)
+            status = None if remote is None else remote.queue
+        if status is None:
+            return None
+        place, secs, at = status
+        return place, max(0.0, secs - (time.monotonic() - at))
 
     def _deliver(self, request_id: str, event: TokenEvent, granted_at: float | None) -> None:
         with self._lock:
@@ -443,6 +487,7 @@ class EngineClient:
             if event.finished:
                 del self._inflight[request_id]
         handle = remote.handle
+        remote.queue = None  # it runs (or ended)
         if granted_at is not None:
             handle.ticket.granted_at = granted_at
         if remote.replayed is not None and remote.replayed < len(remote.delivered):
@@ -453,7 +498,9 @@ class EngineClient:
                     remote.replayed = None  # caught up: what follows is new
                 return  # already sent before the crash: re-derived, not repeated
             error = EngineError(
-                f"the replay after an engine core crash diverged at event {remote.replayed} of {request_id}"
+                f"the replay after an engine core crash diverged at event {remote.replayed} of {request_id}: "
+                f"{len(remote.delivered)} events sent, the new core's was {event.token_ids} "
+                f"({event.finish_reason or 'not final'}), not {list(expected)}"
             )
             logger.error("engine core: %s", error)
             with self._lock:
@@ -474,7 +521,11 @@ class EngineClient:
     # ------------------------------------------------------------------ supervision
 
     def _supervise(self, started: threading.Event) -> None:
-        """Start the core, then restart it after each death (as `FaultRecovery` decides) and replay."""
+        """Start the core, then restart it after each death (as `FaultRecovery` decides) and replay.
+
+        Every core is started on this thread, which lives as long as the client: `PR_SET_PDEATHSIG` fires
+        when the thread that started a process ends, not only when the process does.
+        """
         try:
             self._core = CoreProcess(self.config)
         except BaseException as exc:
@@ -483,20 +534,23 @@ class EngineClient:
             return
         self._serving.set()
         started.set()
+        restarted = False
         while True:
             core = self._core
-            reader = threading.Thread(target=self._read, args=(core,), name="helexa-core-reader", daemon=True)
-            reader.start()
+            assert core is not None
+            threading.Thread(target=self._read, args=(core,), name="helexa-core-reader", daemon=True).start()
+            if restarted:
+                self._replay(core)
             self._died.wait()
             self._died.clear()
             if self._closing:
                 return
+            with self._lock:  # no request joins the flight from now until the replay has resubmitted it
+                self._serving.clear()
+                inflight = len(self._inflight)
             cause = core.exit_cause()
-            self._serving.clear()
             self._core = None
             core.close(graceful=False)
-            with self._lock:
-                inflight = len(self._inflight)
             outcome = self.recovery.recover(
                 CoreDied(f"the engine core process (pid {core.pid}) died: {cause}"),
                 f"core process pid {core.pid} with {inflight} requests in flight",
@@ -504,30 +558,33 @@ class EngineClient:
             if outcome.runner is None:
                 self._give_up(outcome.cause)
                 return
-            assert isinstance(outcome.runner, CoreProcess)
-            self._core = outcome.runner
+            self._core, restarted = outcome.runner, True
             self.restarts += 1
             self._core_health = CoreHealth("loaded", None, None, None)
-            threading.Thread(target=self._replay, name="helexa-core-replay", daemon=True).start()
 
-    def _replay(self) -> None:
-        """Submit every request in flight again, in submit order; each replays what its stream has seen."""
+    def _replay(self, core: CoreProcess) -> None:
+        """Submit every request in flight to the new `core` again, in submit order (queued ones keep their
+        place); each replays what its stream has seen. New requests wait until this is done."""
         with self._lock:
             remotes = list(self._inflight.values())
         start = time.perf_counter()
         for remote in remotes:
-            remote.replayed = 0
+            remote.replayed = 0 if remote.delivered else None  # one that had sent nothing simply starts
             try:
-                self._submit_remote(remote)
+                self._submit_remote(remote, core)
+            except _ChannelLost:  # this core died too: the next one replays what is still in flight
+                return
             except Exception as exc:  # refused now (it could not be before): its stream ends with why
                 logger.error("engine core: replay of %s refused: %s", remote.handle.request_id, exc)
                 with self._lock:
                     self._inflight.pop(remote.handle.request_id, None)
                 remote.handle.stream.put(TokenEvent(finish_reason="error", error=exc))
-        self._serving.set()
+        with self._lock:
+            if core.alive:
+                self._serving.set()
         logger.warning(
             "engine core: restarted (pid %s, %d KV blocks as at first load); replaying %d requests (%.3fs to submit)",
-            self.core_pid, self.first_num_blocks, len(remotes), time.perf_counter() - start,
+            core.pid, self.first_num_blocks, len(remotes), time.perf_counter() - start,
         )  # fmt: skip
 
     def _give_up(self, cause: str) -> None:
@@ -571,8 +628,7 @@ class _RemoteAdmission:
         self._client = client
 
     def queue_status(self, ticket: Ticket) -> tuple[int, float] | None:
-        status = self._client._call("queue_status", ticket.request_id)
-        return None if status is None else (int(status[0]), float(status[1]))
+        return self._client.queue_status(ticket.request_id or "")
 
     def estimate_wait(self, prompt_tokens: int, max_tokens: int | None = None, *, worst_case: bool = False) -> float:
         return self._client._call("estimate_wait", prompt_tokens, max_tokens, worst_case)

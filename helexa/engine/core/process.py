@@ -32,6 +32,7 @@ logger = logging.getLogger("helexa.engine.core")
 __all__ = ["CoreServer", "main"]
 
 _HEALTH_POLL_SECS = 0.05
+_QUEUE_EVERY = 5  # polls: the queue's places go out every 0.25 s while a request waits
 _PR_SET_PDEATHSIG = 1
 
 
@@ -58,7 +59,6 @@ class CoreServer:
             "snapshot": engine.snapshot,
             "view": lambda: to_plain(engine.view()),
             "counters": self._counters,
-            "queue_status": self._queue_status,
             "estimate_wait": lambda p, m, worst: engine.admission.estimate_wait(p, m, worst_case=worst),
             "median_wait": lambda default: engine.request_sizes.median_wait(engine.admission.estimate_wait, default),
             "check_integrity": engine.check_integrity,
@@ -119,11 +119,21 @@ class CoreServer:
         )
         self._handles[handle.request_id] = handle
         self._loop.call_soon_threadsafe(self._start_pump, handle)
-        return {"prompt_tokens": handle.prompt_tokens, "max_tokens": handle.max_tokens, "ticket": to_plain(handle.ticket)}
+        return {
+            "prompt_tokens": handle.prompt_tokens,
+            "max_tokens": handle.max_tokens,
+            "ticket": to_plain(handle.ticket),
+            "queue_status": self.engine.admission.queue_status(handle.ticket),
+        }
 
-    def _queue_status(self, request_id: str) -> tuple[int, float] | None:
-        handle = self._handles.get(request_id)
-        return None if handle is None else self.engine.admission.queue_status(handle.ticket)
+    def _queued(self) -> list[tuple[str, int, float]]:
+        """`(request id, place, estimated seconds to start)` of every request waiting for admission."""
+        waiting = []
+        for request_id, handle in list(self._handles.items()):
+            status = self.engine.admission.queue_status(handle.ticket)
+            if status is not None:
+                waiting.append((request_id, *status))
+        return waiting
 
     def _counters(self) -> dict[str, Any]:
         events = self.engine.kv_events
@@ -155,8 +165,16 @@ class CoreServer:
             self._send(("events", batch))
 
     async def _watch_health(self) -> None:
-        health = self.engine.health
+        """Send the model's health when it changes, and the queue's places and estimates every `_QUEUE_EVERY`
+        polls while any request waits (the server answers `queue_status` from them, never by a round trip)."""
+        health, polls, queued = self.engine.health, 0, False
         while True:
+            polls += 1
+            if polls % _QUEUE_EVERY == 0:
+                waiting = self._queued()
+                if waiting or queued:
+                    self._send(("queued", waiting))
+                queued = bool(waiting)
             now = (health.state, health.fault_cause, health.last_reload_seconds)
             if now != self._health:
                 self._health = now
