@@ -72,7 +72,12 @@ def test_errors_cross_as_their_own_class_with_their_fields() -> None:
     rejected = AdmissionRejected("queue_full", "full: 4 of 4 waiting", 7, {"queue_depth": 4})
     back = from_plain(TokenEvent, to_plain(TokenEvent(finish_reason="error", error=rejected))).error
     assert isinstance(back, AdmissionRejected)
-    assert (back.reason, back.message, back.retry_after, back.arithmetic) == ("queue_full", str(rejected), 7, {"queue_depth": 4})
+    assert (back.reason, back.message, back.retry_after, back.arithmetic) == (
+        "queue_full",
+        str(rejected),
+        7,
+        {"queue_depth": 4},
+    )
     for error in (RequestFailed("bad sampling"), EngineClosed("closing"), ValueError("no")):
         back = from_plain(TokenEvent, to_plain(TokenEvent(finish_reason="error", error=error))).error
         assert type(back) is type(error) and str(back) == str(error)

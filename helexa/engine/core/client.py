@@ -47,14 +47,7 @@ from helexa.engine.core.wire import (
     to_plain,
     write_frame,
 )
-from helexa.engine.engine import (
-    DeviceFault,
-    EngineClosed,
-    EngineCounters,
-    EngineError,
-    RequestFailed,
-    RequestHandle,
-)
+from helexa.engine.engine import DeviceFault, EngineClosed, EngineCounters, EngineError, RequestFailed, RequestHandle
 from helexa.engine.faults import ModelHealth
 from helexa.engine.recovery import FaultRecovery
 from helexa.engine.sequence import Request

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from helexa.config import EngineConfig
-from helexa.engine.engine import Engine, RequestHandle
 from helexa.engine.core.wire import ChannelClosed, encode_error, from_plain, read_frame, to_plain, write_frame
+from helexa.engine.engine import Engine, RequestHandle
 from helexa.model.sampling import SamplingParams
 
 logger = logging.getLogger("helexa.engine.core")

@@ -52,104 +52,160 @@ class ChannelClosed(ConnectionError):
 
 def to_plain(value: Any) -> Any:
     """`value` as a plain tree (see the module doc); raises `TypeError` for a value with no plain form."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
-        return value.value if isinstance(value, enum.Enum) else value
+    if value is None or type(value) in _SCALARS:
+        return value
     if isinstance(value, enum.Enum):
         return to_plain(value.value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple
-        return {name: to_plain(getattr(value, name)) for name in value._fields}
+    if isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    names = _field_names(type(value))
+    if names is not None and not isinstance(value, type):
+        return {name: to_plain(getattr(value, name)) for name in names}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [to_plain(v) for v in value]
     if isinstance(value, dict):
-        return {to_plain(k) if not isinstance(k, (list, tuple)) else tuple(to_plain(k)): to_plain(v)
-                for k, v in value.items()}  # fmt: skip
+        return {_hashable(to_plain(k)): to_plain(v) for k, v in value.items()}
     if isinstance(value, BaseException):
         return encode_error(value)
     raise TypeError(f"{type(value).__name__} has no plain form to cross the core channel")
 
 
+_SCALARS = frozenset({bool, int, float, str, bytes})
+_NAMES: dict[type, tuple[str, ...] | None] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...] | None:
+    """A dataclass's or NamedTuple's field names (every field, `repr=False` ones included); None for others."""
+    try:
+        return _NAMES[cls]
+    except KeyError:
+        pass
+    if dataclasses.is_dataclass(cls):
+        names: tuple[str, ...] | None = tuple(f.name for f in dataclasses.fields(cls))
+    elif issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        names = tuple(cls._fields)
+    else:
+        names = None
+    _NAMES[cls] = names
+    return names
+
+
 def from_plain(tp: Any, plain: Any) -> Any:
     """The value of type `tp` that `plain` (from `to_plain`) stands for; raises `TypeError` when it does not fit."""
-    if plain is None:
-        return None
+    return _decoder(tp)(plain)
+
+
+_DECODERS: dict[Any, Callable[[Any], Any]] = {}
+
+
+def _decoder(tp: Any) -> Callable[[Any], Any]:
+    """The function that rebuilds a `tp` from its plain tree, made once per type (None always passes)."""
+    try:
+        return _DECODERS[tp]
+    except (KeyError, TypeError):
+        pass
+    build = _make_decoder(tp)
+
+    def decode(plain: Any) -> Any:
+        return None if plain is None else build(plain)
+
+    try:
+        _DECODERS[tp] = decode
+    except TypeError:  # an unhashable annotation: built again each time
+        pass
+    return decode
+
+
+def _make_decoder(tp: Any) -> Callable[[Any], Any]:
     if tp is Any or tp is object:
-        return plain
-    origin = typing.get_origin(tp)
+        return lambda plain: plain
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        return _from_union(typing.get_args(tp), plain)
+        return _union_decoder(args)
     if origin is typing.Literal:
-        return plain
+        return lambda plain: plain
     if isinstance(tp, type):
         if issubclass(tp, BaseException):
-            return decode_error(plain)
+            return decode_error
         if issubclass(tp, enum.Enum):
-            return tp(plain)
+            return tp
         if dataclasses.is_dataclass(tp):
-            return _dataclass(tp, plain)
+            return _dataclass_decoder(tp)
         if issubclass(tp, tuple) and hasattr(tp, "_fields"):
             hints = _hints(tp)
-            return tp(**{k: from_plain(hints.get(k, Any), v) for k, v in _fields(tp, plain).items()})
-        if tp is float and isinstance(plain, int):
-            return float(plain)
+            fields = {name: _decoder(hints.get(name, Any)) for name in tp._fields}
+            return lambda plain: tp(**{k: fields[k](v) for k, v in _fields(tp, plain, fields).items()})
+        if tp is float:
+            return lambda plain: float(_expect(plain, (int, float), tp))
         if tp is Hashable or tp is tuple:
-            return _hashable(plain)
-        if tp in (bool, int, float, str, bytes, list, dict):
-            if not isinstance(plain, tp):
-                raise TypeError(f"expected {tp.__name__}, got {type(plain).__name__}")
-            return plain
-    args = typing.get_args(tp)
+            return _hashable
+        if tp in (bool, int, str, bytes, list, dict):
+            return lambda plain: _expect(plain, tp, tp)
     if origin in (list, set, frozenset, Sequence, tuple):
-        if not isinstance(plain, list):
-            raise TypeError(f"expected a list for {tp}, got {type(plain).__name__}")
         if origin is tuple and args and args[-1] is not Ellipsis:
-            return tuple(from_plain(a, v) for a, v in zip(args, plain, strict=True))
-        item = args[0] if args else Any
-        items = [from_plain(item, v) for v in plain]
-        return items if origin is list else tuple(items) if origin in (tuple, Sequence) else origin(items)
+            items = [_decoder(a) for a in args]
+            return lambda plain: tuple(d(v) for d, v in zip(items, _expect(plain, list, tp), strict=True))
+        item = _decoder(args[0] if args else Any)
+        make = list if origin is list else tuple if origin in (tuple, Sequence) else origin
+        return lambda plain: make([item(v) for v in _expect(plain, list, tp)])
     if origin in (dict, Mapping):
-        key, val = args if args else (Any, Any)
-        return {from_plain(key, k): from_plain(val, v) for k, v in plain.items()}
+        key, val = (_decoder(a) for a in (args if args else (Any, Any)))
+        return lambda plain: {key(k): val(v) for k, v in _expect(plain, dict, tp).items()}
     if tp is Hashable:
-        return _hashable(plain)
+        return _hashable
     raise TypeError(f"no plain decoding for {tp!r}")
 
 
-def _from_union(args: tuple[Any, ...], plain: Any) -> Any:
+def _expect(plain: Any, kind: Any, tp: Any) -> Any:
+    if not isinstance(plain, kind):
+        raise TypeError(f"expected {tp}, got {type(plain).__name__}")
+    return plain
+
+
+def _union_decoder(args: tuple[Any, ...]) -> Callable[[Any], Any]:
     options = [a for a in args if a is not type(None)]
-    for option in options:  # the option whose shape matches the plain value
-        if isinstance(option, type) and option in (bool, int, float, str, bytes) and isinstance(plain, option):
+    scalars = tuple(o for o in options if isinstance(o, type) and o in _SCALARS)
+    decoders = [(o, _decoder(o)) for o in options]
+
+    def decode(plain: Any) -> Any:
+        if scalars and isinstance(plain, scalars):  # the option whose shape matches the plain value
             return plain
-    errors = []
-    for option in options:
-        try:
-            return from_plain(option, plain)
-        except (TypeError, ValueError, KeyError) as exc:
-            errors.append(f"{option}: {exc}")
-    raise TypeError(f"{plain!r:.80} fits none of {options}: {'; '.join(errors)}")
+        errors = []
+        for option, decoder in decoders:
+            try:
+                return decoder(plain)
+            except (TypeError, ValueError, KeyError) as exc:
+                errors.append(f"{option}: {exc}")
+        raise TypeError(f"{plain!r:.80} fits none of {options}: {'; '.join(errors)}")
+
+    return decode
 
 
-def _dataclass(tp: type, plain: Any) -> Any:
+def _dataclass_decoder(tp: type) -> Callable[[Any], Any]:
     hints = _hints(tp)
-    values = _fields(tp, plain)
-    init, late = {}, {}
-    for f in dataclasses.fields(tp):
-        if f.name in values:
-            (init if f.init else late)[f.name] = from_plain(hints.get(f.name, Any), values[f.name])
-    obj = tp(**init)
-    for name, value in late.items():
-        object.__setattr__(obj, name, value)
-    return obj
+    fields = {f.name: (_decoder(hints.get(f.name, Any)), f.init) for f in dataclasses.fields(tp)}
+
+    def decode(plain: Any) -> Any:
+        init, late = {}, []
+        for name, value in _fields(tp, plain, fields).items():
+            decoder, in_init = fields[name]
+            if in_init:
+                init[name] = decoder(value)
+            else:
+                late.append((name, decoder(value)))
+        obj = tp(**init)
+        for name, value in late:
+            object.__setattr__(obj, name, value)
+        return obj
+
+    return decode
 
 
-def _fields(tp: type, plain: Any) -> dict[str, Any]:
+def _fields(tp: type, plain: Any, known: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(plain, dict):
         raise TypeError(f"expected a dict of {tp.__name__}'s fields, got {type(plain).__name__}")
-    names = {f.name for f in dataclasses.fields(tp)} if dataclasses.is_dataclass(tp) else set(tp._fields)
-    unknown = set(plain) - names
-    if unknown:
-        raise TypeError(f"{tp.__name__} has no fields {sorted(unknown)}")
+    if not known.keys() >= plain.keys():
+        raise TypeError(f"{tp.__name__} has no fields {sorted(set(plain) - set(known))}")
     return plain
 
 
