@@ -196,6 +196,9 @@ class EngineClient:
         self.restarts = 0
         self.own_health = ModelHealth()  # the core process's: loaded, reloading while it restarts, poisoned
         self._core: CoreProcess | None = None
+        self._counter_base = EngineCounters()  # the dead cores' counters, as last read
+        self._last_counters = EngineCounters()  # the running core's, as last read
+        self._last_snapshot: dict[str, Any] = {}
         self._start_error: BaseException | None = None
         started = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, args=(started,), name="helexa-core", daemon=True)
@@ -205,7 +208,8 @@ class EngineClient:
             raise self._start_error
         assert self._core is not None
         info = self._core.info
-        self.first_num_blocks = self._core.budget.num_blocks
+        self._budget = self._core.budget
+        self.first_num_blocks = self._budget.num_blocks
         self.max_model_len: int = info["max_model_len"]
         self.device = torch.device(info["device"])
         self.dtype: torch.dtype = getattr(torch, info["dtype"])
@@ -224,8 +228,7 @@ class EngineClient:
     @property
     def budget(self) -> KVBudget:
         """The KV budget of the first core's pool (every restart must agree it)."""
-        assert self._core is not None
-        return self._core.budget
+        return self._budget
 
     @property
     def core_pid(self) -> int | None:
@@ -242,11 +245,18 @@ class EngineClient:
 
     @property
     def counters(self) -> EngineCounters:
-        """The core's counters, with the core deaths among the device faults and restarts among the reloads."""
-        counters = from_plain(EngineCounters, self._call("counters")["counters"])
-        counters.device_faults += self.recovery.faults
-        counters.model_reloads += self.recovery.reloads
-        return counters
+        """The counters of every core since start (a dead core's as last read: monotonic, though what it counted
+        after that reading is lost), with the core deaths among the device faults and restarts among the
+        reloads. While a core restarts: the last reading."""
+        if self._serving.is_set():
+            try:
+                self._last_counters = from_plain(EngineCounters, self._call("counters")["counters"])
+            except EngineError:  # it died meanwhile: the last reading stands
+                pass
+        total = _add_counters(self._counter_base, self._last_counters)
+        total.device_faults += self.recovery.faults
+        total.model_reloads += self.recovery.reloads
+        return total
 
     @property
     def kv_events(self) -> _KVEventCounts | None:
@@ -263,10 +273,16 @@ class EngineClient:
         return _RemoteSizes(self)
 
     def snapshot(self) -> dict[str, Any]:
-        """`Engine.snapshot()` of the core (`model_state` says `reloading` while a core restarts)."""
-        if self.own_health.state != "loaded":
-            raise EngineError(f"the engine core is {self.own_health.state}")
-        return self._call("snapshot")
+        """`Engine.snapshot()` of the core; while a core restarts, the last one read with the `model_state` now."""
+        if self._serving.is_set():
+            try:
+                self._last_snapshot = self._call("snapshot")
+                return self._last_snapshot
+            except EngineError:  # it died meanwhile
+                pass
+        if not self._last_snapshot:
+            self._last_snapshot = self._call("snapshot")  # none read yet: only a live core can answer
+        return {**self._last_snapshot, "model_state": self.health.state}
 
     def view(self) -> EngineView:
         """`Engine.view()` of the core."""
@@ -551,6 +567,8 @@ class EngineClient:
             if outcome.runner is None:
                 self._give_up(outcome.cause)
                 return
+            self._counter_base = _add_counters(self._counter_base, self._last_counters)
+            self._last_counters = EngineCounters()
             self._core, restarted = outcome.runner, True
             self.restarts += 1
             self._core_health = CoreHealth("loaded", None, None, None)
@@ -590,6 +608,10 @@ class EngineClient:
             remotes, self._inflight = list(self._inflight.values()), OrderedDict()
         for remote in remotes:
             remote.handle.stream.put(TokenEvent(finish_reason=reason, error=error if reason == "error" else None))
+
+
+def _add_counters(a: EngineCounters, b: EngineCounters) -> EngineCounters:
+    return EngineCounters(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(a)})
 
 
 @dataclass(frozen=True)
