@@ -637,10 +637,27 @@ class _KVEventCounts:
 
 
 class _RemoteAdmission:
-    """What the server asks admission, answered by the core's."""
+    """What is read of admission (the server's questions, and the counts an operator or a test reads), answered
+    by the core's; each count is one round trip."""
 
     def __init__(self, client: EngineClient) -> None:
         self._client = client
+
+    def snapshot(self) -> dict[str, Any]:
+        """`AdmissionController.snapshot()` in the core."""
+        return self._client._call("admission_snapshot")
+
+    @property
+    def in_flight(self) -> int:
+        return self.snapshot()["in_flight"]
+
+    @property
+    def queue_depth(self) -> int:
+        return self.snapshot()["queue_depth"]
+
+    @property
+    def blocks_reserved(self) -> int:
+        return self.snapshot()["blocks_reserved"]
 
     def queue_status(self, ticket: Ticket) -> tuple[int, float] | None:
         return self._client.queue_status(ticket.request_id or "")

@@ -57,6 +57,7 @@ class CoreServer:
             "submit": self._submit,
             "abort": engine.abort,
             "snapshot": engine.snapshot,
+            "admission_snapshot": engine.admission.snapshot,
             "view": lambda: to_plain(engine.view()),
             "counters": self._counters,
             "estimate_wait": lambda p, m, worst: engine.admission.estimate_wait(p, m, worst_case=worst),
