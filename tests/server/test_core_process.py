@@ -79,24 +79,29 @@ def test_a_core_sigkill_mid_stream_costs_no_request(core_server: RunningServer) 
     engine = core_server.engine
     assert isinstance(engine, EngineClient)
     client = _client(core_server)
-    prompts = ("the first turn of the session", "a second request, queued behind it")
+    prompts = ("the first turn of the session", "a second request, queued behind it", "one sent while it restarts")
+    lengths = (120, 40, 40)  # the first runs long enough to be killed mid-stream on a loaded machine
     expected = [
-        client.completions.create(model="tiny", prompt=p, max_tokens=40, extra_body=LONG).choices[0].text
-        for p in prompts
+        client.completions.create(model="tiny", prompt=p, max_tokens=n, extra_body=LONG).choices[0].text
+        for p, n in zip(prompts, lengths)
     ]
-    first = _Stream(client, prompts[0], 40)
-    assert wait_for(lambda: len(first.pieces) >= 8, 30)
-    second = _Stream(client, prompts[1], 40)
-    assert wait_for(lambda: engine.snapshot()["queue_depth"] == 1, 10)  # queued behind the first
+    first = _Stream(client, prompts[0], lengths[0])
+    assert wait_for(lambda: len(first.pieces) >= 8, 30), "the first stream did not start"
+    second = _Stream(client, prompts[1], lengths[1])
+    assert wait_for(lambda: engine.snapshot()["queue_depth"] == 1, 30), "the second request did not queue"
+    assert len(first.pieces) < lengths[0] - 10
     old_pid = engine.core_pid
     assert old_pid is not None
     os.kill(old_pid, signal.SIGKILL)
-    assert wait_for(lambda: httpx.get(f"{core_server.url}/health", timeout=5).json()["status"] == "reloading", 10)
-    first.thread.join(60)
-    second.thread.join(60)
-    assert first.error is None and second.error is None, (first.error, second.error)
+    health = f"{core_server.url}/health"
+    assert wait_for(lambda: httpx.get(health, timeout=5).json()["status"] == "reloading", 30), "never reloading"
+    third = _Stream(client, prompts[2], lengths[2])  # arrives while no core runs: it waits, as it would in the queue
+    for stream in (first, second, third):
+        stream.thread.join(120)
+    assert [s.error for s in (first, second, third)] == [None] * 3
     # Exactly the text a run with no crash gives: nothing sent twice, nothing lost, and each ends as before.
-    assert [first.text, second.text] == expected and first.finish == second.finish == "length"
+    assert [first.text, second.text, third.text] == expected
+    assert first.finish == second.finish == third.finish == "length"
     assert second.pieces[0][0] >= first.pieces[-1][0]  # the queued request kept its place: it ran second
     assert engine.core_pid not in (None, old_pid) and not _alive(old_pid)
     assert httpx.get(f"{core_server.url}/health", timeout=5).status_code == 200

@@ -104,6 +104,7 @@ class _Remote:
     delivered: list[tuple[int, ...]] = field(default_factory=list)  # token ids of each event the stream got
     replayed: int | None = None  # while replaying: how many of `delivered` the new core has re-derived
     queue: tuple[int, float, float] | None = None  # while it waits: (place, seconds to start, when reported)
+    aborted: bool = False  # the abort may have gone to a core that was dying: the replay must not restart it
 
 
 class CoreProcess:
@@ -344,12 +345,16 @@ class EngineClient:
     def _wait_for_core(self) -> None:
         """Return once a core serves; while one restarts, wait as a queued request would (up to the queue's
         `max_wait_secs`), then refuse with `model_reloading` and the estimated seconds left."""
-        if self._serving.is_set():
+        deadline = time.monotonic() + self.config.admission.max_wait_secs
+        while not self._serving.wait(0.1):
+            if self._closing:
+                raise EngineClosed("the engine is shutting down and admits no new requests")
+            if self.own_health.fault_cause is not None:
+                raise DeviceFault(self.own_health.fault_cause)
+            if time.monotonic() >= deadline:
+                break
+        else:
             return
-        if self._serving.wait(self.config.admission.max_wait_secs) or self._closing:
-            return
-        if self.own_health.fault_cause is not None:
-            raise DeviceFault(self.own_health.fault_cause)
         left = self.own_health.reload_seconds_left() or 1.0
         raise AdmissionRejected(
             "model_reloading",
@@ -372,8 +377,10 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         """Stop a request at the core's next step boundary; idempotent, never blocks on the core."""
         with self._lock:
-            if request_id not in self._inflight:
+            remote = self._inflight.get(request_id)
+            if remote is None:
                 return
+            remote.aborted = True
         try:
             self._send(("call", 0, "abort", [request_id]))
         except OSError:  # the core is gone: the replay will not resubmit an aborted request
@@ -580,6 +587,11 @@ class EngineClient:
             remotes = list(self._inflight.values())
         start = time.perf_counter()
         for remote in remotes:
+            if remote.aborted:  # its client is gone: it ends here instead of running again
+                with self._lock:
+                    self._inflight.pop(remote.handle.request_id, None)
+                remote.handle.stream.put(TokenEvent(finish_reason="abort"))
+                continue
             remote.replayed = 0 if remote.delivered else None  # one that had sent nothing simply starts
             try:
                 self._submit_remote(remote, core)
