@@ -100,7 +100,7 @@ class CoreServer:
                 result = self.engine.flush_prefix_cache(float(args[0]))
             else:
                 result = self._calls[method](*args)
-            reply: tuple[Any, ...] = ("reply", call_id, True, result)
+            reply: tuple[Any, ...] = ("reply", call_id, True, to_plain(result))  # a field added to a result crosses
         except Exception as exc:
             reply = ("reply", call_id, False, encode_error(exc))
         if call_id:
