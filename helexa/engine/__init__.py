@@ -8,9 +8,11 @@
 - `sequence`   `Request` (what rides through admission) and `Sequence` (a running request).
 - `stream`     `RequestStream`, `TokenEvent`: per-request events for threads and asyncio.
 - `faults`     `ModelHealth` (the model's state), `FaultInjector` (`HELEXA_FAULT_INJECT`).
+- `core`       `EngineClient`: the engine in its own process (`HELEXA_ENGINE_PROCESS`); `start_engine` picks.
 """
 
 from helexa.config import EngineConfig
+from helexa.engine.core import EngineClient, ServingEngine, start_engine
 from helexa.engine.engine import (
     DeviceFault,
     Engine,
@@ -31,13 +33,16 @@ __all__ = [
     "EngineClosed",
     "EngineConfig",
     "EngineCounters",
+    "EngineClient",
     "EngineError",
     "ModelHealth",
     "RequestFailed",
     "RequestHandle",
     "RequestStream",
     "ScheduledChunk",
+    "ServingEngine",
     "TokenEvent",
     "TokenLogprob",
     "schedule",
+    "start_engine",
 ]

@@ -1,9 +1,10 @@
 """Device-fault recovery: log the fault with its cause, reload the model with backoff, or give up.
 
-`FaultRecovery` decides and reloads; it knows nothing of the requests. The engine drops what lived in
-the old pool before it calls `recover` and replays its sequences afterwards, so the two meet only
-at `recover`'s result: a fresh `ModelRunner` with the same block count as the first load, or the
-cause to give up with.
+`FaultRecovery` decides and reloads; it knows nothing of the requests, nor of what it reloads beyond its
+block count (`Loaded`): a `ModelRunner` in the engine, a whole engine core process in `EngineClient`.
+The engine drops what lived in the old pool before it calls `recover` and replays its sequences
+afterwards, so the two meet only at `recover`'s result: a fresh one with the same block count as the
+first load, or the cause to give up with.
 """
 
 from __future__ import annotations
@@ -13,26 +14,39 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from helexa.engine.faults import ModelHealth
-from helexa.engine.runner import ModelRunner
+from helexa.kvcache import KVBudget
 
 logger = logging.getLogger("helexa.engine")
 
-__all__ = ["FaultRecovery", "Recovered"]
+__all__ = ["FaultRecovery", "Loaded", "Recovered"]
+
+
+class Loaded(Protocol):
+    """What a reload gives: something holding a KV pool of `budget.num_blocks` blocks, stopped by `close`."""
+
+    @property
+    def budget(self) -> KVBudget: ...
+
+    def close(self, graceful: bool = True) -> None: ...
+
+
+R = TypeVar("R", bound=Loaded)
 
 
 @dataclass(frozen=True)
-class Recovered:
+class Recovered(Generic[R]):
     """What `recover` gives: the reloaded `runner`, or None and the `cause` to give up with."""
 
-    runner: ModelRunner | None
+    runner: R | None
     cause: str
 
 
-class FaultRecovery:
+class FaultRecovery(Generic[R]):
     """Counts consecutive device faults and reloads the model after each, until `max_retries` in a row fail.
 
     `load()` builds a new `ModelRunner` from the engine's config; `health` is the model's state, which
@@ -43,7 +57,7 @@ class FaultRecovery:
 
     def __init__(
         self,
-        load: Callable[[], ModelRunner],
+        load: Callable[[], R],
         health: ModelHealth,
         *,
         first_num_blocks: int,
@@ -62,7 +76,7 @@ class FaultRecovery:
         """A step ran on the device: the next fault is the first in a row again."""
         self.consecutive = 0
 
-    def recover(self, exc: BaseException, where: str) -> Recovered:
+    def recover(self, exc: BaseException, where: str) -> Recovered[R]:
         """Handle one device fault (`where` describes the step for the log): the caller has already dropped
         the old runner. Reloads with exponential backoff; returns the new runner, or the cause to give up
         with once `max_retries` consecutive faults (failed reloads included) have happened."""

@@ -1,11 +1,14 @@
-"""`python -m helexa.server`: load the engine, serve the OpenAI-compatible API, drain on SIGTERM/SIGINT."""
+"""`python -m helexa.server`: load the engine, serve the OpenAI-compatible API, drain on SIGTERM/SIGINT.
+
+The engine runs in this process, or with `HELEXA_ENGINE_PROCESS=1` in its own (`helexa.engine.core`).
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
 
-from helexa.engine.engine import Engine
+from helexa.engine.core import CoreDied, start_engine
 from helexa.model.weights.pull import DownloadError
 from helexa.server.app import create_app
 from helexa.server.cli import build_parser, configs_from_args
@@ -29,11 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     try:
-        engine = Engine(engine_config)
-    except (ValueError, OSError, DownloadError) as exc:
+        engine = start_engine(engine_config)
+    except (ValueError, OSError, DownloadError, CoreDied) as exc:
         logger.error("cannot load the model: %s", exc)
         return 1
-    engine.start()
     server = HelexaServer(create_app(engine, settings), engine, settings)
     try:
         server.run()

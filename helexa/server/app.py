@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from helexa.engine import Engine, TokenEvent
+from helexa.engine import EngineClient, ServingEngine, TokenEvent
 from helexa.model.text.chat_template import ChatTemplateBroken
 from helexa.model.text.tokenizer import TooManyTokens
 from helexa.server.backend import backend_routes
@@ -50,7 +50,7 @@ logger = logging.getLogger("helexa.server")
 class ServerState:
     """What every route reads: the engine, the settings, the metrics, and whether the server is draining."""
 
-    engine: Engine
+    engine: ServingEngine
     settings: ServerSettings
     metrics: ServerMetrics
     logprobs: LogprobFormatter
@@ -188,7 +188,9 @@ async def generate(request: Request) -> Response | EventStreamResponse:
     prompt_ids = await run_in_threadpool(_prompt_ids, state, req)
     run_id = f"{fmt_type.id_prefix}{uuid.uuid4().hex}"
     run = GenerationRun(state.engine, run_id, prompt_ids, req, lambda: state.tools.parser_for(req))
-    if req.grammar is not None:  # each choice copies the prepared matcher; a worker thread even if it was evicted
+    # A grammar: each choice copies the prepared matcher (a worker thread even if it was evicted); an engine core
+    # in its own process: a round trip, which may wait while the core restarts. Neither runs on the event loop.
+    if req.grammar is not None or isinstance(state.engine, EngineClient):
         await run_in_threadpool(run.submit)
     else:
         run.submit()
@@ -436,7 +438,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(error, dict(exc.headers or {}))
 
 
-def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starlette:
+def create_app(engine: ServingEngine, settings: ServerSettings | None = None) -> Starlette:
     """The OpenAI-compatible app over a started `engine`; `app.state.helexa` is its `ServerState`."""
     settings = settings or ServerSettings()
     tools = ToolCalling(engine.tokenizer, settings.tool_call_parser)

@@ -30,13 +30,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from helexa._version import __version__
-from helexa.engine import Engine
+from helexa.engine import ServingEngine
 from helexa.server.errors import APIError
 
 __all__ = ["backend_routes", "capacity", "load", "median_wait"]
 
 
-def median_wait(engine: Engine) -> float:
+def median_wait(engine: ServingEngine) -> float:
     """Seconds a request of the median recent size would wait for admission if it arrived now (NaN when even
     the default size cannot fit this pool); the number `/metrics`, `/get_load` and `/v1/capacity` report."""
     bs = engine.config.block_size  # before any request: one block of prompt and one of output
@@ -79,7 +79,7 @@ def load(snapshot: dict[str, Any], wait: float) -> dict[str, Any]:
     }
 
 
-def _engine(request: Request) -> Engine:
+def _engine(request: Request) -> ServingEngine:
     return request.app.state.helexa.engine
 
 
@@ -95,7 +95,7 @@ async def get_capacity(request: Request) -> Response:
     return JSONResponse(capacity(engine.snapshot(), median_wait(engine)))
 
 
-def _model_info(engine: Engine) -> dict[str, Any]:
+def _model_info(engine: ServingEngine) -> dict[str, Any]:
     """SGLang's `/get_model_info` body for the served model."""
     return {
         "model_path": engine.model_name,
@@ -186,7 +186,7 @@ async def flush_cache(request: Request) -> Response:
     never evicted, so no request loses its KV or its place. 503 `model_reloading` while no pool is loaded.
     """
     state = request.app.state.helexa
-    engine: Engine = state.engine
+    engine: ServingEngine = state.engine
     if engine.health.state != "loaded":
         raise APIError(
             "model_reloading",

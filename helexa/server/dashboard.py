@@ -36,7 +36,7 @@ from helexa.server.errors import ADMISSION_ERRORS
 from helexa.server.tenancy import is_admin, redact_dashboard
 
 if TYPE_CHECKING:
-    from helexa.engine import Engine
+    from helexa.engine import ServingEngine
 
 __all__ = ["DATA_PATH", "Dashboard", "History", "build_dashboard"]
 
@@ -79,7 +79,7 @@ class History:
     """
 
     def __init__(
-        self, engine: Engine, interval: float = 1.0, keep: int = 120, clock: Callable[[], float] = time.time
+        self, engine: ServingEngine, interval: float = 1.0, keep: int = 120, clock: Callable[[], float] = time.time
     ) -> None:
         self.engine, self.interval, self._clock = engine, interval, clock
         self._samples: collections.deque[_Sample] = collections.deque(maxlen=keep + 1)
@@ -183,7 +183,7 @@ def _rejection_row(r: RecentRejection) -> dict[str, Any]:
     }
 
 
-def _read(engine: Engine) -> tuple[EngineView, BlockMap]:
+def _read(engine: ServingEngine) -> tuple[EngineView, BlockMap]:
     """The engine's view and its block map, read again (a few times at most) until the two agree."""
     for _ in range(_CONSISTENT_READS):
         view = engine.view()
@@ -194,7 +194,7 @@ def _read(engine: Engine) -> tuple[EngineView, BlockMap]:
 
 
 def build_dashboard(
-    engine: Engine, history: History | None = None, *, draining: bool = False, budget_line: str | None = None
+    engine: ServingEngine, history: History | None = None, *, draining: bool = False, budget_line: str | None = None
 ) -> dict[str, Any]:
     """The data route's JSON: `admission` (the `GET /v1/admission` body), `blocks` (the block map, whose
     counts equal `expected_counts(admission)` when `blocks.exact`), `queue` (waiting requests in the order
@@ -244,7 +244,7 @@ class Dashboard:
     requests bearing it see request ids and session keys; others see pseudonyms (`tenancy.redact_dashboard`).
     """
 
-    def __init__(self, engine: Engine, draining: Any = lambda: False, admin_api_key: str | None = None) -> None:
+    def __init__(self, engine: ServingEngine, draining: Any = lambda: False, admin_api_key: str | None = None) -> None:
         self.engine = engine
         self._admin_api_key = admin_api_key
         self.history = History(engine)

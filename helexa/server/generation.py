@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from helexa.admission import AdmissionRejected
-from helexa.engine import Engine, EngineClosed, EngineError, RequestFailed, RequestHandle, TokenEvent, TokenLogprob
+from helexa.engine import (
+    EngineClosed,
+    EngineError,
+    RequestFailed,
+    RequestHandle,
+    ServingEngine,
+    TokenEvent,
+    TokenLogprob,
+)
 from helexa.model.sampling import SamplingParams
 from helexa.model.tools import ToolCallParser
 from helexa.server.errors import APIError, from_admission
@@ -97,7 +105,7 @@ class GenerationRun:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: ServingEngine,
         request_id: str,
         prompt_ids: list[list[int]],
         request: GenerationRequest,

@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from helexa.admission import REJECTION_REASONS
-from helexa.engine import MODEL_STATES, Engine
+from helexa.engine import MODEL_STATES, ServingEngine
 from helexa.server.backend import median_wait
 
 # Every metric the server exports (counters with their `_total` sample suffix).
@@ -103,7 +103,7 @@ _ENGINE_COUNTERS = (
 class _EngineCollector(Collector):
     """Reads the engine's snapshot and counters at each scrape."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: ServingEngine) -> None:
         self._engine = engine
         self._started = time.time()
 
@@ -199,7 +199,7 @@ class ServerMetrics:
     `observe_admission_wait`, `observe_ttft`, `observe_duration` in seconds; `render()` the text format.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: ServingEngine) -> None:
         self.registry = registry = CollectorRegistry()
         registry.register(_EngineCollector(engine))
         self._requests = Counter(

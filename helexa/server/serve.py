@@ -11,7 +11,7 @@ from types import FrameType
 import uvicorn
 from starlette.applications import Starlette
 
-from helexa.engine import Engine
+from helexa.engine import ServingEngine
 from helexa.server.connections import GuardedH11Protocol, quiet_accept_errors
 from helexa.server.settings import ServerSettings
 
@@ -20,7 +20,7 @@ logger = logging.getLogger("helexa.server")
 _AFTER_DRAIN_SECS = 5.0  # after the engine stopped, how long uvicorn waits for responses still being written
 
 
-def startup_line(engine: Engine, host: str, port: int) -> str:
+def startup_line(engine: ServingEngine, host: str, port: int) -> str:
     """The one line printed when the server listens: address, model, device, dtype, KV budget in blocks and tokens."""
     budget, gib = engine.budget, engine.budget.kv_cache_bytes / (1 << 30)
     size = f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
@@ -56,7 +56,7 @@ class HelexaServer(uvicorn.Server):
     `bound_port` is the port actually bound (useful with port 0): None until start-up has finished.
     """
 
-    def __init__(self, app: Starlette, engine: Engine, settings: ServerSettings) -> None:
+    def __init__(self, app: Starlette, engine: ServingEngine, settings: ServerSettings) -> None:
         protocol = type("HelexaH11", (GuardedH11Protocol,), {"header_timeout": settings.header_timeout_secs})
         config = uvicorn.Config(
             app,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helexa.config import EngineConfig
-from helexa.engine.engine import Engine
+from helexa.engine import start_engine
 from helexa.model.text.tokenizer import Tokenizer
 from helexa.server.app import create_app
 from helexa.server.serve import HelexaServer
@@ -48,12 +48,14 @@ class RunningServer:
     """A real engine behind a real uvicorn server on 127.0.0.1 (any free port), in a daemon thread.
 
     `url` is the base URL; `engine` and `app` are the live objects. `stop()` is bounded (about 10 s).
+    `in_process`: False runs the engine core in its own process (None: as `HELEXA_ENGINE_PROCESS` says).
     """
 
-    def __init__(self, config: EngineConfig, settings: ServerSettings | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, settings: ServerSettings | None = None, *, in_process: bool | None = None
+    ) -> None:
         settings = dataclasses.replace(settings or ServerSettings(), host="127.0.0.1", port=0, log_level="warning")
-        self.engine = Engine(config)
-        self.engine.start()
+        self.engine = start_engine(config, in_process)
         self.app = create_app(self.engine, settings)
         self.server = HelexaServer(self.app, self.engine, settings)
         self.thread = threading.Thread(target=self.server.run, name="helexa-test-server", daemon=True)
