@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helexa.engine.engine import Engine
+from helexa.engine.speculative import DraftState
 from helexa.model.sampling import SamplingParams
 from helexa.model.sampling.grammar import json_schema_grammar
 from tests.support.engines import assert_released, cpu_config, drive
@@ -133,10 +134,12 @@ def _chi_square_p(a: list[int], b: list[int]) -> float:
     return float(torch.special.gammaincc(df, torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def test_unseeded_sampling_draws_from_the_same_distribution(default_model_dir) -> None:
-    """256 unseeded requests at temperature 1 on a prompt that repeats a pattern (so drafts are proposed
-    and partly rejected): the second and third tokens' joint distribution with drafts matches the one
-    without (chi-square; the engines' generators are seeded, so the test is repeatable)."""
+def test_unseeded_sampling_draws_from_the_same_distribution(default_model_dir, monkeypatch) -> None:
+    """256 unseeded requests at temperature 1 on a prompt that repeats a pattern, every decode drafting
+    (the length pinned, whatever 64 streams make a row cost), so drafts are verified and partly rejected:
+    the second and third tokens' joint distribution with drafts matches the one without (chi-square;
+    the engines' generators are seeded, so the test is repeatable)."""
+    monkeypatch.setattr(DraftState, "next_length", lambda self, row_cost=0.0: self.max_length)
     params = [SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)] * 256
     samples = {}
     for mode in ("off", "ngram"):

@@ -4,7 +4,8 @@ A session is a request's `(cache_salt, prompt_cache_key)`: the salt is the tenan
 tenant's text is never drafted into another's request, exactly as the prefix cache never shares a
 block across salts. Each session keeps its latest outputs (at most `max_session_tokens` tokens) in one
 list, separated by a marker no token equals, with an `NgramIndex` over it; all sessions together keep
-at most `max_tokens` tokens, the least recently used session going first.
+at most `max_tokens` tokens, the least recently used session going first (by default 16k tokens a
+session and 256k in all: with their indexes, some tens of MB at most).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class SessionOutputs:
     used first)."""
 
     def __init__(
-        self, *, min_n: int = 2, max_n: int = 4, max_session_tokens: int = 32_768, max_tokens: int = 1 << 20
+        self, *, min_n: int = 2, max_n: int = 4, max_session_tokens: int = 16_384, max_tokens: int = 1 << 18
     ) -> None:
         self.min_n, self.max_n = min_n, max_n
         self.max_session_tokens = check_int(max_session_tokens, "max_session_tokens", 2)
