@@ -209,13 +209,13 @@ class EngineClient:
             raise self._start_error
         assert self._core is not None
         info = self._core.info
-        self._budget = self._core.budget
-        self.first_num_blocks = self._budget.num_blocks
+        self._budget: KVBudget = self._core.budget
+        self.first_num_blocks: int = self._budget.num_blocks
         self.max_model_len: int = info["max_model_len"]
-        self.device = torch.device(info["device"])
+        self.device: torch.device = torch.device(info["device"])
         self.dtype: torch.dtype = getattr(torch, info["dtype"])
         self.load_seconds: float = info["load_seconds"]
-        self.recovery = FaultRecovery(
+        self.recovery: FaultRecovery = FaultRecovery(
             lambda: CoreProcess(self.config),
             self.own_health,
             first_num_blocks=self.first_num_blocks,
