@@ -20,6 +20,7 @@ from helexa.kernels import AttentionBackend
 from helexa.model.config import DTYPES, ModelConfig
 from helexa.model.parallel.comm import TensorParallel
 from helexa.model.parallel.sharding import ShardPlan
+from helexa.model.quant import native
 from helexa.model.quant.apply import (
     QUANTIZATION_CHOICES,
     checkpoint_modules,
@@ -314,6 +315,8 @@ def load_model(
             module.prepare()
     quantized = quantized_modules(model)
     if quantized and device.type == "cpu":
+        why = native.unavailable_reason()
+        log.info(f"model: cpu kernels {native.kernel_path()}{f' ({why})' if why else ''}")
         model.native_step, why_not = native_step_for(model)
         log.info(f"model: fused CPU step {'on' if model.native_step else f'off ({why_not})'}")
     if mixed or skipped:

@@ -17,6 +17,7 @@ from helexa.kernels import reference
 from helexa.model.loader import load_model
 from helexa.model.quant import native
 from helexa.model.quant.native_step import native_step_for, paged_attention
+from tests.support.kernel_paths import kernel_paths, use_kernel_path
 from tests.support.models import PagedCache, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.unavailable_reason()}")
@@ -44,9 +45,14 @@ def _paged_inputs(g: torch.Generator, lens: list[int], qlens: list[int], heads: 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "d", "block_size"), [(4, 2, 16, 4), (6, 6, 32, 8), (8, 1, 64, 16), (16, 1, 8, 4)]
 )
-def test_paged_attention_matches_the_reference(heads: int, kv_heads: int, d: int, block_size: int) -> None:
+@pytest.mark.parametrize("path", kernel_paths())
+def test_paged_attention_matches_the_reference(
+    heads: int, kv_heads: int, d: int, block_size: int, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Decode rows, whole prefills, extends after a cached prefix and short multi-row extends in one
-    batch; lengths across block boundaries and across the chunks of 128 keys; GQA groups of 1 to 16."""
+    batch; lengths across block boundaries and across the chunks of 128 keys; GQA groups of 1 to 16;
+    on each instruction-set path this CPU runs."""
+    use_kernel_path(path, monkeypatch)
     g = torch.Generator().manual_seed(heads * d)
     lens = [1, block_size, block_size + 1, 37, 128, 129, 300, 260, 140]
     qlens = [1, block_size, 1, 37, 1, 2, 40, 260, 9]  # decode, prefill, split extend (<= 8 rows), tiled
@@ -156,7 +162,12 @@ def test_every_position_is_computed_the_same_however_it_is_scheduled(quantized, 
     """Logits of every position and the K/V written for it, bit for bit, whether the sequence ran alone
     as one prefill, token by token beside the others, or in random chunks mixed with other sequences
     (decode rows, split extends, long prefill chunks in one step; contexts across the 128-key chunks)."""
-    rng = random.Random(seed)
+    _check_schedules(quantized, random.Random(seed))
+
+
+def _check_schedules(quantized, rng: random.Random) -> None:
+    """Random prompts run alone as one prefill each, then in a random chunked mix and token by token:
+    every position's logits and K/V equal, bit for bit."""
     vocab = quantized.config.vocab_size
     prompts = {s: [rng.randrange(vocab) for _ in range(rng.randint(1, 260))] for s in range(rng.randint(2, 4))}
     lengths = {s: len(p) for s, p in prompts.items()}
@@ -174,6 +185,16 @@ def test_every_position_is_computed_the_same_however_it_is_scheduled(quantized, 
             assert all(torch.equal(a, b) for a, b in zip(_kv(cache, *key), want_kv)), f"K/V of {key} differ"
 
 
+@pytest.mark.parametrize("path", kernel_paths())
+def test_each_kernel_path_computes_every_position_the_same_however_it_is_scheduled(
+    quantized, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch-invariance guarantee holds within each instruction-set path this CPU runs (the test
+    above explores schedules on the default path; this one runs one fixed mix on every path)."""
+    use_kernel_path(path, monkeypatch)
+    _check_schedules(quantized, random.Random(7))
+
+
 def _trim(schedule: list[dict[int, int]], lengths: dict[int, int]) -> list[dict[int, int]]:
     """Cut a token-by-token schedule at each sequence's length."""
     done = dict.fromkeys(lengths, 0)
@@ -186,13 +207,15 @@ def _trim(schedule: list[dict[int, int]], lengths: dict[int, int]) -> list[dict[
     return [step for step in out if any(step.values())]
 
 
-def test_the_fused_step_matches_the_layers(quantized) -> None:
+@pytest.mark.parametrize("path", kernel_paths())
+def test_the_fused_step_matches_the_layers(quantized, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The C step computes what the torch layers compute (the oracle): a prefill batch, then decode
     steps, each run both ways from the same cache. Both round each projection's input to int8 per
     block of 32, and their norms, RoPE and softmax round differently in the last float32 bit: now and
     then a value lands on the other side of an int8 rounding boundary. So most rows must agree to
     float32 precision, and every row within 2% of the logits' scale; the K/V written likewise, and
-    nothing else in the pool may change."""
+    nothing else in the pool may change. On each instruction-set path this CPU runs."""
+    use_kernel_path(path, monkeypatch)
     model = quantized
     prompts = {0: [5, 9, 17, 3, 44, 8, 21], 1: [60, 2], 2: list(range(11, 150))}
     fused, layers = (PagedCache(model.config, num_blocks=64, block_size=4) for _ in range(2))  # same seed: equal
