@@ -307,6 +307,7 @@ def load_model(
         shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint in {path} is missing {len(missing)} tensor(s): {shown}")
     model.load_state_dict(state, strict=True, assign=True)
+    state.clear()  # the model holds the tensors now: preparing a quantized module can free its canonical copy
     model.reset_buffers(device)
     model.requires_grad_(False).eval()
     skipped = quantize_decoder(model, quantization) if quantization in ("int8", "int4") else []

@@ -83,6 +83,9 @@ def test_quantized_gguf_model_runs_on_the_file_numbers(tmp_path: Path, bpe: Toke
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantLinear)
     assert (model.lm_head is None) is tie and (tie or isinstance(model.lm_head, QuantLinear))
     assert not any(isinstance(m, QuantLinear | QuantEmbedding) for m in reference.modules())
+    if native.available():  # weights once: the kernel's tiled layout is the only copy, the lookup reads it
+        assert all(m.qweight is None and m.cpu_matmul.tiled for m in model.modules() if isinstance(m, QuantLinear))
+        assert not any(name.endswith((".qweight", ".scales", ".zeros")) for name in model.state_dict())
     # The embedding rows are the file's numbers exactly; the matmuls differ only by bfloat16 rounding.
     ids = torch.arange(5, 40)
     torch.testing.assert_close(model.model.embed_tokens(ids), reference.model.embed_tokens(ids), rtol=0, atol=0)
@@ -120,12 +123,15 @@ def test_layout_errors_name_the_problem() -> None:
         QuantizedWeight.of(torch.zeros(4, 32, dtype=torch.int32), torch.ones(4))
 
 
-def _kernel_reference(run: CpuQuantMatmul, x: torch.Tensor) -> torch.Tensor:
-    """The CPU path's documented math in float64: the kernel's activation rounding, its scales."""
-    weight = run.weight
-    scales = run._scales if weight.scales.dim() == 2 else run._scales[:, 0]
-    w = QuantizedWeight(weight.qweight, scales, run._zeros).dequantize(torch.float64)
-    return F.linear(run.rounded_activations(x).double(), w)
+def _kernel_reference(run: CpuQuantMatmul, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    """The CPU path's documented math in float64: the kernel's activation rounding, its scales (as
+    stored for the native kernel, bfloat16-rounded for torch's)."""
+    scales = weight.scales if weight.scales.dim() == 2 else weight.scales[:, None]
+    zeros = weight.zeros
+    if run.kernel == "torch":
+        scales, zeros = scales.bfloat16(), None if zeros is None else zeros.bfloat16()
+    w = QuantizedWeight(weight.qweight, scales.float(), None if zeros is None else zeros.float())
+    return F.linear(run.rounded_activations(x).double(), w.dequantize(torch.float64))
 
 
 @pytest.mark.parametrize("path", [*kernel_paths(), "torch"])
@@ -159,7 +165,7 @@ def test_cpu_matmul_matches_its_reference(path: str, layout: str, rows: int, mon
         assert run.tiled is not None
         assert run.tiled[1].dtype == (torch.float16 if layout in ("int4-gguf", "int8-group") else torch.float32)
     got = run(x)
-    want = _kernel_reference(run, x)
+    want = _kernel_reference(run, weight, x)
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
     if kernel == "native":  # float32 sums of the same products
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
@@ -167,6 +173,16 @@ def test_cpu_matmul_matches_its_reference(path: str, layout: str, rows: int, mon
         torch.testing.assert_close(got.double(), want, rtol=2**-6, atol=2**-6 * float(want.abs().max()))
     exact = F.linear(x, weight.dequantize())
     assert (got - exact).abs().max() < 0.02 * exact.abs().max()  # the rounding stays small against the math
+    if kernel == "native":  # the tiled bytes are the only copy: they give back the weight, whole or by rows
+        ids = torch.tensor([95, 0, 8, 7, 8])
+        for rebuilt, want_w in ((run.weight(), weight), (run.weight(ids), _rows(weight, ids))):
+            assert torch.equal(rebuilt.qweight, want_w.qweight)
+            assert torch.equal(rebuilt.dequantize(), want_w.dequantize())
+
+
+def _rows(weight: QuantizedWeight, ids: torch.Tensor) -> QuantizedWeight:
+    zeros = None if weight.zeros is None else weight.zeros[ids]
+    return QuantizedWeight(weight.qweight[ids], weight.scales[ids], zeros)
 
 
 @pytest.mark.parametrize("path", kernel_paths())

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from helexa.model.quant import isa
+from helexa.model.quant.weight import QuantizedWeight
 from helexa.model.weights.pull import helexa_home
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "tile_int4",
     "tile_int8",
     "unavailable_reason",
+    "untile",
 ]
 
 _log = logging.getLogger("helexa.quant")
@@ -109,7 +111,7 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
     lib.helexa_set_threads.argtypes = [i64]
     lib.helexa_set_threads.restype = None
     lib.helexa_threads.restype = ctypes.c_int
-    lib.helexa_paged_attention.argtypes = [p, p, p, *[i64] * 8, p, p, i64, p, ctypes.c_float, p]
+    lib.helexa_paged_attention.argtypes = [p, p, p, *[i64] * 8, p, p, i64, p, ctypes.c_float, i64, p]
     lib.helexa_paged_attention.restype = ctypes.c_int
     lib.helexa_step.argtypes = [p, i64, p, p, p, p, i64, p, p, i64, p, p]
     lib.helexa_step.restype = ctypes.c_int
@@ -188,6 +190,30 @@ def tile_int8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor
     kernel's tiled layout: (tiled bytes, tiled scales), the scales float16 when that is exact."""
     scales = scales if scales.dim() == 2 else scales[:, None]
     return _tile_values(qweight).contiguous(), *_tile_groups(scales)
+
+
+def untile(tiled: tuple[torch.Tensor, ...], rows: torch.Tensor | None = None) -> QuantizedWeight:
+    """The canonical weight (`QuantizedWeight`) of a weight tiled by `tile_int4` or `tile_int8`, or of
+    its rows `rows` (R,) int64 alone: the same quantized values; scales in the tiled dtype (float16
+    where that was exact, so the same numbers); int4 zeros as zero terms + 8 * scales in float32 (the
+    stored zeros whenever z - 8 s was exact, as for every GGUF Q4_0/Q4_1 block). Int8 per-channel
+    scales come back as one group of K. Reads only the requested rows' bytes."""
+    int4 = len(tiled) == 3
+    qt, scales = tiled[0], tiled[1]
+    tiles, chunks = qt.shape[0], qt.shape[1]
+    n = tiles * _COLUMNS
+    ids = torch.arange(n) if rows is None else rows.long()
+    t, c = ids // _COLUMNS, ids % _COLUMNS
+    q = qt[t]  # (R, K/4, 16 or 32)
+    if int4:
+        q = torch.cat((q & 0xF, q >> 4), dim=-1)  # (R, K/4, 32): value j of each chunk
+    q = q.view(len(ids), chunks, _COLUMNS, 4)[torch.arange(len(ids)), :, c].reshape(len(ids), chunks * 4)  # (R, K)
+    s = scales[t, :, c]  # (R, groups)
+    if not int4:
+        return QuantizedWeight.of(q.contiguous(), s.contiguous())
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # even k in the low nibble
+    zeros = tiled[2][t, :, c].float() + 8 * s.float()
+    return QuantizedWeight.of(packed, s.contiguous(), zeros.contiguous())
 
 
 def supports(n: int, k: int, group: int) -> bool:

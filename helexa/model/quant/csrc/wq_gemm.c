@@ -85,12 +85,6 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
     }
 }
 
-/* 8 floats from float32 (half = 0) or float16 (half = 1) values at index i. */
-static inline __m256 load8(const void *p, int64_t i, const int half) {
-    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-    return _mm256_loadu_ps((const float *)p + i);
-}
-
 /* The rows [m0, m0 + R) of one tile of 8 columns. R is a constant at each call site, so the
  * accumulators stay in registers. `w4` (int4) or `w8` (int8) is the tile's weight. */
 static inline __attribute__((always_inline)) void tile(const int8_t *xq, const float *d, const float *xs, int64_t K,
@@ -111,8 +105,8 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
         if (left-- == 0) {
             g++;
             left = per_group - 1;
-            sv = load8(s, g * NR, half);
-            if (zc) zv = load8(zc, g * NR, half);
+            sv = hx_load8(s, g * NR, half);
+            if (zc) zv = hx_load8(zc, g * NR, half);
         }
         __m256i isum[MR];
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
