@@ -1,5 +1,7 @@
 """The native CPU kernels per instruction-set path, and the memory a quantized model holds (issue 36).
 
+0. The quantized GEMM alone (`native.int4_gemm`, `native.int8_gemm`) on an (16384, 4096) weight, far
+   larger than the caches, at 1, 8 and 64 rows, on every path, alternating; GB/s of weight read.
 1. Steps of a model (default: SmolLM2-135M from its Q4_1 GGUF) through the fused C step on every
    path this CPU runs (`helexa.model.quant.isa`), in one process on the same weights and cache,
    the paths alternating round by round (the machine is shared: each round measures every path
@@ -30,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from helexa.model.loader import load_model  # noqa: E402
-from helexa.model.quant import isa, native  # noqa: E402
+from helexa.model.quant import isa, native, quantize_int4, quantize_int8  # noqa: E402
 from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model  # noqa: E402
 from tests.support.models import PagedCache  # noqa: E402
 
@@ -63,6 +65,35 @@ def cpu_name() -> str:
 def _use(path: str) -> None:
     os.environ[isa.ENV] = path
     assert native.kernel_path() == path, native.unavailable_reason()
+
+
+def time_gemm(rounds: int) -> list[str]:
+    """Table rows: per layout and row count, each path's median ms, GB/s of weight and speed vs avx2."""
+    paths = [p.name for p in isa.candidates("auto")[0]][::-1]
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16384, 4096, generator=g)
+    weights = {"int4 g32": quantize_int4(w, group_size=32), "int8": quantize_int8(w)}
+    del w
+    rows = []
+    for name, weight in weights.items():
+        tiled = (native.tile_int4 if weight.zeros is not None else native.tile_int8)(*weight.tensors())
+        gemm = native.int4_gemm if weight.zeros is not None else native.int8_gemm
+        nbytes = sum(t.numel() * t.element_size() for t in tiled)
+        for m in (1, 8, 64):
+            x = torch.randn(m, 4096, generator=g)
+            times: dict[str, list[float]] = {p: [] for p in paths}
+            for _ in range(rounds if m < 64 else max(3, rounds // 4)):
+                for p in paths:
+                    _use(p)
+                    start = time.perf_counter()
+                    gemm(x, tiled)
+                    times[p].append(time.perf_counter() - start)
+            base = statistics.median(times[paths[0]])
+            for p in paths:
+                t = statistics.median(times[p])
+                rows.append(f"| {name} | {m} | {p} | {t * 1e3:.2f} | {nbytes / t / 1e9:.1f} | {base / t:.2f}x |")
+    os.environ.pop(isa.ENV, None)
+    return rows
 
 
 def time_paths(model_path: Path, rounds: int) -> list[dict]:
@@ -126,6 +157,7 @@ def main() -> None:
         f"(paths this CPU runs: {', '.join(p.name for p in isa.candidates('auto')[0])}); model {model_path.name}"
     )
     print(head, flush=True)
+    gemm = time_gemm(args.rounds)
     rows = time_paths(model_path, args.rounds)
     lines = [
         f"# {head}",
@@ -139,6 +171,12 @@ def main() -> None:
             f"| {kind} | {b} | {c} | {n} | {r['path']} | {r['ms']:.2f} | {1e3 * b * n / r['ms']:.1f} "
             f"| {r['vs_avx2']:.2f}x |"
         )
+    lines += [
+        "",
+        "| GEMM weight | rows | path | median ms | weight GB/s | vs avx2 |",
+        "|---|---:|---|---:|---:|---:|",
+        *gemm,
+    ]
     trees = [("this tree", ROOT)] + ([("baseline", args.baseline)] if args.baseline else [])
     memory: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
     for _ in range(args.rss_rounds):
