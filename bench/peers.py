@@ -33,7 +33,8 @@ the machine's read bandwidth measured here (`--threads` threads summing a 1 GiB 
 each engine's one-stream decode as a fraction of the roofline that bandwidth allows (tok/s x the
 GGUF's bytes / bandwidth: every weight read once per token; the KV read at short context is
 negligible), and the memory each engine holds while loaded (the process's RSS after its runs minus
-its RSS before loading it; one engine at a time, each released before the next).
+its RSS before loading it; one engine at a time, each released before the next; a KV pool's pages
+count once they are touched, so this is the weights, the runtime and the KV actually used).
 """
 
 from __future__ import annotations
@@ -429,9 +430,9 @@ def bench_helexa(
 
 
 def _roofline(c: Column, weight_bytes: int, bandwidth: float) -> float | None:
-    """One-stream decode tok/s as a fraction of bandwidth / weight bytes (every weight read once a token)."""
+    """One-stream decode tok/s as a percentage of bandwidth / weight bytes (every weight read once a token)."""
     one = c.decode.get(1)
-    return None if one is None else one * weight_bytes / bandwidth
+    return None if one is None else 100 * one * weight_bytes / bandwidth
 
 
 def fmt(v: float | None, digits: int = 1) -> str:
@@ -455,9 +456,7 @@ def report(cols: list[Column], streams: Sequence[int], args: argparse.Namespace,
     metrics.append((f"prefill tok/s ({prompt_len}-token prompt)", lambda c: c.prefill, True))
     metrics.append(("prefill TTFT ms", lambda c: c.prefill_ttft_ms, False))
     bandwidth, weight_bytes = args.read_bandwidth, args.gguf_bytes
-    metrics.append(
-        ("1-stream decode, fraction of the read roofline", lambda c: _roofline(c, weight_bytes, bandwidth), False)
-    )
+    metrics.append(("1-stream decode, % of the read roofline", lambda c: _roofline(c, weight_bytes, bandwidth), False))
     metrics.append(("memory held while loaded, MiB (RSS delta)", lambda c: c.held_mib, True))
     lines = [
         f"# helexa vs llama.cpp — {time.strftime('%Y-%m-%d')}, {DEFAULT_MODEL} (Q4_1 GGUF), CPU, "
