@@ -27,6 +27,14 @@ Measured, with every prompt tokenised once by helexa's tokenizer and the same id
 Each `--helexa-args` item is one helexa configuration: comma-separated `EngineConfig` fields
 (`key=value`, as `helexa.LLM(None, **engine_args)` takes them); its text is its column name.
 Writes `bench/results/peers.md` and `bench/results/peers.png`.
+
+The report also gives (issue 36) the CPU model, helexa's kernel path (`helexa.model.quant.isa`),
+the machine's read bandwidth measured here (`--threads` threads summing a 1 GiB buffer, best of 5),
+each engine's one-stream decode as a fraction of the roofline that bandwidth allows (tok/s x the
+GGUF's bytes / bandwidth: every weight read once per token; the KV read at short context is
+negligible), and the memory each engine holds while loaded (the process's RSS after its runs minus
+its RSS before loading it; one engine at a time, each released before the next; a KV pool's pages
+count once they are touched, so this is the weights, the runtime and the KV actually used).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 PEERS_DIR = ROOT / ".peers"
 
 from helexa import LLM, SamplingParams  # noqa: E402
+from helexa.model.quant import native  # noqa: E402
 from helexa.model.weights.pull import DEFAULT_MODEL, KNOWN_MODELS, helexa_home, pull  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -288,14 +297,45 @@ class LlamaCppContext:
 
 @dataclass
 class Column:
-    """One system's numbers: prefill tok/s and aggregate decode tok/s per stream count."""
+    """One system's numbers: prefill tok/s and aggregate decode tok/s per stream count, and the memory
+    it held while loaded (MiB)."""
 
     name: str
     prefill: float | None = None
     prefill_ttft_ms: float | None = None
     decode: dict[int, float] = field(default_factory=dict)
+    held_mib: float | None = None
     note: str = ""
     error: str | None = None
+
+
+def rss_mib() -> float:
+    """This process's resident set now, in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def read_bandwidth(threads: int) -> float:
+    """Bytes per second this machine reads with `threads` threads: a sum over a 1 GiB float32 buffer
+    (larger than any cache), the best of 5."""
+    torch.set_num_threads(threads)
+    buf = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        float(buf.sum())
+        best = min(best, time.perf_counter() - t0)
+    del buf
+    return (1 << 30) / best
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
 
 
 def bench_llama_cpp(
@@ -308,6 +348,7 @@ def bench_llama_cpp(
     threads: int,
 ) -> Column:
     col = Column("llama.cpp", note="Q4_1 GGUF native; multi-stream: llama_batch, one seq_id per stream")
+    before = rss_mib()
     model = LlamaCppModel(lib, gguf, threads)
     try:
         per_seq = max(len(p) for p in prefill) + 8
@@ -330,6 +371,7 @@ def bench_llama_cpp(
                 outs, _, decode_s = ctx.greedy(chat[:n], new_tokens)
                 col.decode[n] = sum(len(o) - 1 for o in outs) / decode_s
                 print(f"  llama.cpp {n:>2} streams x {new_tokens}: {col.decode[n]:.1f} tok/s", flush=True)
+                col.held_mib = max(col.held_mib or 0.0, rss_mib() - before)
             finally:
                 ctx.close()
     finally:
@@ -347,6 +389,7 @@ def bench_helexa(
 ) -> Column:
     col = Column(f"helexa {label}")
     args = {"max_num_seqs": max(16, max(streams)), "num_blocks": 2048, **engine_args}
+    before = rss_mib()
     t0 = time.perf_counter()
     llm = LLM(None, **args)
     print(f"  loaded in {time.perf_counter() - t0:.1f}s ({llm.engine.dtype}, {args})", flush=True)
@@ -366,6 +409,17 @@ def bench_helexa(
             window = max(o.timings.total for o in outs) - max(o.timings.ttft for o in outs)
             col.decode[n] = sum(len(o.token_ids) - 1 for o in outs) / window
             print(f"  {col.name} {n:>2} streams x {new_tokens}: {col.decode[n]:.1f} tok/s", flush=True)
+        col.held_mib = rss_mib() - before
+        pool_mib = llm.engine.budget.bytes_per_block * llm.engine.budget.num_blocks / 2**20
+        col.note = "; ".join(
+            filter(
+                None,
+                [
+                    col.note,
+                    f"kernel path {native.kernel_path()}, KV pool {pool_mib:.0f} MiB of {llm.engine.pool.dtype}",
+                ],
+            )
+        )
     finally:
         del llm
         gc.collect()
@@ -373,6 +427,12 @@ def bench_helexa(
 
 
 # ---------------------------------------------------------------------------------------------- report
+
+
+def _roofline(c: Column, weight_bytes: int, bandwidth: float) -> float | None:
+    """One-stream decode tok/s as a percentage of bandwidth / weight bytes (every weight read once a token)."""
+    one = c.decode.get(1)
+    return None if one is None else 100 * one * weight_bytes / bandwidth
 
 
 def fmt(v: float | None, digits: int = 1) -> str:
@@ -395,6 +455,9 @@ def report(cols: list[Column], streams: Sequence[int], args: argparse.Namespace,
     ]
     metrics.append((f"prefill tok/s ({prompt_len}-token prompt)", lambda c: c.prefill, True))
     metrics.append(("prefill TTFT ms", lambda c: c.prefill_ttft_ms, False))
+    bandwidth, weight_bytes = args.read_bandwidth, args.gguf_bytes
+    metrics.append(("1-stream decode, % of the read roofline", lambda c: _roofline(c, weight_bytes, bandwidth), False))
+    metrics.append(("memory held while loaded, MiB (RSS delta)", lambda c: c.held_mib, True))
     lines = [
         f"# helexa vs llama.cpp — {time.strftime('%Y-%m-%d')}, {DEFAULT_MODEL} (Q4_1 GGUF), CPU, "
         f"{args.threads} threads",
@@ -402,6 +465,10 @@ def report(cols: list[Column], streams: Sequence[int], args: argparse.Namespace,
         f"Greedy, EOS ignored, {args.new_tokens} new tokens per stream; prefill: median of "
         f"{args.prefill_repeats} different prompts. Same token ids for every system. Ratio: helexa's speed / "
         f"llama.cpp's. Load average at the start: {args.load_at_start}.",
+        "",
+        f"CPU: {cpu_model()}; helexa kernel path: {native.kernel_path()}; measured read bandwidth "
+        f"{bandwidth / 1e9:.1f} GB/s ({args.threads} threads); GGUF {weight_bytes / 2**20:.0f} MiB, so one "
+        f"stream's roofline is {bandwidth / weight_bytes:.1f} tok/s.",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
@@ -476,6 +543,11 @@ def main(argv: list[str] | None = None) -> int:
     args.load_at_start = " ".join(f"{v:.1f}" for v in os.getloadavg())
 
     gguf = args.gguf or default_gguf()
+    args.gguf_bytes = gguf.stat().st_size
+    args.read_bandwidth = read_bandwidth(args.threads)
+    print(
+        f"CPU {cpu_model()}; kernel path {native.kernel_path()}; read {args.read_bandwidth / 1e9:.1f} GB/s", flush=True
+    )
     tokenizer = load_tokenizer()
     chat = stream_prompts(tokenizer, max(streams))
     prefill = prefill_prompts(tokenizer, args.prefill_tokens, args.prefill_repeats)

@@ -216,9 +216,11 @@ class EngineConfig:
     )
     kv_cache_dtype: str = _budget(
         "auto",
-        "KV cache dtype: auto: --dtype's; fp8 (alias fp8_e4m3): float8 e4m3, one byte per element (4x the blocks "
+        "KV cache dtype: auto: --dtype's; float16, float32: that dtype (float16: a float16 model, or a quantized "
+        "model on the CPU's fused C step, at half the bytes of float32); "
+        "fp8 (alias fp8_e4m3): float8 e4m3, one byte per element (4x the blocks "
         "of float32, 2x those of bfloat16 in the same memory), with per-layer, per-KV-head scales calibrated at load",
-        Rule.one_of("auto", "fp8", "fp8_e4m3"),
+        Rule.one_of("auto", "fp8", "fp8_e4m3", "float16", "float32"),
     )
     block_size: int = _budget(16, "tokens per KV block", POWER_OF_TWO)
     num_blocks: int | None = _budget(None, "an exact KV block count", Rule.at_least(1), exclusive="budget")

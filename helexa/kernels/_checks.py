@@ -7,6 +7,10 @@ only when `helexa.values.debug_enabled()`.
 An fp8 KV cache (`FP8_KV_DTYPE`, e4m3) holds `x / scale` saturated to `±FP8_KV_MAX`; it comes with
 `k_scale` and `v_scale`, each `(KVH,)` float32 (one scale per KV head) on the caches' device. A
 cache of any other dtype takes no scales.
+
+A 16-bit cache under float32 K/V and queries (`HALF_KV_DTYPES`, the CPU's 16-bit KV: `half_cache=True`,
+which only the torch reference passes) stores each value rounded to the cache's dtype and is read
+back widened; caches otherwise have the dtype of what they store.
 """
 
 from __future__ import annotations
@@ -18,6 +22,14 @@ from helexa.values import debug_enabled
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_KV_DTYPE = torch.float8_e4m3fn  # `--kv-cache-dtype fp8`
 FP8_KV_MAX = float(torch.finfo(FP8_KV_DTYPE).max)  # 448.0: larger magnitudes saturate to it
+HALF_KV_DTYPES = (torch.float16, torch.bfloat16)  # 16-bit caches a float32 model may keep (`half_cache`)
+
+
+def _cache_matches(cache: torch.dtype, values: torch.dtype, half_cache: bool) -> bool:
+    """A cache of dtype `cache` may hold values of dtype `values` (fp8: checked with its scales)."""
+    if cache in (values, FP8_KV_DTYPE):
+        return True
+    return half_cache and values == torch.float32 and cache in HALF_KV_DTYPES
 
 
 def _shape(name: str, t: torch.Tensor, *dims: int | str) -> None:
@@ -60,9 +72,11 @@ def check_write_kv(
     float_dtypes: tuple[torch.dtype, ...],
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    half_cache: bool = False,
 ) -> None:
     """k, v: (T, KVH, D); k_cache, v_cache: (NB, BS, KVH, D), one dtype out of `float_dtypes` (k's), or
-    fp8 with k of a dtype out of `float_dtypes` and both scales (see the module docstring);
+    fp8 with k of a dtype out of `float_dtypes` and both scales, or (`half_cache`) 16-bit under float32
+    k (see the module docstring);
     slot_mapping: (T,) int32/int64, all on k's device. Debug mode: every slot is -1 or in [0, NB*BS)."""
     num_blocks, block_size, num_kv_heads, head_dim = _cache_shape(k_cache, v_cache)
     _shape("k", k, "num_tokens", num_kv_heads, head_dim)
@@ -70,7 +84,7 @@ def check_write_kv(
     _shape("slot_mapping", slot_mapping, k.shape[0])
     _same("dtype", "k_cache", k_cache, v_cache=v_cache)
     _same("dtype", "k", k, v=v)
-    if k_cache.dtype != FP8_KV_DTYPE:
+    if not _cache_matches(k_cache.dtype, k.dtype, half_cache):
         _same("dtype", "k_cache", k_cache, k=k)
     _dtypes(float_dtypes, k.dtype, slot_mapping=slot_mapping)
     _same("device", "k", k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
@@ -94,11 +108,12 @@ def check_paged_attention(
     float_dtypes: tuple[torch.dtype, ...],
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    half_cache: bool = False,
 ) -> None:
     """q: (T, H, D) of a dtype in `float_dtypes`; k_cache, v_cache: (NB, BS, KVH, D) of q's dtype, or
-    fp8 with both scales (see the module docstring), H % KVH == 0; block_tables: (B, MB); seq_lens:
-    (B,); query_start_loc: (B+1,); index tensors int32 or int64; out: None or like q; all on q's
-    device. Debug mode also checks values: query_start_loc
+    fp8 with both scales, or (`half_cache`) 16-bit under float32 q (see the module docstring),
+    H % KVH == 0; block_tables: (B, MB); seq_lens: (B,); query_start_loc: (B+1,); index tensors int32
+    or int64; out: None or like q; all on q's device. Debug mode also checks values: query_start_loc
     rises from 0 to T, each query length <= its context length, and the block ids each sequence reads
     fit its table row and lie in [0, NB)."""
     num_blocks, block_size, num_kv_heads, head_dim = _cache_shape(k_cache, v_cache)
@@ -113,7 +128,7 @@ def check_paged_attention(
     index = dict(block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
     _dtypes(float_dtypes, q.dtype, **index)
     _same("dtype", "k_cache", k_cache, v_cache=v_cache)
-    if k_cache.dtype != FP8_KV_DTYPE:
+    if not _cache_matches(k_cache.dtype, q.dtype, half_cache):
         _same("dtype", "q", q, k_cache=k_cache)
     _same("device", "q", q, k_cache=k_cache, v_cache=v_cache, **index)
     check_kv_scales(k_cache, k_scale, v_scale)

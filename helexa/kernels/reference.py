@@ -67,9 +67,10 @@ def write_kv(
 
     k, v: (T, KVH, D); k_cache, v_cache: (NB, BS, KVH, D); slot_mapping: (T,) int32/int64. Token t
     goes to block `slot // BS`, row `slot % BS`; slot -1 skips it. Nothing else in the caches changes.
-    fp8 caches take `k_scale`, `v_scale` (KVH,) float32 and store `quantize_fp8(k, k_scale)` etc.
+    fp8 caches take `k_scale`, `v_scale` (KVH,) float32 and store `quantize_fp8(k, k_scale)` etc.;
+    a 16-bit cache under float32 k, v stores them rounded to nearest in its dtype.
     """
-    check_write_kv(k, v, k_cache, v_cache, slot_mapping, _FLOAT_DTYPES, k_scale, v_scale)
+    check_write_kv(k, v, k_cache, v_cache, slot_mapping, _FLOAT_DTYPES, k_scale, v_scale, half_cache=True)
     block_size = k_cache.shape[1]
 
     def slots() -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -83,8 +84,8 @@ def write_kv(
         k, v = k[keep], v[keep]
     if k_scale is not None and v_scale is not None:
         k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
-    k_cache[blocks, offsets] = k
-    v_cache[blocks, offsets] = v
+    k_cache[blocks, offsets] = k.to(k_cache.dtype)  # a 16-bit cache rounds to nearest
+    v_cache[blocks, offsets] = v.to(v_cache.dtype)
 
 
 def paged_attention(
@@ -109,11 +110,13 @@ def paged_attention(
     sits at position seq_lens[b] - q_len_b + i and attends to positions <= it. Softmax in float32
     (float64 for float64 inputs). Returns (T, H, D) in q's dtype (`out` itself when given). Reads
     the lengths on the host (a device sync). fp8 caches take `k_scale`, `v_scale` (KVH,) float32 and
-    are read as `dequantize_fp8(cache, scale)` in the compute dtype.
+    are read as `dequantize_fp8(cache, scale)` in the compute dtype; 16-bit caches under float32 q
+    are read widened to float32.
     """
     check_paged_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, _FLOAT_DTYPES, k_scale, v_scale
-    )
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, _FLOAT_DTYPES, k_scale, v_scale,
+        half_cache=True,
+    )  # fmt: skip
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads

@@ -20,6 +20,7 @@ from helexa.kernels import AttentionBackend
 from helexa.model.config import DTYPES, ModelConfig
 from helexa.model.parallel.comm import TensorParallel
 from helexa.model.parallel.sharding import ShardPlan
+from helexa.model.quant import native
 from helexa.model.quant.apply import (
     QUANTIZATION_CHOICES,
     checkpoint_modules,
@@ -306,6 +307,7 @@ def load_model(
         shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint in {path} is missing {len(missing)} tensor(s): {shown}")
     model.load_state_dict(state, strict=True, assign=True)
+    state.clear()  # the model holds the tensors now: preparing a quantized module can free its canonical copy
     model.reset_buffers(device)
     model.requires_grad_(False).eval()
     skipped = quantize_decoder(model, quantization) if quantization in ("int8", "int4") else []
@@ -314,6 +316,8 @@ def load_model(
             module.prepare()
     quantized = quantized_modules(model)
     if quantized and device.type == "cpu":
+        why = native.unavailable_reason()
+        log.info(f"model: cpu kernels {native.kernel_path()}{f' ({why})' if why else ''}")
         model.native_step, why_not = native_step_for(model)
         log.info(f"model: fused CPU step {'on' if model.native_step else f'off ({why_not})'}")
     if mixed or skipped:

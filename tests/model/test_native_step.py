@@ -17,6 +17,7 @@ from helexa.kernels import reference
 from helexa.model.loader import load_model
 from helexa.model.quant import native
 from helexa.model.quant.native_step import native_step_for, paged_attention
+from tests.support.kernel_paths import kernel_paths, use_kernel_path
 from tests.support.models import PagedCache, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.unavailable_reason()}")
@@ -44,13 +45,20 @@ def _paged_inputs(g: torch.Generator, lens: list[int], qlens: list[int], heads: 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "d", "block_size"), [(4, 2, 16, 4), (6, 6, 32, 8), (8, 1, 64, 16), (16, 1, 8, 4)]
 )
-def test_paged_attention_matches_the_reference(heads: int, kv_heads: int, d: int, block_size: int) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("path", kernel_paths())
+def test_paged_attention_matches_the_reference(
+    heads: int, kv_heads: int, d: int, block_size: int, path: str, cache_dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Decode rows, whole prefills, extends after a cached prefix and short multi-row extends in one
-    batch; lengths across block boundaries and across the chunks of 128 keys; GQA groups of 1 to 16."""
+    batch; lengths across block boundaries and across the chunks of 128 keys; GQA groups of 1 to 16;
+    on each instruction-set path this CPU runs; float32 and float16 caches (read back exactly)."""
+    use_kernel_path(path, monkeypatch)
     g = torch.Generator().manual_seed(heads * d)
     lens = [1, block_size, block_size + 1, 37, 128, 129, 300, 260, 140]
     qlens = [1, block_size, 1, 37, 1, 2, 40, 260, 9]  # decode, prefill, split extend (<= 8 rows), tiled
     q, k_cache, v_cache, tables, seq_lens, starts = _paged_inputs(g, lens, qlens, heads, kv_heads, d, block_size)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     want = reference.paged_attention(q.double(), k_cache.double(), v_cache.double(), tables, seq_lens, starts)
     got = paged_attention(q, k_cache, v_cache, tables, seq_lens, starts)
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
@@ -111,10 +119,12 @@ def quantized(request, tmp_path_factory):
     return model
 
 
-def _schedule_run(model, prompts: dict[int, list[int]], schedule: list[dict[int, int]], num_blocks: int = 160):
+def _schedule_run(
+    model, prompts: dict[int, list[int]], schedule: list[dict[int, int]], dtype: torch.dtype = torch.float32
+):
     """Run `schedule` (per step: sequence -> how many of its next tokens) and return the logits of every
-    position, {(seq, pos): (V,)}, and the cache to read K/V from."""
-    cache = PagedCache(model.config, num_blocks=num_blocks, block_size=8)
+    position, {(seq, pos): (V,)}, and the cache (of `dtype`) to read K/V from."""
+    cache = PagedCache(model.config, num_blocks=160, block_size=8, dtype=dtype)
     done = {s: 0 for s in prompts}
     logits: dict[tuple[int, int], torch.Tensor] = {}
     for step in schedule:
@@ -156,22 +166,39 @@ def test_every_position_is_computed_the_same_however_it_is_scheduled(quantized, 
     """Logits of every position and the K/V written for it, bit for bit, whether the sequence ran alone
     as one prefill, token by token beside the others, or in random chunks mixed with other sequences
     (decode rows, split extends, long prefill chunks in one step; contexts across the 128-key chunks)."""
-    rng = random.Random(seed)
+    _check_schedules(quantized, random.Random(seed))
+
+
+def _check_schedules(quantized, rng: random.Random, dtype: torch.dtype = torch.float32) -> None:
+    """Random prompts run alone as one prefill each, then in a random chunked mix and token by token,
+    over caches of `dtype`: every position's logits and K/V equal, bit for bit."""
     vocab = quantized.config.vocab_size
     prompts = {s: [rng.randrange(vocab) for _ in range(rng.randint(1, 260))] for s in range(rng.randint(2, 4))}
     lengths = {s: len(p) for s, p in prompts.items()}
     alone = {}
     for s in prompts:  # the reference: each sequence by itself, its whole text in one step
-        logits, cache = _schedule_run(quantized, {s: prompts[s]}, [{s: lengths[s]}])
+        logits, cache = _schedule_run(quantized, {s: prompts[s]}, [{s: lengths[s]}], dtype)
         alone.update({key: (row, _kv(cache, *key)) for key, row in logits.items()})
     for schedule in (_random_schedule(rng, lengths), [dict.fromkeys(prompts, 1)] * max(lengths.values())):
         schedule = [{s: n for s, n in step.items() if n} for step in _trim(schedule, lengths)]
-        logits, cache = _schedule_run(quantized, prompts, schedule)
+        logits, cache = _schedule_run(quantized, prompts, schedule, dtype)
         assert logits.keys() == alone.keys()
         for key, row in logits.items():
             want_row, want_kv = alone[key]
             assert torch.equal(row, want_row), f"logits of {key} differ: max {float((row - want_row).abs().max())}"
             assert all(torch.equal(a, b) for a, b in zip(_kv(cache, *key), want_kv)), f"K/V of {key} differ"
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("path", kernel_paths())
+def test_each_kernel_path_computes_every_position_the_same_however_it_is_scheduled(
+    quantized, path: str, cache_dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch-invariance guarantee holds within each instruction-set path this CPU runs, over float32
+    and float16 caches (the test above explores schedules on the default path and a float32 cache;
+    this one runs one fixed mix on every path and cache dtype)."""
+    use_kernel_path(path, monkeypatch)
+    _check_schedules(quantized, random.Random(7), cache_dtype)
 
 
 def _trim(schedule: list[dict[int, int]], lengths: dict[int, int]) -> list[dict[int, int]]:
@@ -186,16 +213,23 @@ def _trim(schedule: list[dict[int, int]], lengths: dict[int, int]) -> list[dict[
     return [step for step in out if any(step.values())]
 
 
-def test_the_fused_step_matches_the_layers(quantized) -> None:
+@pytest.mark.parametrize(
+    ("path", "cache_dtype"),
+    [*((p, torch.float32) for p in kernel_paths()), (kernel_paths()[-1], torch.float16)],
+    ids=str,
+)
+def test_the_fused_step_matches_the_layers(quantized, path: str, cache_dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The C step computes what the torch layers compute (the oracle): a prefill batch, then decode
     steps, each run both ways from the same cache. Both round each projection's input to int8 per
     block of 32, and their norms, RoPE and softmax round differently in the last float32 bit: now and
     then a value lands on the other side of an int8 rounding boundary. So most rows must agree to
     float32 precision, and every row within 2% of the logits' scale; the K/V written likewise, and
-    nothing else in the pool may change."""
+    nothing else in the pool may change. On each instruction-set path this CPU runs; with a float16
+    cache too (the layers write it through the reference's rounding, the same as the step's)."""
+    use_kernel_path(path, monkeypatch)
     model = quantized
     prompts = {0: [5, 9, 17, 3, 44, 8, 21], 1: [60, 2], 2: list(range(11, 150))}
-    fused, layers = (PagedCache(model.config, num_blocks=64, block_size=4) for _ in range(2))  # same seed: equal
+    fused, layers = (PagedCache(model.config, num_blocks=64, block_size=4, dtype=cache_dtype) for _ in range(2))
     g = torch.Generator().manual_seed(1)
     exact_rows = rows = 0
     steps = [prompts] + [{i: [int(torch.randint(0, 320, (1,), generator=g))] for i in prompts} for _ in range(6)]
@@ -248,8 +282,8 @@ def test_models_and_steps_the_fused_step_does_not_take(tmp_path: Path, monkeypat
     before = [t.clone() for pair in cache.kv_caches for t in pair]
     step = cache.step({0: [1, 2, 3]})
     hidden = torch.randn(3, model.config.hidden_size)
-    half = [(k.half(), v.half()) for k, v in cache.kv_caches]  # caches it cannot read (as an fp8 pool's)
-    assert fused(hidden, step.positions, step.attn, half, step.logits_indices) is None
+    bf16_caches = [(k.bfloat16(), v.bfloat16()) for k, v in cache.kv_caches]  # caches it cannot read (as fp8's)
+    assert fused(hidden, step.positions, step.attn, bf16_caches, step.logits_indices) is None
     assert (
         fused(hidden[:2], step.positions[:2], step.attn, cache.kv_caches, step.logits_indices) is None
     )  # rows != slots

@@ -16,11 +16,12 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from helexa.model.loader import load_model
-from helexa.model.quant import QuantEmbedding, QuantizedWeight, QuantLinear, native, quantize_int4, quantize_int8
+from helexa.model.quant import QuantEmbedding, QuantizedWeight, QuantLinear, isa, native, quantize_int4, quantize_int8
 from helexa.model.quant.cpu import DENSE_ROWS, CpuQuantMatmul, cpu_kernel
 from helexa.model.weights.gguf import convert_gguf
 from helexa.model.weights.gguf_quant import read_quantized
 from tests.support.gguf import Q, train_tiny_bpe, write_tiny_gguf
+from tests.support.kernel_paths import kernel_paths, use_kernel_path
 from tests.support.models import PagedCache, make_tiny_model
 
 
@@ -82,6 +83,9 @@ def test_quantized_gguf_model_runs_on_the_file_numbers(tmp_path: Path, bpe: Toke
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantLinear)
     assert (model.lm_head is None) is tie and (tie or isinstance(model.lm_head, QuantLinear))
     assert not any(isinstance(m, QuantLinear | QuantEmbedding) for m in reference.modules())
+    if native.available():  # weights once: the kernel's tiled layout is the only copy, the lookup reads it
+        assert all(m.qweight is None and m.cpu_matmul.tiled for m in model.modules() if isinstance(m, QuantLinear))
+        assert not any(name.endswith((".qweight", ".scales", ".zeros")) for name in model.state_dict())
     # The embedding rows are the file's numbers exactly; the matmuls differ only by bfloat16 rounding.
     ids = torch.arange(5, 40)
     torch.testing.assert_close(model.model.embed_tokens(ids), reference.model.embed_tokens(ids), rtol=0, atol=0)
@@ -119,22 +123,27 @@ def test_layout_errors_name_the_problem() -> None:
         QuantizedWeight.of(torch.zeros(4, 32, dtype=torch.int32), torch.ones(4))
 
 
-def _kernel_reference(run: CpuQuantMatmul, x: torch.Tensor) -> torch.Tensor:
-    """The CPU path's documented math in float64: the kernel's activation rounding, its scales."""
-    weight = run.weight
-    scales = run._scales if weight.scales.dim() == 2 else run._scales[:, 0]
-    w = QuantizedWeight(weight.qweight, scales, run._zeros).dequantize(torch.float64)
-    return F.linear(run.rounded_activations(x).double(), w)
+def _kernel_reference(run: CpuQuantMatmul, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    """The CPU path's documented math in float64: the kernel's activation rounding, its scales (as
+    stored for the native kernel, bfloat16-rounded for torch's)."""
+    scales = weight.scales if weight.scales.dim() == 2 else weight.scales[:, None]
+    zeros = weight.zeros
+    if run.kernel == "torch":
+        scales, zeros = scales.bfloat16(), None if zeros is None else zeros.bfloat16()
+    w = QuantizedWeight(weight.qweight, scales.float(), None if zeros is None else zeros.float())
+    return F.linear(run.rounded_activations(x).double(), w.dequantize(torch.float64))
 
 
-@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("path", [*kernel_paths(), "torch"])
 @pytest.mark.parametrize("layout", ["int4", "int4-gguf", "int8-channel", "int8-group"])
 @pytest.mark.parametrize("rows", [1, 7, 19, DENSE_ROWS + 5])
-def test_cpu_matmul_matches_its_reference(kernel: str, layout: str, rows: int) -> None:
-    """GGUF-like layouts (float16 scales, Q4_1's zero = minimum + 8 * scale) take the native kernel's
-    float16 scale path; the others keep float32 scales."""
-    if kernel == "native" and not native.available():
-        pytest.skip(f"helexa's CPU kernel is unavailable here: {native.unavailable_reason()}")
+def test_cpu_matmul_matches_its_reference(path: str, layout: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every instruction-set path of the native kernel this CPU runs, and torch's kernels, against the
+    same reference. GGUF-like layouts (float16 scales, Q4_1's zero = minimum + 8 * scale) take the
+    native kernel's float16 scale path; the others keep float32 scales."""
+    kernel = "torch" if path == "torch" else "native"
+    if kernel == "native":
+        use_kernel_path(path, monkeypatch)
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 128, generator=g)
     if layout == "int4":
@@ -156,7 +165,7 @@ def test_cpu_matmul_matches_its_reference(kernel: str, layout: str, rows: int) -
         assert run.tiled is not None
         assert run.tiled[1].dtype == (torch.float16 if layout in ("int4-gguf", "int8-group") else torch.float32)
     got = run(x)
-    want = _kernel_reference(run, x)
+    want = _kernel_reference(run, weight, x)
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
     if kernel == "native":  # float32 sums of the same products
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
@@ -164,13 +173,24 @@ def test_cpu_matmul_matches_its_reference(kernel: str, layout: str, rows: int) -
         torch.testing.assert_close(got.double(), want, rtol=2**-6, atol=2**-6 * float(want.abs().max()))
     exact = F.linear(x, weight.dequantize())
     assert (got - exact).abs().max() < 0.02 * exact.abs().max()  # the rounding stays small against the math
+    if kernel == "native":  # the tiled bytes are the only copy: they give back the weight, whole or by rows
+        ids = torch.tensor([95, 0, 8, 7, 8])
+        for rebuilt, want_w in ((run.weight(), weight), (run.weight(ids), _rows(weight, ids))):
+            assert torch.equal(rebuilt.qweight, want_w.qweight)
+            assert torch.equal(rebuilt.dequantize(), want_w.dequantize())
 
 
-def test_native_kernel_is_exact_on_integer_activations() -> None:
+def _rows(weight: QuantizedWeight, ids: torch.Tensor) -> QuantizedWeight:
+    zeros = None if weight.zeros is None else weight.zeros[ids]
+    return QuantizedWeight(weight.qweight[ids], weight.scales[ids], zeros)
+
+
+@pytest.mark.parametrize("path", kernel_paths())
+def test_native_kernel_is_exact_on_integer_activations(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Activations that the int8 round trip keeps exactly (integers up to 127 per block, 127 present):
-    the kernel's result equals x @ W.T of the exact dequantised weight to float32 rounding."""
-    if not native.available():
-        pytest.skip(f"helexa's CPU kernel is unavailable here: {native.unavailable_reason()}")
+    the kernel's result, on each instruction-set path, equals x @ W.T of the exact dequantised weight
+    to float32 rounding (int8 weights include -128, the one value whose sign trick needs care)."""
+    use_kernel_path(path, monkeypatch)
     g = torch.Generator().manual_seed(3)
     x = torch.randint(-127, 128, (9, 256), generator=g).float()
     x.view(9, 8, 32)[:, :, 0] = 127.0
@@ -178,6 +198,7 @@ def test_native_kernel_is_exact_on_integer_activations() -> None:
     for weight in (
         quantize_int4(torch.randn(40, 256, generator=g), group_size=64),
         quantize_int8(torch.randn(40, 256)),
+        QuantizedWeight.of(torch.randint(-128, 128, (40, 256), generator=g, dtype=torch.int8), torch.rand(40, 8) + 0.5),
     ):
         got = CpuQuantMatmul(weight, kernel="native")(x)
         want = F.linear(x.double(), weight.dequantize(torch.float64))
@@ -198,6 +219,38 @@ def test_native_kernel_checks_its_inputs() -> None:
     assert cpu_kernel(quantize_int4(torch.randn(16, 64), group_size=32)) == "native"
     with pytest.raises(ValueError, match="unknown CPU quant kernel"):
         CpuQuantMatmul(weight, kernel="avx9")
+
+
+def test_the_kernel_path_is_the_best_the_cpu_runs_and_never_one_it_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Dispatch by what the CPU reports: `auto` takes the best path it runs; a path it lacks, or an
+    unknown name, is refused with the reason (the torch kernels serve), never run; the loader logs the
+    path a quantized model runs on."""
+    avx2_only = frozenset({"avx2", "fma", "f16c", "sse4_2"})
+    monkeypatch.setattr(isa, "cpu_flags", lambda: avx2_only)
+    assert isa.candidates("auto") == ([isa.PATHS["avx2"]], "")
+    paths, why = isa.candidates("avx512_vnni")
+    assert (
+        paths == []
+        and why == "HELEXA_CPU_KERNELS=avx512_vnni but the CPU lacks ['avx512_vnni', 'avx512bw', 'avx512f', 'avx512vl']"
+    )
+    assert isa.candidates("avx9")[1] == "HELEXA_CPU_KERNELS='avx9' is not one of auto, avx2, avx512_vnni"
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset({"sse4_2"}))
+    assert isa.candidates("auto") == ([], "the CPU lacks ['avx2', 'f16c', 'fma']")
+    monkeypatch.undo()
+
+    runnable, _ = isa.candidates("auto")
+    if not runnable or not native.available():
+        pytest.skip(f"helexa's CPU kernel is unavailable here: {native.unavailable_reason()}")
+    assert native.kernel_path() == runnable[0].name  # the best this CPU runs
+    monkeypatch.setenv("HELEXA_CPU_KERNELS", "avx9")
+    assert not native.available() and "not one of" in native.unavailable_reason() and native.kernel_path() == "torch"
+    assert cpu_kernel() == "torch"
+    monkeypatch.setenv("HELEXA_CPU_KERNELS", "auto")
+    with caplog.at_level("INFO", logger="helexa"):
+        load_model(make_tiny_model(tmp_path, "llama"), dtype="float32", attention_backend="torch", quantization="int4")
+    assert f"model: cpu kernels {runnable[0].name}" in caplog.text
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

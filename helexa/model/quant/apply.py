@@ -45,9 +45,9 @@ def decoder_linears(model: CausalLM) -> list[str]:
     return [n for n, m in model.model.layers.named_modules(prefix="model.layers") if isinstance(m, nn.Linear)]
 
 
-def quantized_modules(model: CausalLM) -> dict[str, QuantizedWeight]:
-    """Every quantized module of the model by name, with its weight (a tied head appears once)."""
-    out = {n: m.weight_q for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+def quantized_modules(model: CausalLM) -> dict[str, QuantLinear]:
+    """Every quantized module of the model by name (a tied head appears once, under the embedding's)."""
+    out = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     return {n.removesuffix(".head"): w for n, w in out.items()}
 
 

@@ -65,33 +65,46 @@ class _Int4Plane:
 
 
 class CpuQuantMatmul:
-    """`y = x @ W.T` for one quantized weight on the CPU, prepared once (packing takes a copy)."""
+    """`y = x @ W.T` for one quantized weight on the CPU, prepared once. The native kernel's tiled
+    layout (`tiled`) is the only copy it keeps: nothing here refers to the weight it was given, so
+    once its owner lets go of that weight the tiled bytes are the weight's one resident copy
+    (`weight()` rebuilds the canonical layout on demand). torch's kernels pack a copy of their own."""
 
     def __init__(self, weight: QuantizedWeight, kernel: str | None = None) -> None:
-        self.weight = weight
         self.shape = weight.shape
         self.kernel = kernel or cpu_kernel(weight)
         if self.kernel not in ("native", "torch"):
             raise ValueError(f"unknown CPU quant kernel {self.kernel!r}; expected 'native' or 'torch'")
-        scales = weight.scales if weight.scales.dim() == 2 else weight.scales[:, None]  # (N, groups)
-        # The scales and zeros the kernel computes with, as float32 (N, groups).
-        exact = self.kernel == "native"
-        self._scales = (scales.float() if exact else scales.to(COMPUTE_DTYPE).float()).contiguous()
-        zeros = weight.zeros
-        self._zeros = None if zeros is None else (zeros.float() if exact else zeros.to(COMPUTE_DTYPE).float())
         self.tiled: tuple[torch.Tensor, ...] | None = None  # the native kernel's layout (`native.tile_*`)
-        self._run = self._native_run() if exact else self._torch_run()
+        if self.kernel == "native":
+            self._run = self._native_run(weight)
+            return
+        scales = weight.scales if weight.scales.dim() == 2 else weight.scales[:, None]  # (N, groups)
+        # torch's kernels compute with bfloat16 scales and zeros: those values, as float32 (N, groups)
+        zeros = None if weight.zeros is None else weight.zeros.to(COMPUTE_DTYPE).float()
+        self._weight = QuantizedWeight(weight.qweight, scales.to(COMPUTE_DTYPE).float().contiguous(), zeros)
+        self._run = self._torch_run(weight)
 
-    def _native_run(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        w, scales, zeros = self.weight, self._scales, self._zeros
-        if zeros is None:
+    def weight(self, rows: torch.Tensor | None = None) -> QuantizedWeight:
+        """The weight this kernel computes with, in the canonical layout (native: rebuilt from the
+        tiled bytes, `native.untile`; torch: with its bfloat16-rounded scales and zeros), or only its
+        rows `rows` (R,) int64."""
+        if self.tiled is not None:
+            return native.untile(self.tiled, rows)
+        w = self._weight
+        if rows is None:
+            return w
+        return QuantizedWeight(w.qweight[rows], w.scales[rows], None if w.zeros is None else w.zeros[rows])
+
+    def _native_run(self, w: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
+        scales = (w.scales if w.scales.dim() == 2 else w.scales[:, None]).float()  # (N, groups)
+        if w.zeros is None:
             tiled = self.tiled = native.tile_int8(w.qweight, scales)
             return lambda x: native.int8_gemm(x, tiled)
-        tiled = self.tiled = native.tile_int4(w.qweight, scales, zeros)
+        tiled = self.tiled = native.tile_int4(w.qweight, scales, w.zeros.float())
         return lambda x: native.int4_gemm(x, tiled)
 
-    def _torch_run(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        w = self.weight
+    def _torch_run(self, w: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
         if w.kind == "int8" and w.scales.dim() == 1:
             int8 = (w.qweight.contiguous(), w.scales.to(COMPUTE_DTYPE))
             return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(COMPUTE_DTYPE), *int8).float()
@@ -119,17 +132,8 @@ class CpuQuantMatmul:
         return x.to(COMPUTE_DTYPE).float()
 
     def dense(self) -> torch.Tensor:
-        """W (N, K) float32 with the scales and zeros the kernel uses (the same values as
-        `QuantizedWeight.dequantize` of those, in a few broadcast passes)."""
-        n, k = self.shape
-        groups = self._scales.shape[1]
-        scales = self._scales[..., None]  # (N, groups, 1)
-        if self._zeros is None:  # int8
-            q = self.weight.qweight.view(n, groups, k // groups).float()
-            return (q * scales).view(n, k)
-        qw = self.weight.qweight
-        q = torch.stack((qw & 0xF, qw >> 4), dim=-1).view(n, groups, k // groups).float() - 8
-        return torch.addcmul(self._zeros[..., None], q, scales).view(n, k)
+        """W (N, K) float32 with the scales and zeros the kernel uses (`weight().dequantize()`)."""
+        return self.weight().dequantize(torch.float32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, K) float -> (M, N) in x's dtype."""

@@ -17,15 +17,21 @@ __all__ = ["QuantEmbedding", "QuantLinear"]
 
 class QuantLinear(nn.Module):
     """y = x @ W.T + b with W kept quantized: helexa's Triton W8A16/W4A16 kernels on CUDA (float32
-    accumulation, x's dtype out), torch's packed CPU kernels elsewhere (`helexa.model.quant.cpu`)."""
+    accumulation, x's dtype out), the CPU kernels of `helexa.model.quant.cpu` elsewhere.
 
-    qweight: torch.Tensor
-    scales: torch.Tensor
+    Weights once: on the CPU with helexa's native kernel, `prepare()` tiles the weight into the
+    kernel's layout and lets go of the canonical buffers (`qweight`, `scales`, `zeros` become None and
+    leave the state dict), so the tiled bytes are the weight's only resident copy; `weight_q` and
+    `rows` rebuild the canonical layout from them on demand. The module then stays on the CPU."""
+
+    qweight: torch.Tensor | None
+    scales: torch.Tensor | None
     zeros: torch.Tensor | None
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.kind, self.group_size = weight.layout
         self.register_buffer("qweight", weight.qweight)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("zeros", weight.zeros)
@@ -33,21 +39,41 @@ class QuantLinear(nn.Module):
         self._cpu: CpuQuantMatmul | None = None
 
     @property
-    def weight_q(self) -> QuantizedWeight:  # the weight, as loaded
+    def weight_q(self) -> QuantizedWeight:
+        """The weight: the buffers as loaded, or, once the native kernel's layout is the only copy,
+        rebuilt from it (`CpuQuantMatmul.weight`: the same values)."""
+        if self.qweight is None:
+            assert self._cpu is not None
+            return self._cpu.weight()
         return QuantizedWeight(self.qweight, self.scales, self.zeros)
+
+    def rows(self, ids: torch.Tensor) -> QuantizedWeight:
+        """The weight's rows `ids` (R,) int64 alone, in the canonical layout (an embedding lookup)."""
+        if self.qweight is None:
+            assert self._cpu is not None
+            return self._cpu.weight(ids)
+        return QuantizedWeight(self.qweight[ids], self.scales[ids], None if self.zeros is None else self.zeros[ids])
 
     @property
     def cpu_matmul(self) -> CpuQuantMatmul | None:  # the prepared CPU execution (None on CUDA or before prepare)
         return self._cpu
 
     def prepare(self) -> None:
-        """Build the execution for the buffers' device (CPU: pack; CUDA: nothing). Call after loading."""
-        self._cpu = None if self.qweight.is_cuda else CpuQuantMatmul(self.weight_q)
+        """Build the execution for the buffers' device (CPU: tile or pack; CUDA: nothing). Call after
+        loading. With the native CPU kernel the canonical buffers are released (weights once)."""
+        if self.qweight is None:
+            return  # prepared already: the tiled layout is the only copy
+        if self.qweight.is_cuda:
+            self._cpu = None
+            return
+        self._cpu = CpuQuantMatmul(self.weight_q)
+        if self._cpu.tiled is not None:
+            self.qweight = self.scales = self.zeros = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) -> (..., N) in x's dtype."""
         rows = x.reshape(-1, self.in_features)
-        if self.qweight.is_cuda:
+        if self.qweight is not None and self.qweight.is_cuda:
             if self.zeros is None:
                 y = int8_matmul(rows, self.qweight, self.scales)
             else:
@@ -62,13 +88,13 @@ class QuantLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        w = self.weight_q
-        return f"in={self.in_features}, out={self.out_features}, {w.kind} group={w.group_size}"
+        return f"in={self.in_features}, out={self.out_features}, {self.kind} group={self.group_size}"
 
 
 class QuantEmbedding(nn.Module):
     """Token embedding over a quantized (V, E) table: looked-up rows are dequantized exactly (float32
-    scales, as stored); `logits(x)` multiplies with the same table as a `QuantLinear` (tied head)."""
+    scales, as stored); `logits(x)` multiplies with the same table as a `QuantLinear` (tied head). The
+    table is its head's: on the CPU, the native kernel's tiled layout, read row by row."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()
@@ -78,9 +104,7 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (T,) int64 -> (T, E) in the model dtype."""
-        h = self.head
-        rows = QuantizedWeight(h.qweight[ids], h.scales[ids], None if h.zeros is None else h.zeros[ids])
-        return rows.dequantize(torch.float32).to(self.dtype)
+        return self.head.rows(ids).dequantize(torch.float32).to(self.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x (S, E) -> (S, V) float32."""

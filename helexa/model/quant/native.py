@@ -9,10 +9,12 @@ The result is `quantize_activations(x) @ W.T` of the exact dequantised weight, u
 summation order.
 
 It is built with the machine's C compiler (`cc`, or `$CC`) into `$HELEXA_HOME/build/` (keyed by the
-source and flags, so a changed source rebuilds) the first time a process asks for it, and loaded
-with ctypes; calls release the GIL and run on torch's OpenMP threads. It needs an x86-64 CPU with
-AVX2, FMA and F16C; elsewhere, or when no compiler works, `available()` is False with the reason in
-`unavailable_reason()`, and callers use torch's kernels.
+source and flags, so a changed source rebuilds) the first time a process asks for it, once per
+instruction-set path (`helexa.model.quant.isa`: AVX2, AVX-512 VNNI), and the path this CPU runs is
+loaded with ctypes (`kernel_path()` names it); calls release the GIL and run on torch's OpenMP
+threads. It needs an x86-64 CPU with at least AVX2, FMA and F16C; elsewhere, or when no compiler
+works, `available()` is False with the reason in `unavailable_reason()`, and callers use torch's
+kernels.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -30,56 +31,61 @@ from pathlib import Path
 
 import torch
 
+from helexa.model.quant import isa
+from helexa.model.quant.weight import QuantizedWeight
 from helexa.model.weights.pull import helexa_home
 
 __all__ = [
     "available",
+    "build",
     "dense_head",
     "int4_gemm",
     "int8_gemm",
+    "kernel_path",
     "library",
     "quantize_activations",
     "supports",
     "tile_int4",
     "tile_int8",
     "unavailable_reason",
+    "untile",
 ]
 
 _log = logging.getLogger("helexa.quant")
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "wq_gemm.c", _CSRC / "step.c"]  # one library; wq_gemm.h is shared by both
 # -ffp-contract=off: no fused multiply-add the source does not write, so every row is computed by the
-# same operations wherever it is (the fused step's batch invariance, csrc/step.c)
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]
+# same operations wherever it is (the fused step's batch invariance, csrc/step.c). -Bsymbolic: each
+# path's library calls its own functions, whichever other path's library the process also loaded.
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-Wl,-Bsymbolic"]
 _LIBS = ["-lm"]
 _BLOCK = 32  # activation values per int8 block; K and G must be multiples
 _COLUMNS = 8  # output columns per tile of the weight layout; N must be a multiple
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(compiler: str) -> Path:
-    """The compiled library's path, compiling it if this source and flags have not been built yet."""
+def build(path: isa.KernelPath, compiler: str | None = None) -> Path:
+    """The compiled library of one instruction-set path, compiling it if this source and these flags
+    have not been built yet. Compiling needs no CPU support for the path (running it does);
+    `RuntimeError` with the compiler's message when it fails."""
+    compiler = compiler or _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or $CC)")
+    flags = [*_FLAGS, *path.compile_flags]
     source = b"".join(p.read_bytes() for p in [*_SOURCES, _CSRC / "wq_gemm.h"])
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     out_dir = helexa_home() / "build"
-    target = out_dir / f"wq_gemm-{key}.so"
+    target = out_dir / f"wq_gemm-{path.name}-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES), *_LIBS],
+            [compiler, *flags, "-o", str(built), *map(str, _SOURCES), *_LIBS],
             capture_output=True,
             text=True,
             timeout=120,
@@ -92,20 +98,10 @@ def _build(compiler: str) -> Path:
 
 
 @functools.cache
-def _library() -> tuple[ctypes.CDLL | None, str]:
-    """(the loaded library, "") or (None, why not)."""
-    if os.environ.get("HELEXA_CPU_QUANT_KERNEL", "auto") == "torch":
-        return None, "HELEXA_CPU_QUANT_KERNEL=torch"
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"the kernel is written for x86-64 (this is {platform.machine()})"
-    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
-    if missing:
-        return None, f"the CPU lacks {sorted(missing)}"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None, "no C compiler (cc or $CC) to build it"
+def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library of path `name`, "") or (None, why not). Only called for a path the CPU runs."""
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(build(isa.PATHS[name])))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"building it failed: {exc}"
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -115,13 +111,42 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.helexa_set_threads.argtypes = [i64]
     lib.helexa_set_threads.restype = None
     lib.helexa_threads.restype = ctypes.c_int
-    lib.helexa_paged_attention.argtypes = [p, p, p, *[i64] * 8, p, p, i64, p, ctypes.c_float, p]
+    lib.helexa_paged_attention.argtypes = [p, p, p, *[i64] * 8, p, p, i64, p, ctypes.c_float, i64, p]
     lib.helexa_paged_attention.restype = ctypes.c_int
     lib.helexa_step.argtypes = [p, i64, p, p, p, p, i64, p, p, i64, p, p]
     lib.helexa_step.restype = ctypes.c_int
     lib.helexa_dense_head.argtypes = [p, i64, i64, p, i64, p]
     lib.helexa_dense_head.restype = None
     return lib, ""
+
+
+def _library() -> tuple[ctypes.CDLL | None, str, str]:
+    """(the loaded library, its path's name, "") or (None, "", why not), for the environment now."""
+    return _resolve(os.environ.get("HELEXA_CPU_QUANT_KERNEL", "auto"), os.environ.get(isa.ENV, "auto"))
+
+
+@functools.cache
+def _resolve(kernel: str, want: str) -> tuple[ctypes.CDLL | None, str, str]:
+    """`_library()` for these values of HELEXA_CPU_QUANT_KERNEL and HELEXA_CPU_KERNELS: the first of
+    `isa.candidates(want)` that builds."""
+    if kernel == "torch":
+        return None, "", "HELEXA_CPU_QUANT_KERNEL=torch"
+    paths, why = isa.candidates(want)
+    if not paths:
+        return None, "", why
+    if _compiler() is None:
+        return None, "", "no C compiler (cc or $CC) to build it"
+    for path in paths:
+        lib, why = _load(path.name)
+        if lib is not None:
+            return lib, path.name, ""
+    return None, "", why
+
+
+def kernel_path() -> str:
+    """The instruction-set path the native kernels run on in this process (a name of `isa.PATHS`), or
+    "torch" when they are unavailable."""
+    return _library()[1] or "torch"
 
 
 def available() -> bool:
@@ -131,7 +156,7 @@ def available() -> bool:
 
 def unavailable_reason() -> str:
     """Why `available()` is False ("" when it is True)."""
-    return _library()[1]
+    return _library()[2]
 
 
 def _tile_values(q: torch.Tensor) -> torch.Tensor:
@@ -167,6 +192,30 @@ def tile_int8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor
     return _tile_values(qweight).contiguous(), *_tile_groups(scales)
 
 
+def untile(tiled: tuple[torch.Tensor, ...], rows: torch.Tensor | None = None) -> QuantizedWeight:
+    """The canonical weight (`QuantizedWeight`) of a weight tiled by `tile_int4` or `tile_int8`, or of
+    its rows `rows` (R,) int64 alone: the same quantized values; scales in the tiled dtype (float16
+    where that was exact, so the same numbers); int4 zeros as zero terms + 8 * scales in float32 (the
+    stored zeros whenever z - 8 s was exact, as for every GGUF Q4_0/Q4_1 block). Int8 per-channel
+    scales come back as one group of K. Reads only the requested rows' bytes."""
+    int4 = len(tiled) == 3
+    qt, scales = tiled[0], tiled[1]
+    tiles, chunks = qt.shape[0], qt.shape[1]
+    n = tiles * _COLUMNS
+    ids = torch.arange(n) if rows is None else rows.long()
+    t, c = ids // _COLUMNS, ids % _COLUMNS
+    q = qt[t]  # (R, K/4, 16 or 32)
+    if int4:
+        q = torch.cat((q & 0xF, q >> 4), dim=-1)  # (R, K/4, 32): value j of each chunk
+    q = q.view(len(ids), chunks, _COLUMNS, 4)[torch.arange(len(ids)), :, c].reshape(len(ids), chunks * 4)  # (R, K)
+    s = scales[t, :, c]  # (R, groups)
+    if not int4:
+        return QuantizedWeight.of(q.contiguous(), s.contiguous())
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # even k in the low nibble
+    zeros = tiled[2][t, :, c].float() + 8 * s.float()
+    return QuantizedWeight.of(packed, s.contiguous(), zeros.contiguous())
+
+
 def supports(n: int, k: int, group: int) -> bool:
     """True when the kernel takes a weight of this shape: N % 8 == 0, K and G multiples of 32."""
     return n % _COLUMNS == 0 and k % _BLOCK == 0 and group % _BLOCK == 0 and k % group == 0
@@ -183,20 +232,21 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def library() -> ctypes.CDLL:
-    """The loaded library (for `helexa.model.quant.native_step`), set to run on as many threads as
-    torch's intra-op pool (`torch.get_num_threads()`, read at each call: it may change, and the thread
-    that calls may not be the one that set it); `RuntimeError` with the reason when it is unavailable."""
-    lib, why = _library()
+    """The loaded library of this process's path (for `helexa.model.quant.native_step`), set to run on
+    as many threads as torch's intra-op pool (`torch.get_num_threads()`, read at each call: it may
+    change, and the thread that calls may not be the one that set it); `RuntimeError` with the reason
+    when it is unavailable."""
+    lib, _, why = _library()
     if lib is None:
         raise RuntimeError(f"helexa's CPU quant kernel is unavailable: {why}")
     threads = torch.get_num_threads()
-    if threads != _threads_set[0]:
+    if threads != _threads_set.get(id(lib)):
         lib.helexa_set_threads(threads)
-        _threads_set[0] = threads
+        _threads_set[id(lib)] = threads
     return lib
 
 
-_threads_set = [0]  # what `library()` last passed to helexa_set_threads
+_threads_set: dict[int, int] = {}  # per loaded library: what `library()` last passed to helexa_set_threads
 
 
 def _run(

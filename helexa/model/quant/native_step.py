@@ -15,7 +15,7 @@ caches through the same block tables.
 `native_step_for(model)` decides once, at load, whether a model can use it and says why not: CPU,
 float32, no tensor parallelism, the reference attention backend, every decoder projection quantized
 for the native kernel, head_dim a multiple of 8 up to 512, at most 16 query heads per KV head. Each
-step still checks what varies (float32 caches with a contiguous last dimension, index dtypes); a step
+step still checks what varies (float32 or float16 caches with a contiguous last dimension, index dtypes); a step
 that does not fit (an fp8 cache) takes the torch layers. `HELEXA_CPU_STEP=torch` turns it off.
 """
 
@@ -51,6 +51,7 @@ class _Layer(ctypes.Structure):
         ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
         ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
         ("k_cache", _p), ("v_cache", _p), ("block_stride", _i64), ("row_stride", _i64), ("head_stride", _i64),
+        ("kv_half", _i64),
     ]  # fmt: skip
 
 
@@ -92,9 +93,13 @@ def _norm_weight(module: Any, keep: list[torch.Tensor]) -> int | None:
     return w.data_ptr()
 
 
+CACHE_DTYPES = (torch.float32, torch.float16)  # the KV cache dtypes the step reads and writes
+
+
 def _cache_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
     return (
-        k.dtype == v.dtype == torch.float32
+        k.dtype == v.dtype
+        and k.dtype in CACHE_DTYPES
         and k.dim() == 4
         and k.stride() == v.stride()
         and k.stride(-1) == 1
@@ -137,6 +142,7 @@ class NativeStep:
         for layer, (k, v) in zip(self._layers, kv_caches):
             layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
             layer.block_stride, layer.row_stride, layer.head_stride = k.stride(0), k.stride(1), k.stride(2)
+            layer.kv_half = k.dtype == torch.float16
         self._model.block_size = kv_caches[0][0].shape[1]
         self._caches_key = key
         return True
@@ -253,12 +259,14 @@ def paged_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """The fused step's attention alone, with `helexa.kernels.reference.paged_attention`'s signature and
-    result: q (T, H, D) float32, D % 8 == 0, over float32 caches (NB, BS, KVH, D) through block_tables
-    (B, MB), seq_lens (B,) and query_start_loc (B + 1,), all int32 -> (T, H, D)."""
+    result: q (T, H, D) float32, D % 8 == 0, over float32 or float16 caches (NB, BS, KVH, D) through
+    block_tables (B, MB), seq_lens (B,) and query_start_loc (B + 1,), all int32 -> (T, H, D) float32."""
     t, h, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     if q.dtype != torch.float32 or not _cache_ok(k_cache, v_cache) or d % 8 or d > _MAX_HEAD_DIM or h % kvh:
-        raise ValueError("paged_attention takes float32 q (T, H, D), D % 8 == 0, and float32 caches (NB, BS, KVH, D)")
+        raise ValueError(
+            "paged_attention takes float32 q (T, H, D), D % 8 == 0, and float32 or float16 caches (NB, BS, KVH, D)"
+        )
     if h > _MAX_GROUP * kvh:
         raise ValueError(f"paged_attention takes at most {_MAX_GROUP} query heads per KV head")
     index = (block_tables, seq_lens, query_start_loc)
@@ -276,7 +284,7 @@ def paged_attention(
     rc = native.library().helexa_paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3], block_size, b, h, kvh, d,
         starts.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(),
-        d**-0.5 if scale is None else scale, out.data_ptr(),
+        d**-0.5 if scale is None else scale, k_cache.dtype == torch.float16, out.data_ptr(),
     )  # fmt: skip
     _check(rc, "paged_attention")
     return out

@@ -24,8 +24,10 @@
  * multiply-add the source does not ask for. So a token's K/V and logits are a function of the tokens
  * before it, bit for bit (tests/model/test_native_step.py).
  *
- * Caches are float32 (NB, BS, KVH, D) with any strides but a contiguous last dimension; positions
- * past a sequence's length are never read. A slot of -1 writes nothing. D must be a multiple of 8 up
+ * Caches are float32 or float16 (NB, BS, KVH, D) with any strides but a contiguous last dimension;
+ * positions past a sequence's length are never read. A float16 cache stores each K/V value rounded
+ * to nearest (F16C) when it is written and is read back widened exactly, so every read of a position
+ * sees the same values: batch invariance holds for either dtype. A slot of -1 writes nothing. D must be a multiple of 8 up
  * to 512, and H / KVH at most GMAX (16).
  * Threads: OpenMP (the runtime torch has loaded) over rows, the projections' column tiles and
  * attention's tasks.
@@ -50,8 +52,9 @@ typedef struct {
     const float *input_norm, *post_norm; /* (E,) */
     const float *q_norm, *k_norm;        /* (D,) or NULL (no per-head norm) */
     hx_linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache;
-    int64_t block_stride, row_stride, head_stride; /* of both caches, in floats */
+    void *k_cache, *v_cache;                       /* float32, or float16 when kv_half */
+    int64_t block_stride, row_stride, head_stride; /* of both caches, in elements */
+    int64_t kv_half;                               /* 1: the caches hold float16 */
 } hx_layer;
 
 typedef struct {
@@ -172,11 +175,12 @@ static void silu_mul(const float *g, const float *u, int64_t n, float *y) {
 
 /* The K and V rows of keys [j0, j0 + n) of KV head kvh of one sequence (its block table). */
 static void chunk_rows(const hx_layer *L, const int32_t *table, int64_t j0, int64_t n, int64_t bs, int64_t kvh,
-                       const float **kp, const float **vp) {
+                       const void **kp, const void **vp) {
+    const int64_t width = L->kv_half ? 2 : 4; /* bytes per element */
     for (int64_t j = 0; j < n; j++) {
         const int64_t pos = j0 + j, off = (int64_t)table[pos / bs] * L->block_stride + (pos % bs) * L->row_stride;
-        kp[j] = L->k_cache + off + kvh * L->head_stride;
-        vp[j] = L->v_cache + off + kvh * L->head_stride;
+        kp[j] = (const char *)L->k_cache + (off + kvh * L->head_stride) * width;
+        vp[j] = (const char *)L->v_cache + (off + kvh * L->head_stride) * width;
     }
 }
 
@@ -184,8 +188,10 @@ static void chunk_rows(const hx_layer *L, const int32_t *table, int64_t j0, int6
  * one KV head: per head g the maximum score m[g], the sum of exp(score - m) l[g] and the unnormalised
  * output o[g] (D). The one computation of a (query, chunk) pair: its result depends on q, the keys
  * and n only. */
-static void chunk_partial(const float *q, int64_t G, const float *const *kp, const float *const *vp, int64_t n,
-                          int64_t d, float scale, float *m, float *l, float *o) {
+static inline __attribute__((always_inline)) void chunk_partial_of(const float *q, int64_t G, const void *const *kp,
+                                                                   const void *const *vp, int64_t n, int64_t d,
+                                                                   float scale, float *m, float *l, float *o,
+                                                                   const int half) {
     float scores[GMAX * KCHUNK] __attribute__((aligned(32)));
     const int64_t nv = d / 8;
     for (int64_t g = 0; g < G; g++) {
@@ -197,14 +203,14 @@ static void chunk_partial(const float *q, int64_t G, const float *const *kp, con
             for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
             for (int64_t i = 0; i < d; i += 8) {
                 const __m256 qv = _mm256_loadu_ps(qg + i);
-                for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[j + r] + i), a[r]);
+                for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, hx_load8(kp[j + r], i, half), a[r]);
             }
             _mm256_storeu_ps(sg + j, _mm256_mul_ps(hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]),
                                                    _mm256_set1_ps(scale)));
         }
         for (; j < n; j++) {
             __m256 acc = _mm256_setzero_ps();
-            for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(kp[j] + i), acc);
+            for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), hx_load8(kp[j], i, half), acc);
             sg[j] = hsum(acc) * scale;
         }
         float mx = -INFINITY;
@@ -225,13 +231,21 @@ static void chunk_partial(const float *q, int64_t G, const float *const *kp, con
         for (int64_t i = 0; i < nv; i++) acc[i] = _mm256_setzero_ps();
         for (j = 0; j < n; j++) {
             const __m256 p = _mm256_set1_ps(sg[j]);
-            const float *v = vp[j];
-            for (int64_t i = 0; i < nv; i++) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
+            for (int64_t i = 0; i < nv; i++) acc[i] = _mm256_fmadd_ps(p, hx_load8(vp[j], 8 * i, half), acc[i]);
         }
         for (int64_t i = 0; i < nv; i++) _mm256_storeu_ps(o + g * d + 8 * i, acc[i]);
         m[g] = mx;
         l[g] = sum;
     }
+}
+
+/* chunk_partial_of for the caches' dtype (half: float16), each compiled with it fixed. */
+static void chunk_partial(const float *q, int64_t G, const void *const *kp, const void *const *vp, int64_t n,
+                          int64_t d, float scale, float *m, float *l, float *o, const int half) {
+    if (half)
+        chunk_partial_of(q, G, kp, vp, n, d, scale, m, l, o, 1);
+    else
+        chunk_partial_of(q, G, kp, vp, n, d, scale, m, l, o, 0);
 }
 
 /* Fold one chunk's partial (m, l, o (D)) into a query head's running state (*M, *S, O (D)), which starts
@@ -308,7 +322,7 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
         const hx_task k = task[t];
         const int64_t qlen = qsl[k.b + 1] - qsl[k.b], prefix = seq_lens[k.b] - qlen;
         const int32_t *table = tables + k.b * table_stride;
-        const float *kp[KCHUNK], *vp[KCHUNK];
+        const void *kp[KCHUNK], *vp[KCHUNK];
         if (k.chunk >= 0) { /* this chunk's partial of every row that reaches it */
             const int64_t j0 = k.chunk * KCHUNK, last = prefix + k.i1 - 1;
             chunk_rows(L, table, j0, (last + 1 - j0 < KCHUNK ? last + 1 - j0 : KCHUNK), bs, k.kvh, kp, vp);
@@ -317,7 +331,8 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
                 if (pos < j0) continue;
                 const int64_t n = pos + 1 - j0 < KCHUNK ? pos + 1 - j0 : KCHUNK;
                 float *p = part + part_base[row] + (k.kvh * (pos / KCHUNK + 1) + k.chunk) * P;
-                chunk_partial(q + row * q_stride + k.kvh * G * D, G, kp, vp, n, D, scale, p + G * D, p + G * D + G, p);
+                chunk_partial(q + row * q_stride + k.kvh * G * D, G, kp, vp, n, D, scale, p + G * D, p + G * D + G, p,
+                              (int)L->kv_half);
             }
             continue;
         }
@@ -343,7 +358,8 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
                 const int64_t pos = prefix + i, row = qsl[k.b] + i;
                 if (pos < j0) continue;
                 const int64_t n = pos + 1 - j0 < KCHUNK ? pos + 1 - j0 : KCHUNK;
-                chunk_partial(q + row * q_stride + k.kvh * G * D, G, kp, vp, n, D, scale, p + G * D, p + G * D + G, p);
+                chunk_partial(q + row * q_stride + k.kvh * G * D, G, kp, vp, n, D, scale, p + G * D, p + G * D + G, p,
+                              (int)L->kv_half);
                 for (int64_t g = 0; g < G; g++) {
                     float *s = state + ((i - k.i0) * G + g) * (D + 2);
                     fold(s + D, s + D + 1, s, p[G * D + g], p[G * D + G + g], p + g * D, D);
@@ -382,23 +398,35 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
     return failed ? -1 : 0;
 }
 
+/* d (a multiple of 8) floats into a cache row: copied (float32) or rounded to nearest float16. */
+static void store_row(void *dst, const float *src, int64_t d, int64_t half) {
+    if (!half) {
+        memcpy(dst, src, sizeof(float) * (size_t)d);
+        return;
+    }
+    for (int64_t i = 0; i < d; i += 8)
+        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+}
+
 static void write_cache(const hx_layer *L, int64_t slot, int64_t bs, const float *k, const float *v, int64_t kvh,
                         int64_t d) {
     if (slot < 0) return;
+    const int64_t width = L->kv_half ? 2 : 4;
     const int64_t base = (slot / bs) * L->block_stride + (slot % bs) * L->row_stride;
     for (int64_t h = 0; h < kvh; h++) {
-        memcpy(L->k_cache + base + h * L->head_stride, k + h * d, sizeof(float) * (size_t)d);
-        memcpy(L->v_cache + base + h * L->head_stride, v + h * d, sizeof(float) * (size_t)d);
+        store_row((char *)L->k_cache + (base + h * L->head_stride) * width, k + h * d, d, L->kv_half);
+        store_row((char *)L->v_cache + (base + h * L->head_stride) * width, v + h * d, d, L->kv_half);
     }
 }
 
-/* The step's attention alone (for its tests): q (T, H, D) -> out (T, H, D) over float32 caches through
+/* The step's attention alone (for its tests): q (T, H, D) -> out (T, H, D) over float32 (kv_half 0) or
+ * float16 (kv_half 1) caches through
  * block_tables (B, table_stride) int32, seq_lens (B,) and query_start_loc (B + 1,) int32, as
  * helexa.kernels.reference.paged_attention defines it. Returns what `attend` returns. */
-int helexa_paged_attention(const float *q, float *k_cache, float *v_cache, int64_t block_stride, int64_t row_stride,
+int helexa_paged_attention(const float *q, void *k_cache, void *v_cache, int64_t block_stride, int64_t row_stride,
                            int64_t head_stride, int64_t block_size, int64_t B, int64_t H, int64_t KVH, int64_t D,
                            const int32_t *query_start_loc, const int32_t *block_tables, int64_t table_stride,
-                           const int32_t *seq_lens, float scale, float *out) {
+                           const int32_t *seq_lens, float scale, int64_t kv_half, float *out) {
     hx_layer L;
     memset(&L, 0, sizeof L);
     L.k_cache = k_cache;
@@ -406,6 +434,7 @@ int helexa_paged_attention(const float *q, float *k_cache, float *v_cache, int64
     L.block_stride = block_stride;
     L.row_stride = row_stride;
     L.head_stride = head_stride;
+    L.kv_half = kv_half;
     return attend(q, H * D, &L, query_start_loc, block_tables, table_stride, seq_lens, B, H, KVH, D, block_size, scale,
                   out, H * D);
 }

@@ -5,9 +5,11 @@
  * activations. Products are integer dot products (AVX2 maddubs + madd), and the weight is laid out
  * so that one 256-bit register holds 4 consecutive k of 8 output columns: one broadcast of 4
  * activation bytes then yields 32 multiply-adds into 8 int32 lanes, one lane per output column,
- * summed over a block of 32 k before a single float conversion. Each weight chunk is decoded once per
- * tile of rows, so a batch of decoding streams shares one pass over the weight. Per column n, group
- * g, block b:
+ * summed over a block of 32 k before a single float conversion. Compiled for AVX-512 VNNI (the
+ * `avx512_vnni` path of helexa.model.quant.isa, HX_VNNI), one vpdpbusd does what maddubs + madd + add
+ * do; integer sums are exact, so both paths give the same int32 sums and the same float result. Each
+ * weight chunk is decoded once per tile of rows, so a batch of decoding streams shares one pass over
+ * the weight. Per column n, group g, block b:
  *
  *   int4: W = (q - 8) * s + z  ->  y += s_g * d_b * sum(q * xq) + (z_g - 8 s_g) * d_b * sum(xq)
  *   int8: W = q * s            ->  y += s_g * d_b * sum(q * xq)
@@ -44,6 +46,9 @@ int helexa_threads(void) { return threads > 0 ? threads : omp_get_max_threads();
 #define QK 32 /* activation values per block */
 #define NR 8  /* output columns per tile (one int32 lane each) */
 #define MR 4  /* activation rows per register tile */
+#if defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HX_VNNI 1 /* the avx512_vnni build (helexa.model.quant.isa): vpdpbusd on 256-bit registers */
+#endif
 
 /* x (M, K) -> xq (M, K) int8, d (M, K/32) scales, xs (M, K/32) = d * sum(xq) per block. Rounds
  * x * (1 / d) to nearest, ties to even, as torch.round does (the reference, quantize_activations). */
@@ -80,12 +85,6 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
     }
 }
 
-/* 8 floats from float32 (half = 0) or float16 (half = 1) values at index i. */
-static inline __m256 load8(const void *p, int64_t i, const int half) {
-    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-    return _mm256_loadu_ps((const float *)p + i);
-}
-
 /* The rows [m0, m0 + R) of one tile of 8 columns. R is a constant at each call site, so the
  * accumulators stay in registers. `w4` (int4) or `w8` (int8) is the tile's weight. */
 static inline __attribute__((always_inline)) void tile(const int8_t *xq, const float *d, const float *xs, int64_t K,
@@ -106,8 +105,8 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
         if (left-- == 0) {
             g++;
             left = per_group - 1;
-            sv = load8(s, g * NR, half);
-            if (zc) zv = load8(zc, g * NR, half);
+            sv = hx_load8(s, g * NR, half);
+            if (zc) zv = hx_load8(zc, g * NR, half);
         }
         __m256i isum[MR];
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
@@ -126,16 +125,23 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
                 int32_t four;
                 memcpy(&four, xr[r] + k, sizeof four);
                 __m256i xv = _mm256_set1_epi32(four); /* these 4 k for all 8 columns */
+#ifdef HX_VNNI /* unsigned |w| (or the int4 value) times signed x, summed in int32 lanes */
+                if (!w4) xv = _mm256_sign_epi8(xv, w);
+                isum[r] = _mm256_dpbusd_epi32(isum[r], wu, xv);
+#else
                 if (w4) { /* int16 lanes hold at most 8 chunks x 2 x 15 x 127 = 30480: no overflow */
                     isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(wu, xv));
                 } else {
                     xv = _mm256_sign_epi8(xv, w); /* carry w's sign onto x */
                     isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
                 }
+#endif
             }
         }
+#ifndef HX_VNNI
         if (w4)
             for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(isum[r], ones);
+#endif
         for (int r = 0; r < R; r++) {
             const int64_t row = (m0 + r) * blocks + b;
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(sv, _mm256_set1_ps(d[row])), acc[r]);

@@ -1,6 +1,7 @@
 /* The quantized GEMM of wq_gemm.c, shared with the fused decode step (decode.c). */
 #ifndef HELEXA_WQ_GEMM_H
 #define HELEXA_WQ_GEMM_H
+#include <immintrin.h>
 #include <stdint.h>
 
 /* y (M, N) = quantize_activations(x (M, K)) @ W.T for a tiled weight: int4 (`q4`, `zero_terms`) or
@@ -8,6 +9,12 @@
  * See wq_gemm.c for the layout and the requirements. */
 void helexa_wq_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, const int8_t *q8, const void *scales,
                     const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y);
+
+/* 8 floats from float32 (half = 0) or float16 (half = 1) values at index i (F16C's exact widening). */
+static inline __m256 hx_load8(const void *p, int64_t i, const int half) {
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_loadu_ps((const float *)p + i);
+}
 
 /* The thread count of every parallel region of the library (helexa_set_threads, else OpenMP's). */
 int helexa_threads(void);

@@ -1,0 +1,93 @@
+"""Which instruction set the native CPU kernels (`csrc/*.c`) are compiled for, chosen at run time.
+
+The kernels' source is one; each path is that source compiled with its own target flags into its
+own library, so code for an instruction set is only ever reached in the process whose CPU reported
+it (never an illegal instruction: a library whose instructions the CPU lacks is never loaded).
+
+- `avx2`: AVX2 + FMA + F16C (every x86-64 server since ~2013: EPYC, Xeon). Integer dot products by
+  `vpmaddubsw` + `vpmaddwd` on 256-bit registers.
+- `avx512_vnni`: AVX-512 F/BW/VL + VNNI (Ice Lake and later Xeons, Zen 4 and later EPYCs). The
+  quantized GEMM's dot products by `vpdpbusd` on 512-bit registers (two chunks of 4 k per
+  instruction); the rest of the step as on `avx2`.
+
+`candidates()` lists the paths the CPU reports (`/proc/cpuinfo` flags, which Linux clears for state
+the OS does not save), best first, or the one `HELEXA_CPU_KERNELS` names (`auto`, the default, or a
+path name; a path the CPU lacks is refused with the reason, never run); `native` loads the first that
+builds. Within a path a row's result
+never depends on the batch (csrc/step.c); across paths the integer dot products are exact and the
+float operations the same, but a later path (AMX) may sum differently, so results are only promised
+within one path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ENV", "PATHS", "KernelPath", "candidates", "cpu_flags", "missing"]
+
+ENV = "HELEXA_CPU_KERNELS"
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """One compiled variant of the kernels: its name, the compiler's target flags, and the
+    `/proc/cpuinfo` flags a CPU must report to run it."""
+
+    name: str
+    compile_flags: tuple[str, ...]
+    cpu_flags: frozenset[str]
+
+
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+
+# best last
+PATHS: dict[str, KernelPath] = {
+    p.name: p
+    for p in (
+        KernelPath("avx2", _AVX2, frozenset({"avx2", "fma", "f16c"})),
+        KernelPath(
+            "avx512_vnni",
+            _AVX2 + _AVX512,
+            frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+        ),
+    )
+}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of this CPU as Linux reports them (empty when it cannot say)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def missing(path: KernelPath) -> list[str]:
+    """The CPU flags `path` needs that this CPU does not report (sorted; empty when it runs here)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return [f"x86-64 (this is {platform.machine()})"]
+    return sorted(path.cpu_flags - cpu_flags())
+
+
+def candidates(want: str | None = None) -> tuple[list[KernelPath], str]:
+    """(the paths this process may run, best first, "") or ([], why none), for `want` (default: the
+    value of `HELEXA_CPU_KERNELS`, else "auto"): `auto` gives every path the CPU runs; a path's name
+    gives that one alone, refused if the CPU lacks it. The caller takes the first that builds."""
+    want = os.environ.get(ENV, "auto") if want is None else want
+    if want != "auto":
+        if want not in PATHS:
+            return [], f"{ENV}={want!r} is not one of auto, {', '.join(PATHS)}"
+        lacks = missing(PATHS[want])
+        return ([], f"{ENV}={want} but the CPU lacks {lacks}") if lacks else ([PATHS[want]], "")
+    runnable = [p for p in reversed(PATHS.values()) if not missing(p)]
+    return (runnable, "") if runnable else ([], f"the CPU lacks {missing(PATHS['avx2'])}")

@@ -1,0 +1,37 @@
+"""Run a test on each instruction-set path of the native CPU kernels (`helexa.model.quant.isa`).
+
+    @pytest.mark.parametrize("path", kernel_paths())
+    def test_x(path, monkeypatch):
+        use_kernel_path(path, monkeypatch)   # compiles it; skips, saying why, if this CPU lacks it
+
+Every path is compiled on any machine with a compiler (so a path this CPU cannot run still has to
+build); only the paths the CPU reports are run, each against the same reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helexa.model.quant import isa, native
+
+
+def kernel_paths() -> list[str]:
+    """The names of every path, best last."""
+    return list(isa.PATHS)
+
+
+def use_kernel_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the native kernels run on path `name` for this test (`HELEXA_CPU_KERNELS`), after
+    compiling it; skip with the reason when this CPU cannot run it or no compiler builds it."""
+    path = isa.PATHS[name]
+    try:
+        native.build(path)
+    except RuntimeError as exc:
+        pytest.skip(f"kernel path {name} does not build here: {exc}")
+    lacks = isa.missing(path)
+    if lacks:
+        pytest.skip(f"kernel path {name}: compiled, not run (this CPU lacks {', '.join(lacks)})")
+    monkeypatch.setenv(isa.ENV, name)
+    if not native.available():
+        pytest.skip(f"kernel path {name}: {native.unavailable_reason()}")
+    assert native.kernel_path() == name
