@@ -35,6 +35,7 @@ from helexa.engine.step_budget import MeasuredStepCost, StepBudget
 from helexa.engine.stream import RequestStream, TokenEvent
 from helexa.engine.view import EngineView
 from helexa.kvcache import BlockPool, KVBudget, KVManager
+from helexa.kvcache.tiers import KVTiers
 from helexa.model.config import ModelConfig
 from helexa.model.generation_defaults import SamplingDefaults, resolve_sampling_defaults
 from helexa.model.loader import resolve_dtype
@@ -333,7 +334,7 @@ class Engine:
         tiers = self.kv.tiers
         return {
             **self.admission.snapshot(),
-            **(tiers.snapshot() if tiers is not None else {"blocks_host": 0, "blocks_disk": 0, "kv_tiers": {}}),
+            **(tiers.snapshot() if tiers is not None else KVTiers.NONE),
             "recomputed_tokens": self.counters.recomputed_tokens,
             "target_step_secs": self.target_step_secs,
             "prefill_chunk_tokens": self.step_budget.chunk_tokens,
@@ -502,7 +503,8 @@ class Engine:
         longer holds), from a block table that begins with the hit pinned at its grant."""
         seq = self._preempted.pop(ticket.id, None)
         if seq is None:
-            req = self._pending[ticket.request_id or ""].request
+            with self._lock:  # `submit` may still be storing the handle of a ticket granted at once
+                req = self._pending[ticket.request_id or ""].request
             seq = Sequence(
                 request=req,
                 ticket=ticket,

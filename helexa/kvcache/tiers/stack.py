@@ -76,6 +76,9 @@ class KVTiers:
     disk), so a failure is a miss and never wrong KV.
     """
 
+    # `snapshot()`'s fields when there is no tier
+    NONE: dict[str, Any] = {"blocks_host": 0, "blocks_disk": 0, "kv_tiers": {}, "kv_tier_load_bytes_per_second": None}
+
     def __init__(
         self,
         identity: KVIdentity,
