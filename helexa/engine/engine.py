@@ -318,10 +318,11 @@ class Engine:
         self._wake()
 
     def flush_prefix_cache(self, timeout: float = 10.0) -> int:
-        """Evict every cached block no request holds, on the loop's thread at its next step boundary; returns
-        how many were evicted. Blocks in use (running, preempted-and-pinned, deferred) are never touched, so
-        no request loses its KV; KV event subscribers hear each eviction. Raises `TimeoutError` when the
-        loop does not reach a step boundary within `timeout` seconds (a poisoned or reloading engine)."""
+        """Evict every cached block no request holds (and every block of the tiers below the pool), on the loop's
+        thread at its next step boundary; returns how many pool blocks were evicted. Blocks in use (running,
+        preempted-and-pinned, deferred) are never touched, so no request loses its KV; KV event subscribers hear
+        each eviction. Raises `TimeoutError` when the loop does not reach a step boundary within `timeout` seconds
+        (a poisoned or reloading engine)."""
         done: Future[int] = Future()
         with self._lock:
             self._flushes.append(done)

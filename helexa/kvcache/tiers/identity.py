@@ -28,8 +28,12 @@ class KVIdentity:
 
     @classmethod
     def of_pool(cls, pool: BlockPool, model_key: str) -> KVIdentity:
-        """The identity of blocks read from `pool` for the model `model_key`."""
+        """The identity of blocks read from `pool` for the model `model_key` (an fp8 pool's scales included: its
+        bytes mean nothing under other scales)."""
         dtype = str(pool.dtype).removeprefix("torch.")
+        if pool.kv_scales is not None:
+            scales = pool.kv_scales.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+            model_key += "/scales:" + hashlib.sha256(scales).hexdigest()[:16]
         return cls(model_key, dtype, pool.block_size, pool.num_layers, pool.num_kv_heads, pool.head_dim)
 
     @property
