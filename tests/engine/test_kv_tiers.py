@@ -159,7 +159,7 @@ def tiered(tiny_model_dir, tmp_path_factory):
     engine.shutdown()
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     rounds=st.lists(st.lists(_turn, min_size=1, max_size=3), min_size=2, max_size=4),
     faults=st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 3)),  # write, read, damage (in 10)
