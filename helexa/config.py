@@ -70,6 +70,8 @@ SWITCH = Rule("true or false", lambda v: isinstance(v, bool), bool)  # a flag wi
 GROUPS: dict[str, str | None] = {
     "model and placement": None,
     "KV budget": "give at most one of --num-blocks, --kv-cache-memory, --gpu-memory-utilization",
+    "KV tiers": "where blocks the prefix cache evicts go instead of vanishing, and come back from on the session's "
+    "next turn; off unless given",
     "scheduling and admission": None,
     "device faults": "after a fault the engine reloads the model and replays in-flight requests; past the "
     "retries it stays poisoned and answers 500 device_fault",
@@ -113,6 +115,7 @@ _budget = functools.partial(option, group="KV budget")
 _scheduling = functools.partial(option, group="scheduling and admission")
 _faults = functools.partial(option, group="device faults")
 _events = functools.partial(option, group="KV events")
+_tiers = functools.partial(option, group="KV tiers")
 # A ZMQ endpoint: tcp://HOST:PORT (HOST or PORT may be *), ipc://PATH or inproc://NAME.
 ZMQ_ENDPOINT = Rule(
     "a ZMQ endpoint such as tcp://*:5557 (bound), tcp://HOST:5557 (connected) or ipc://PATH",
@@ -228,6 +231,20 @@ class EngineConfig:
     gpu_memory_utilization: float | None = _budget(
         None, "fraction of device memory for weights, activations and KV (CUDA)", FRACTION, exclusive="budget"
     )
+    kv_host_memory: int | None = _tiers(
+        None,
+        "a host-memory tier of this size below the KV pool (pinned on CUDA; on a CPU the pool already is host memory, "
+        "so prefer --kv-disk-path there)",
+        SIZE,
+    )
+    kv_disk_path: str | None = _tiers(
+        None,
+        "a disk tier in this directory (e.g. $HELEXA_HOME/kv/MODEL): checksummed block files, written in the "
+        "background, kept across restarts of the same model, dtype and block size, discarded when any changed",
+        TEXT,
+        metavar="DIR",
+    )
+    kv_disk_bytes: int | None = _tiers(None, "the disk tier's size (default 16GiB; needs --kv-disk-path)", SIZE)
     max_model_len: int | None = _scheduling(
         None, "longest sequence (prompt + output) accepted (default: the model's)", Rule.at_least(1)
     )
@@ -324,6 +341,18 @@ class EngineConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"--prompt-lookup-min {self.prompt_lookup_min} must be <= --prompt-lookup-max {self.prompt_lookup_max}"
+            )
+        tiers = self.kv_host_memory is not None or self.kv_disk_path is not None
+        if self.kv_disk_bytes is not None and self.kv_disk_path is None:
+            raise ValueError("--kv-disk-bytes needs --kv-disk-path")
+        if tiers and not self.prefix_cache:
+            raise ValueError(
+                "--kv-host-memory and --kv-disk-path keep what the prefix cache evicts: not with --no-prefix-cache"
+            )
+        if tiers and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"--kv-host-memory and --kv-disk-path cannot be combined with --tensor-parallel-size "
+                f"{self.tensor_parallel_size}: each rank's pool holds a shard only rank 0 cannot read"
             )
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")

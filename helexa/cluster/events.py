@@ -13,7 +13,8 @@ to tagged maps). llm-d's KV indexer (llm-d-kv-cache, `pkg/kvevents/engineadapter
 decodes this positional form in every version, so it consumes helexa's stream unchanged.
 
 Block hashes are unsigned 64-bit ints (`helexa.kvcache.prefix.block_hash`); a first block's parent is
-nil. `medium` is always "GPU" (vLLM's name for the engine's own KV pool, whatever the device).
+nil. `medium` says where a block lives: "GPU" (vLLM's name for the engine's own KV pool, whatever the
+device), "CPU_HOST" (the host-memory tier) or "DISK" (the disk tier).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ __all__ = [
     "encode_batch",
 ]
 
-MEDIUM = "GPU"  # vLLM's MEDIUM_GPU: the engine's primary KV pool
+MEDIUM = "GPU"  # vLLM's MEDIUM_GPU: the engine's primary KV pool (the tiers below it: "CPU_HOST", "DISK")
 
 
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):

@@ -12,6 +12,12 @@ ever blocking. Whole-cache changes are spelled out block by block, so a consumer
 - after a batch was dropped (the publisher's queue was full): the next batch that fits is a resync,
   `AllBlocksCleared` then `BlockStored` of every block indexed now (parents first), which replaces the
   lost events for a consumer that honours `AllBlocksCleared`.
+
+With tiers below the pool (`KVTiers`, `TierListener`), every event carries its block's `medium`: the pool's
+"GPU", `CPU_HOST` or `DISK`. A block that moves down (the pool evicts it into a tier, or a full tier hands it
+to the next) is removed from the medium it left before it is stored in the one it reaches, so a consumer
+that ignores `medium` still holds every block that is anywhere on this replica, and drops a block only when
+it leaves the last tier. The tiers outlive a reload, so `AllBlocksCleared` is followed by their blocks again.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from threading import Lock
 from helexa.cluster.events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from helexa.cluster.publisher import KVEventPublisher
 from helexa.kvcache.prefix import CachedBlock, PrefixCache
+from helexa.kvcache.tiers import KVTiers, TierBlock
 
 __all__ = ["KVEventRecorder"]
 
@@ -58,6 +65,7 @@ class KVEventRecorder:
         self._lock = Lock()  # guards _pending (the cache's lock, when taken, is taken first)
         self._pending: list[Event] = []
         self._cache: PrefixCache | None = None
+        self._tiers: KVTiers | None = None
         self._resync = False  # a batch was dropped: the next one that fits is a full resync
         self._dropped_since_resync = 0
         self._skipped = 0  # steps' batches not even offered to the publisher while it was full (awaiting a resync)
@@ -93,11 +101,20 @@ class KVEventRecorder:
 
     # ------------------------------------------------------------------ engine
 
-    def start(self, cache: PrefixCache | None) -> None:
-        """Listen to `cache` (None: the prefix cache is off) and publish `AllBlocksCleared`: nothing is cached yet."""
+    def start(self, cache: PrefixCache | None, tiers: KVTiers | None = None) -> None:
+        """Listen to `cache` (None: the prefix cache is off) and `tiers` (None: none) and publish `AllBlocksCleared`,
+        then what the tiers hold from before (a disk tier survives a restart)."""
         self.attach(cache)
-        with self._lock:
-            self._pending.append(AllBlocksCleared())
+        self._tiers = tiers
+        if tiers is not None:
+            with tiers.lock:
+                tiers.set_listener(self)
+                with self._lock:
+                    self._pending.append(AllBlocksCleared())
+                    self._stored_below(self._pending, tiers)
+        else:
+            with self._lock:
+                self._pending.append(AllBlocksCleared())
         self.end_step()
 
     def attach(self, cache: PrefixCache | None) -> None:
@@ -111,13 +128,17 @@ class KVEventRecorder:
         `AllBlocksCleared`; stop listening to it."""
         if cache is None:
             return
-        with cache.lock:
+        tiers = self._tiers
+        below: AbstractContextManager = tiers.lock if tiers is not None else nullcontext()
+        with cache.lock, below:  # lock order: the cache's, the tiers', then this recorder's
             nodes = cache.indexed_blocks()
             cache.set_listener(None)
             with self._lock:
                 if nodes:
                     self._removed(nodes)
                 self._pending.append(AllBlocksCleared())
+                if tiers is not None:  # they outlive the pool: still on this replica
+                    self._stored_below(self._pending, tiers)
         if self._cache is cache:
             self._cache = None
         self.end_step()
@@ -145,6 +166,9 @@ class KVEventRecorder:
         if self._cache is not None:
             self._cache.set_listener(None)
             self._cache = None
+        if self._tiers is not None:
+            self._tiers.set_listener(None)
+            self._tiers = None
         self.publisher.close()
 
     @property
@@ -171,14 +195,34 @@ class KVEventRecorder:
         with self._lock:
             self._pending.append(AllBlocksCleared())
 
+    # ------------------------------------------------------------------ TierListener (the tiers' lock held)
+
+    def tier_stored(self, medium: str, blocks: Sequence[TierBlock]) -> None:
+        with self._lock:
+            for block in blocks:
+                _append(self._pending, block.hash, None if block.first else block.parent, block.tokens, medium,
+                        self.block_size)  # fmt: skip
+
+    def tier_removed(self, medium: str, hashes: Sequence[int]) -> None:
+        with self._lock:
+            self._removed_hashes(list(hashes), medium)
+
     # ------------------------------------------------------------------ internals
 
     def _removed(self, nodes: Sequence[CachedBlock]) -> None:
+        self._removed_hashes([node.hash for node in nodes], MEDIUM)
+
+    def _removed_hashes(self, hashes: list[int], medium: str) -> None:
         last = self._pending[-1] if self._pending else None
-        if isinstance(last, BlockRemoved):
-            last.block_hashes.extend(node.hash for node in nodes)
+        if isinstance(last, BlockRemoved) and last.medium == medium:
+            last.block_hashes.extend(hashes)
         else:
-            self._pending.append(BlockRemoved(block_hashes=[node.hash for node in nodes], medium=MEDIUM))
+            self._pending.append(BlockRemoved(block_hashes=hashes, medium=medium))
+
+    def _stored_below(self, events: list[Event], tiers: KVTiers) -> None:
+        """Append a `BlockStored` of every block the tiers hold (their lock and `_lock` held)."""
+        for medium, block in tiers.blocks():
+            _append(events, block.hash, None if block.first else block.parent, block.tokens, medium, self.block_size)
 
     def _batch(self, events: list[Event]) -> KVEventBatch:
         return KVEventBatch(ts=self._clock(), events=events, data_parallel_rank=self.data_parallel_rank)
@@ -186,9 +230,10 @@ class KVEventRecorder:
     def _publish_resync(self) -> None:
         """While the queue is full, drop the step's events (the resync will cover them); once it has room,
         publish `AllBlocksCleared` + every indexed block, from one reading of the cache."""
-        cache = self._cache
+        cache, tiers = self._cache, self._tiers
         guard: AbstractContextManager = cache.lock if cache is not None else nullcontext()
-        with guard, self._lock:
+        below: AbstractContextManager = tiers.lock if tiers is not None else nullcontext()
+        with guard, below, self._lock:
             if self.publisher.pending >= self.publisher.capacity:
                 if self._pending:
                     self._pending = []
@@ -200,6 +245,8 @@ class KVEventRecorder:
             nodes = cache.indexed_blocks() if cache is not None else []
             for node in nodes:
                 _append_stored(events, node, self.block_size)
+            if tiers is not None:
+                self._stored_below(events, tiers)
             if not self.publisher.publish(self._batch(events)):
                 return
             self._resync = False
@@ -210,21 +257,29 @@ class KVEventRecorder:
 
 
 def _append_stored(events: list[Event], node: CachedBlock, block_size: int) -> None:
-    """Add `node` to `events`: to the last `BlockStored` when `node` continues its chain, else as a new one."""
-    parent = node.parent.hash if node.parent is not None else None
+    """Add the pool's `node` to `events`."""
+    _append(events, node.hash, node.parent.hash if node.parent is not None else None, node.tokens, MEDIUM, block_size)
+
+
+def _append(
+    events: list[Event], h: int, parent: int | None, tokens: Sequence[int], medium: str, block_size: int
+) -> None:
+    """Add a stored block to `events`: to the last `BlockStored` when it continues that event's chain in the same
+    medium, else as a new one."""
     last = events[-1] if events else None
     if isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent:
-        last.block_hashes.append(node.hash)
-        last.token_ids.extend(node.tokens)
-        return
+        if last.medium == medium:
+            last.block_hashes.append(h)
+            last.token_ids.extend(tokens)
+            return
     events.append(
         BlockStored(
-            block_hashes=[node.hash],
+            block_hashes=[h],
             parent_block_hash=parent,
-            token_ids=list(node.tokens),
+            token_ids=list(tokens),
             block_size=block_size,
             lora_id=None,
-            medium=MEDIUM,
+            medium=medium,
             lora_name=None,
         )
     )

@@ -23,6 +23,7 @@ from helexa.admission.estimator import RequestSizes
 from helexa.cluster import KVEventRecorder
 from helexa.config import EngineConfig
 from helexa.engine.faults import FaultInjector, ModelHealth
+from helexa.engine.kv_tiers import open_tiers
 from helexa.engine.loading import kv_calibration_ids, load
 from helexa.engine.output import append_token
 from helexa.engine.parallel.group import fault_injection
@@ -35,6 +36,7 @@ from helexa.engine.step_budget import MeasuredStepCost, StepBudget
 from helexa.engine.stream import RequestStream, TokenEvent
 from helexa.engine.view import EngineView
 from helexa.kvcache import BlockPool, KVBudget, KVManager
+from helexa.kvcache.tiers import KVTiers
 from helexa.model.config import ModelConfig
 from helexa.model.generation_defaults import SamplingDefaults, resolve_sampling_defaults
 from helexa.model.loader import resolve_dtype
@@ -136,6 +138,7 @@ class Engine:
         # The one cost model of a step: it sizes prefill chunks and gives admission its rates.
         try:
             self.step_cost = self._calibrate(self.runner)
+            tiers = open_tiers(config, self.runner.pool, self.model_dir)  # `--kv-host-memory`, `--kv-disk-path`
         except BaseException:
             self.runner.close(graceful=False)  # no tensor-parallel worker outlives a failed start
             raise
@@ -150,6 +153,7 @@ class Engine:
             max_model_len=self.max_model_len,
             prefix_cache=config.prefix_cache,
             retention_secs=config.prefix_retention_secs,
+            tiers=tiers,
         )
         self.admission = AdmissionController(
             config.admission,
@@ -201,7 +205,7 @@ class Engine:
                 tagged_maps=config.kv_events_encoding == "map",
                 queue_batches=config.kv_events_queue_batches, buffer_batches=config.kv_events_buffer_batches,
             )  # fmt: skip
-            self.kv_events.start(self.kv.prefix_cache)
+            self.kv_events.start(self.kv.prefix_cache, self.kv.tiers)
         self.load_seconds = time.perf_counter() - load_start
         logger.info(
             f"engine: loaded {self.model_name} on {self.device} {_dtype_name(self.dtype)} in {self.load_seconds:.2f}s; "
@@ -321,10 +325,11 @@ class Engine:
         self._wake()
 
     def flush_prefix_cache(self, timeout: float = 10.0) -> int:
-        """Evict every cached block no request holds, on the loop's thread at its next step boundary; returns
-        how many were evicted. Blocks in use (running, preempted-and-pinned, deferred) are never touched, so
-        no request loses its KV; KV event subscribers hear each eviction. Raises `TimeoutError` when the
-        loop does not reach a step boundary within `timeout` seconds (a poisoned or reloading engine)."""
+        """Evict every cached block no request holds (and every block of the tiers below the pool), on the loop's
+        thread at its next step boundary; returns how many pool blocks were evicted. Blocks in use (running,
+        preempted-and-pinned, deferred) are never touched, so no request loses its KV; KV event subscribers hear
+        each eviction. Raises `TimeoutError` when the loop does not reach a step boundary within `timeout` seconds
+        (a poisoned or reloading engine)."""
         done: Future[int] = Future()
         with self._lock:
             self._flushes.append(done)
@@ -332,10 +337,12 @@ class Engine:
         return done.result(timeout)
 
     def snapshot(self) -> dict[str, Any]:
-        """The `/v1/admission` body: pool and admission numbers, speculative decoding's totals (zero when it is
-        off), recomputed tokens, the prefill chunk budget and the model state."""
+        """The `/v1/admission` body: pool and admission numbers, the KV tiers' contents, speculative decoding's
+        totals (zero when it is off), recomputed tokens, the prefill chunk budget and the model state."""
+        tiers = self.kv.tiers
         return {
             **self.admission.snapshot(),
+            **(tiers.snapshot() if tiers is not None else KVTiers.NONE),
             **(self.drafter.stats if self.drafter is not None else SpecStats()).snapshot(),
             "recomputed_tokens": self.counters.recomputed_tokens,
             "target_step_secs": self.target_step_secs,
@@ -450,6 +457,8 @@ class Engine:
             self.runner.close()  # tensor-parallel workers stop; the pool stays readable for the last snapshot
         if self.kv_events is not None:
             self.kv_events.close()  # sends what is queued, then closes its sockets
+        if self.kv.tiers is not None:
+            self.kv.tiers.close()  # the disk tier's queued writes finish
 
     def check_integrity(self) -> None:
         """Engine-level invariants: the KV owner's (every in-use block charged to exactly one request or
@@ -506,7 +515,8 @@ class Engine:
         longer holds), from a block table that begins with the hit pinned at its grant."""
         seq = self._preempted.pop(ticket.id, None)
         if seq is None:
-            req = self._pending[ticket.request_id or ""].request
+            with self._lock:  # `submit` may still be storing the handle of a ticket granted at once
+                req = self._pending[ticket.request_id or ""].request
             seq = Sequence(
                 request=req,
                 ticket=ticket,
@@ -516,6 +526,7 @@ class Engine:
                 generator=make_generator(req.params.seed, self.device) if req.params.seed is not None else None,
             )
         seq.num_computed = self.kv.start(seq.request_id, seq.token_ids)
+        seq.num_computed += self._load_from_tiers(seq)
         self._running.append(seq)
         if ticket.preemptions:
             self.counters.recomputed_tokens += max(0, seq.dropped_tokens - seq.num_computed)
@@ -529,6 +540,14 @@ class Engine:
                 self.kv.shared_blocks(seq.request_id),
             )  # fmt: skip
         self._refit(seq)  # a hit a reload dropped is computed, and so reserved, by the sequence itself
+
+    def _load_from_tiers(self, seq: Sequence) -> int:
+        """The load phase of a starting sequence: the full blocks after its hit that a tier below the pool holds
+        are copied into new blocks of its reservation instead of being computed. Returns the tokens loaded."""
+        if self.kv.tiers is None:
+            return 0
+        room = seq.ticket.blocks_reserved - self.kv.charged_blocks(seq.request_id)
+        return self.kv.load_from_tiers(seq.request_id, room)
 
     def _hold_back(self, ticket: Ticket) -> tuple[str, int] | None:
         """`(source request, blocks)` when a running request is prefilling more full blocks of this new request's
@@ -578,8 +597,7 @@ class Engine:
             if not self._flushes:
                 return
             flushes, self._flushes = self._flushes, []
-        cache = self.kv.prefix_cache
-        evicted = cache.clear() if cache is not None else 0  # held blocks stay: only unheld ones are evicted
+        evicted = self.kv.clear_cache()  # held blocks stay: only unheld ones are evicted (and every tier's)
         self.counters.prefix_cache_evictions = self.kv.evictions
         if self.kv_events is not None:  # the evictions go out now, not with the next working step
             self.kv_events.end_step()
@@ -781,6 +799,7 @@ class Engine:
         pool; reservations in admission survive, grown where they had shared blocks."""
         for seq in self._running:
             seq.num_computed = self.kv.start(seq.request_id, seq.token_ids)
+            seq.num_computed += self._load_from_tiers(seq)  # the tiers outlive the pool
             self.admission.progress(seq.ticket, prompt_prefilled=0)
         for seq in list(self._running):
             if seq in self._running:

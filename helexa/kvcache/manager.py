@@ -40,10 +40,13 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import torch
+
 from helexa.kvcache.batch import BatchBuilder, BlockTable
 from helexa.kvcache.metadata import AttentionMetadata
 from helexa.kvcache.pool import BlockPool
-from helexa.kvcache.prefix import CachedBlock, CacheSurvey, PrefixCache
+from helexa.kvcache.prefix import CachedBlock, CacheSurvey, PrefixCache, root_hash
+from helexa.kvcache.tiers import KVTiers
 from helexa.kvprotocol import BlockStates, Share
 
 __all__ = ["HoldingView", "KVManager", "KVSurvey"]
@@ -105,8 +108,12 @@ class KVManager:
         prefix_cache: bool = True,
         retention_secs: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        tiers: KVTiers | None = None,
     ) -> None:
+        if tiers is not None and not prefix_cache:
+            raise ValueError("KV tiers sit behind the prefix cache: they need prefix_cache=True")
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self._tiers = tiers
         self.prefix_caching = prefix_cache
         self.retention_secs = retention_secs
         self._clock = clock
@@ -136,7 +143,11 @@ class KVManager:
                 self._total = pool.num_blocks
                 if self.prefix_caching:
                     self._cache = PrefixCache(
-                        pool.allocator, pool.block_size, retention_secs=self.retention_secs, clock=self._clock
+                        pool.allocator,
+                        pool.block_size,
+                        retention_secs=self.retention_secs,
+                        clock=self._clock,
+                        on_evict=self._spill if self._tiers is not None else None,
                     )
             for h in self._holdings.values():
                 h.pinned, h.shared, h.parent, h.offered, h.offering, h.table = [], 0, None, 0, True, None
@@ -153,6 +164,21 @@ class KVManager:
         """The prefix index of the pool served now (None: prefix caching off, or no pool). For listeners
         (`helexa.cluster`) and research reads; every holding changes through this manager only."""
         return self._cache
+
+    @property
+    def tiers(self) -> KVTiers | None:
+        """The host-memory and disk tiers below the pool (None: off). Which tier holds which block is theirs to
+        record; which pool block holds what stays this manager's."""
+        return self._tiers
+
+    def clear_cache(self) -> int:
+        """Evict every cached block of the pool (nothing spills) and drop every tier's blocks; returns how many pool
+        blocks were evicted. Held blocks stay."""
+        with self._lock:
+            evicted = self._cache.clear() if self._cache is not None else 0
+            if self._tiers is not None:
+                self._tiers.clear()
+            return evicted
 
     @property
     def evictions(self) -> int:
@@ -297,6 +323,36 @@ class KVManager:
                 self._cache.ensure_free(builder.blocks_needed(entries))
             return builder.build(entries)
 
+    def load_from_tiers(self, key: str, max_blocks: int) -> int:
+        """Continue a just-started request's table with the full blocks of its tokens that a tier below the pool holds
+        (at most `max_blocks`, leaving at least its last token to compute): each is read and verified, copied into
+        a newly allocated pool block charged to the request (like a computed one, so admission's reservation covers
+        it) and offered to the index. Returns the tokens loaded (0: no tier, nothing found, or the first read
+        failed). Call it before the request's first step; the engine's thread only."""
+        tiers = self._tiers
+        with self._lock:
+            h, cache = self._holdings[key], self._cache
+            if tiers is None or cache is None or h.table is None or not h.offering or max_blocks <= 0:
+                return 0
+            bs, start = cache.block_size, h.offered
+            if h.table.num_tokens != start * bs:
+                raise ValueError(f"request {key!r} computed past its hit; load from the tiers before its first step")
+            parent = h.parent.hash if h.parent is not None else root_hash(h.salt)
+            limit = min(self._limit(h, cache), start + max_blocks)
+            tokens = h.tokens
+        found = tiers.find(tokens, start, parent, limit)
+        data = tiers.read(found) if found else []  # outside the KV's lock: admission's lookups never wait on a disk
+        if not data:
+            return 0
+        with self._lock:
+            n, builder = len(data), self._live_builder()
+            entries = [(h.table, n * bs)]
+            cache.ensure_free(builder.blocks_needed(entries))
+            builder.build(entries)
+            self.pool.write_blocks(list(h.table.block_ids[start : start + n]), torch.stack(data))
+            self.offer(key, (start + n) * bs)
+            return n * bs
+
     def offer(self, key: str, num_computed: int) -> None:
         """Index the request's full blocks among its first `num_computed` tokens that it has not offered yet,
         in order. A block whose content is new passes to the index (the request holds it through the index
@@ -418,6 +474,8 @@ class KVManager:
             for b, n in own.items():
                 if n != 1 or self._pool.refcount(b) != 1:
                     problems.append(f"block {b}: own block of {n} tables with refcount {self._pool.refcount(b)}")
+            if self._tiers is not None:
+                self._tiers.check_integrity()
             if cache is not None:
                 cache.check_integrity()
                 for b, n in through_index.items():
@@ -437,6 +495,11 @@ class KVManager:
                 raise RuntimeError("kv: " + "; ".join(problems[:8]))
 
     # ------------------------------------------------------------------ internals (lock held)
+
+    def _spill(self, victims: list[CachedBlock]) -> None:
+        """The index evicted `victims` (their K/V still in the pool): the tiers keep a copy. Lock held."""
+        if self._tiers is not None and self._pool is not None:
+            self._tiers.spill(victims, self._pool.read_blocks([v.block_id for v in victims]))
 
     def _live_builder(self) -> BatchBuilder:
         if self._builder is None:

@@ -123,6 +123,38 @@ class BlockPool:
         return list(self._layers)
 
     @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """One block's K/V over every layer, as `read_blocks` returns it: (num_layers, 2, block_size, num_kv_heads,
+        head_dim), K then V."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the blocks' K/V: (n, num_layers, 2, block_size, num_kv_heads, head_dim) of the pool's dtype,
+        on the host (pinned when the pool is on CUDA), in `block_ids` order. Reads whatever the blocks hold."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_device)
+        layers = [torch.stack((k.index_select(0, idx), v.index_select(0, idx)), 1) for k, v in self._caches]
+        out = torch.stack(layers, 1)  # (n, L, 2, BS, KVH, D)
+        if out.device.type == "cpu":
+            return out
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out)
+        return host
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Overwrite the blocks' K/V with `data` (n, num_layers, 2, block_size, num_kv_heads, head_dim) of the pool's
+        dtype, as `read_blocks` gave it. `ValueError` (writing nothing) for another shape or dtype."""
+        want = (len(block_ids), *self.block_shape)
+        if tuple(data.shape) != want or data.dtype != self.dtype:
+            raise ValueError(
+                f"write_blocks: data must be {list(want)} {self.dtype}, got {list(data.shape)} {data.dtype}"
+            )
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_device)
+        data = data.to(self.kv_device, non_blocking=True)
+        for layer, (k, v) in enumerate(self._caches):
+            k.index_copy_(0, idx, data[:, layer, 0])
+            v.index_copy_(0, idx, data[:, layer, 1])
+
+    @property
     def quantized(self) -> bool:
         """True for an fp8 pool (its caches need `kv_scales`)."""
         return self.kv_scales is not None

@@ -32,7 +32,10 @@ still hold, the block becomes an *orphan*: still in use, charged to no request, 
 sharers' behalf (`orphan_blocks`) until the last of them lets go.
 
 Eviction takes cached blocks in this order, O(1) each: retained blocks whose retention ran out, then
-the least recently used un-retained blocks, then retained blocks, oldest first. A request with a
+the least recently used un-retained blocks, then retained blocks, oldest first. Blocks released together
+(a sequence's chain) are evicted from the tail of the chain back to its head, as vLLM does: what stays is
+a prefix a later lookup can still reach, and what leaves (to a tier below the pool, when there is one)
+is the contiguous rest. A request with a
 `session` (an agent's `prompt_cache_key`) retains its blocks for `retention_secs` when it ends.
 A lookup compares a candidate's tokens and its parent node, not only the hash, so a hash collision
 can never share the wrong KV. Thread-safe: one lock guards the index (admission pins blocks from
@@ -169,8 +172,10 @@ class PrefixCache:
         *,
         retention_secs: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[list[CachedBlock]], None] | None = None,
     ) -> None:
         self.allocator = allocator
+        self._on_evict = on_evict  # told of each eviction's blocks while their K/V are still in the pool
         self.block_size = check_int(block_size, "block_size")
         if retention_secs < 0:
             raise ValueError(f"retention_secs must be >= 0, got {retention_secs}")
@@ -309,8 +314,10 @@ class PrefixCache:
         When its content is new, the cache takes over the caller's allocator reference to `block_id`
         (the caller keeps holding the block through the cache, charged to `owner`) and returns the new
         entry. When equal content is already indexed, the caller keeps its own block and reference and
-        gets the existing entry (to chain the next block from). None on a hash collision with other
-        content (the caller keeps its block; its later blocks are not indexed).
+        gets the existing entry (to chain the next block from); equal content means equal tokens after an
+        equal chain of tokens, so an entry whose parent was evicted and indexed again (computed or loaded
+        from a tier) is relinked to the new parent. None on a hash collision with other content (the
+        caller keeps its block; its later blocks are not indexed).
         """
         tokens = tuple(tokens)
         if len(tokens) != self.block_size:
@@ -323,8 +330,10 @@ class PrefixCache:
             h = block_hash(parent.hash if parent is not None else root_hash(salt), tokens)
             existing = self._by_hash.get(h)
             if existing is not None:
-                same = existing.tokens == tokens and existing.parent is parent and existing.salt == salt
-                return existing if same else None
+                if existing.tokens != tokens or existing.salt != salt or not self._same_chain(existing.parent, parent):
+                    return None
+                existing.parent = parent  # (its old parent was evicted and its content indexed again: relink)
+                return existing
             node = CachedBlock(block_id, tokens, h, parent, salt, next(self._nodes), holders=1, charge=owner)
             self._by_hash[h] = node
             self._by_block[block_id] = node
@@ -349,7 +358,7 @@ class PrefixCache:
             now = self._clock()
             if session is not None:
                 retained = self._sessions.setdefault(session, set())
-            for node in nodes:
+            for node in reversed(nodes):  # a chain's tail reaches the eviction lists first: it is evicted first
                 assert node is not None
                 node.holders -= 1
                 if session is not None and self.retention_secs > 0:
@@ -371,8 +380,10 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ eviction
 
-    def ensure_free(self, n: int) -> int:
-        """Evict cached blocks until the allocator has `n` free ones; returns how many were evicted.
+    def ensure_free(self, n: int, *, spill: bool = True) -> int:
+        """Evict cached blocks until the allocator has `n` free ones; returns how many were evicted. With `spill`,
+        the `on_evict` callback is given the evicted blocks before anything can overwrite their K/V (the tiers
+        below the pool keep them).
 
         Raises `OutOfBlocks` (evicting nothing) when even every cached block would not make room.
         """
@@ -393,13 +404,15 @@ class PrefixCache:
             self.evictions += short
             if self._listener is not None:
                 self._listener.blocks_removed(victims)
+            if spill and self._on_evict is not None:
+                self._on_evict(victims)
             return short
 
     def clear(self) -> int:
-        """Evict every cached block (in-use blocks stay indexed); returns how many were evicted. The listener
-        hears of each eviction, then (when nothing stays indexed) `all_cleared`."""
+        """Evict every cached block (in-use blocks stay indexed, nothing spills); returns how many were evicted. The
+        listener hears of each eviction, then (when nothing stays indexed) `all_cleared`."""
         with self._lock:
-            evicted = self.ensure_free(self.allocator.num_free_blocks + self.num_cached)
+            evicted = self.ensure_free(self.allocator.num_free_blocks + self.num_cached, spill=False)
             if not self._by_block and self._listener is not None:
                 self._listener.all_cleared()
             return evicted
@@ -451,6 +464,17 @@ class PrefixCache:
             hits.append(node)
             parent = node
         return hits
+
+    def _same_chain(self, old: CachedBlock | None, new: CachedBlock | None) -> bool:
+        """True when `old` is `new`, or `old` is an evicted node whose chain holds exactly `new`'s tokens back to
+        where the two meet (compared token for token, never by hash)."""
+        while old is not new:
+            if old is None or new is None or self._by_block.get(old.block_id) is old:
+                return False  # a live node that is not `new`: another chain
+            if old.tokens != new.tokens or old.salt != new.salt:
+                return False
+            old, new = old.parent, new.parent
+        return True
 
     def _unlist(self, node: CachedBlock) -> None:
         if self._lru.pop(node.block_id, None) is None:

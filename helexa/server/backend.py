@@ -15,7 +15,7 @@ per answer, and the wait estimate from admission's planner (`median_wait`); noth
 - `GET /server_info` (vLLM; `?config_format=json` for an object, else the same as a JSON string),
   `GET /get_server_info` (SGLang), `GET /get_model_info` and `GET /model_info` (SGLang).
 - `POST /flush_cache` (SGLang's route; behind the API key): evicts every cached prefix block no request
-  holds; running requests keep theirs.
+  holds (running requests keep theirs) and empties the tiers below the pool.
 """
 
 from __future__ import annotations
@@ -180,7 +180,8 @@ async def server_info(request: Request) -> Response:
 
 
 async def flush_cache(request: Request) -> Response:
-    """`POST /flush_cache` (SGLang's): evict every cached prefix block no request holds; 200 with how many.
+    """`POST /flush_cache` (SGLang's): evict every cached prefix block no request holds, and every tier block; 200
+    with how many pool blocks.
 
     Safe while requests run: a block some request holds (running, preempted and pinned, or held back) is
     never evicted, so no request loses its KV or its place. 503 `model_reloading` while no pool is loaded.

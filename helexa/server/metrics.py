@@ -49,6 +49,10 @@ METRIC_NAMES = (
     "helexa_admission_estimated_wait_seconds", "helexa_kv_event_batches_published_total",
     "helexa_kv_event_batches_dropped_total", "helexa_spec_drafts_total", "helexa_spec_draft_tokens_total",
     "helexa_spec_accepted_tokens_total",
+    "helexa_kv_blocks_host", "helexa_kv_blocks_disk",
+    "helexa_kv_tier_blocks", "helexa_kv_tier_bytes", "helexa_kv_tier_capacity_bytes", "helexa_kv_tier_hits_total",
+    "helexa_kv_tier_loads_total", "helexa_kv_tier_writes_total", "helexa_kv_tier_drops_total",
+    "helexa_kv_tier_failures_total",
 )  # fmt: skip
 # The model-server protocol's metrics, under vLLM's names (the `model_name` label as vLLM sets it).
 VLLM_METRIC_NAMES = (
@@ -77,6 +81,19 @@ _SNAPSHOT_GAUGES = (
     ("in_flight", "helexa_requests_in_flight", "Sequences holding a reservation."),
     ("queue_depth", "helexa_queue_depth", "Requests waiting for admission."),
     ("prefill_chunk_tokens", "helexa_prefill_chunk_tokens", "Largest prefill chunk while requests decode (tokens)."),
+    ("blocks_host", "helexa_kv_blocks_host", "KV blocks kept in the host-memory tier below the pool."),
+    ("blocks_disk", "helexa_kv_blocks_disk", "KV blocks kept in the disk tier below the pool."),
+)
+# a tier's field in the snapshot's `kv_tiers` -> (metric, help, gauge or counter), each labelled `tier`
+_TIER_METRICS = (
+    ("blocks", "helexa_kv_tier_blocks", "KV blocks the tier holds.", GaugeMetricFamily),
+    ("bytes", "helexa_kv_tier_bytes", "Bytes the tier's blocks take.", GaugeMetricFamily),
+    ("capacity_bytes", "helexa_kv_tier_capacity_bytes", "The tier's byte budget.", GaugeMetricFamily),
+    ("hits", "helexa_kv_tier_hits", "Blocks a starting request found in the tier.", CounterMetricFamily),
+    ("loads", "helexa_kv_tier_loads", "Blocks read back from the tier into the pool.", CounterMetricFamily),
+    ("writes", "helexa_kv_tier_writes", "Blocks written into the tier.", CounterMetricFamily),
+    ("drops", "helexa_kv_tier_drops", "Blocks that left the tier (to the next one, or for good).", CounterMetricFamily),
+    ("failures", "helexa_kv_tier_failures", "Tier reads or writes that failed or did not verify.", CounterMetricFamily),
 )
 
 # snapshot key -> (counter name, help): speculative decoding's totals (zero while it is off).
@@ -134,6 +151,11 @@ class _EngineCollector(Collector):
         counters = self._engine.counters
         for attr, name, doc in _ENGINE_COUNTERS:
             yield CounterMetricFamily(name, doc, value=getattr(counters, attr))
+        for field, name, doc, kind in _TIER_METRICS:
+            family = kind(name, doc, labels=["tier"])
+            for tier, stats in snap["kv_tiers"].items():
+                family.add_metric([tier], stats[field])
+            yield family
 
     def _model_server_protocol(self, snap: dict[str, Any]) -> Iterator[Metric]:
         """vLLM's names for the gateway's endpoint picker, from the same snapshot as `/v1/admission` (module doc)."""

@@ -138,7 +138,8 @@ def test_clearing_the_cache_removes_each_block_then_clears() -> None:
     assert cache.clear() == len(held) == 2
     recorder.end_step()
     stored, removed, cleared = publisher.batches[0].events
-    assert isinstance(stored, BlockStored) and removed == BlockRemoved(stored.block_hashes, "GPU")
+    # evicted from the chain's tail back to its head
+    assert isinstance(stored, BlockStored) and removed == BlockRemoved(stored.block_hashes[::-1], "GPU")
     assert cleared == AllBlocksCleared()
     recorder.close()
 

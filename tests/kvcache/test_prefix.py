@@ -86,10 +86,11 @@ def test_eviction_is_lru_among_cached_blocks_and_only_when_empty_blocks_run_out(
     allocator.allocate(3)
     assert cache.ensure_free(1) == 1 and cache.node_of(2) is None  # b's block went first
     assert allocator.allocate(1).tolist() == [2]
-    assert cache.ensure_free(1) == 1 and cache.node_of(0) is None and cache.node_of(1) is not None
+    # a's chain goes from its tail: the head (block 0) stays a prefix a lookup can still reach
+    assert cache.ensure_free(1) == 1 and cache.node_of(1) is None and cache.node_of(0) is not None
     with pytest.raises(OutOfBlocks):
         cache.ensure_free(3)  # 1 cached block cannot make 3 free
-    assert cache.node_of(1) is not None  # and nothing was evicted trying
+    assert cache.node_of(0) is not None  # and nothing was evicted trying
     cache.check_integrity()
 
 
@@ -106,13 +107,21 @@ def test_a_hit_block_in_use_is_never_evicted() -> None:
 def test_parent_identity_guards_a_reused_block_id() -> None:
     """A child whose parent was evicted stays unreachable, even when the parent's content returns in a new block."""
     allocator, cache, _ = _cache(num_blocks=3)
-    cache.release(_compute(allocator, cache, [1] * 4 + [2] * 4, "a"), "a")  # parent 0, then child 1, cached
+    held = _compute(allocator, cache, [1] * 4 + [2] * 4, "a")  # parent 0, then child 1
+    cache.release(held[:1], "a")  # the parent released first: it is evicted first
+    cache.release(held[1:], "a")
     allocator.allocate(1)
     assert cache.ensure_free(1) == 1 and cache.node_of(0) is None and cache.node_of(1) is not None
     ids = allocator.allocate(1).tolist()  # block 0 again, now holding the parent's content anew
     assert ids == [0] and cache.insert(0, [1] * 4, None, "y") is not None
     hit = cache.acquire([1] * 4 + [2] * 4 + [0], "z")
     assert hit.block_ids == (0,)  # the old child (block 1) hangs off the evicted parent node: not served
+    allocator.free([2])
+    ids = allocator.allocate(1).tolist()  # "z" computes the child's content again and offers it
+    node = cache.insert(ids[0], [2] * 4, cache.node_of(0), "z")
+    assert node is cache.node_of(1) and node.parent is cache.node_of(0)  # equal chain: the old child is relinked
+    allocator.free(ids)  # "z" keeps its duplicate block, and frees it
+    assert cache.acquire([1] * 4 + [2] * 4 + [0], "w").block_ids == (0, 1)
     cache.check_integrity()
 
 
@@ -158,7 +167,7 @@ def test_retained_blocks_are_evicted_after_unretained_ones_and_expire() -> None:
     other = _compute(allocator, cache, [4] * 4, "p")
     cache.release(other, "p")
     cache.ensure_free(1)
-    assert cache.node_of(0) is None  # expired retention goes before a fresh unretained block
+    assert cache.node_of(1) is None  # expired retention (the chain's tail first) goes before a fresh unretained block
     cache.check_integrity()
 
 

@@ -45,6 +45,7 @@ class QuantLinear(nn.Module):
         if self.qweight is None:
             assert self._cpu is not None
             return self._cpu.weight()
+        assert self.scales is not None  # loaded with the weight, released with it
         return QuantizedWeight(self.qweight, self.scales, self.zeros)
 
     def rows(self, ids: torch.Tensor) -> QuantizedWeight:
@@ -52,6 +53,7 @@ class QuantLinear(nn.Module):
         if self.qweight is None:
             assert self._cpu is not None
             return self._cpu.weight(ids)
+        assert self.scales is not None  # loaded with the weight, released with it
         return QuantizedWeight(self.qweight[ids], self.scales[ids], None if self.zeros is None else self.zeros[ids])
 
     @property
@@ -74,6 +76,7 @@ class QuantLinear(nn.Module):
         """x (..., K) -> (..., N) in x's dtype."""
         rows = x.reshape(-1, self.in_features)
         if self.qweight is not None and self.qweight.is_cuda:
+            assert self.scales is not None  # on CUDA the loaded buffers are the weight
             if self.zeros is None:
                 y = int8_matmul(rows, self.qweight, self.scales)
             else:

@@ -137,6 +137,13 @@
     ["admitted_total", "admitted"],
     ["admitted_after_wait", "admitted after waiting"],
     ["preemptions", "preemptions"],
+    ["tiers below the pool", undefined, undefined, "any"],
+    ["blocks_host", "host memory: blocks", undefined, "host"],
+    ["kv_tiers.host.loads", "host: loaded / written", "kv_tiers.host.writes", "host"],
+    ["kv_tiers.host.drops", "host: dropped / failed", "kv_tiers.host.failures", "host"],
+    ["blocks_disk", "disk: blocks", undefined, "disk"],
+    ["kv_tiers.disk.loads", "disk: loaded / written", "kv_tiers.disk.writes", "disk"],
+    ["kv_tiers.disk.drops", "disk: dropped / failed", "kv_tiers.disk.failures", "disk"],
     ["rejected"],
     ["rejected.queue_full", "queue_full (429)"],
     ["rejected.kv_timeout", "kv_timeout (503)"],
@@ -151,7 +158,9 @@
   function renderTotals(admission) {
     const body = $("totals").tBodies[0];
     body.replaceChildren();
-    for (const [name, label, limit] of TOTALS) {
+    const tiers = admission.kv_tiers || {};
+    for (const [name, label, limit, tier] of TOTALS) {
+      if (tier && !(tier === "any" ? Object.keys(tiers).length : tiers[tier])) continue; // a tier that is off
       const row = el("tr");
       if (label === undefined) {
         row.className = "group";
@@ -164,7 +173,7 @@
         number.dataset.field = name;
         value.append(number);
         if (limit) {
-          const max = el("span", "", " / " + fmt(admission[limit]));
+          const max = el("span", "", " / " + fmt(field(admission, limit)));
           value.append(max);
         }
         row.append(el("td", "", label), value);
