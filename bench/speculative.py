@@ -8,8 +8,8 @@ the two modes alternating so both see the same machine:
   `genericpath.py`, `fnmatch.py`; one per stream), then asks for edits of it, each turn resending the
   whole conversation and asking for the whole file again (greedy, as agents run; `prompt_cache_key`
   names the session);
-- **chat**: one question per stream that nothing in the prompt answers (seeded sampling, temperature
-  0.7, top_p 0.9, as chat clients run).
+- **chat**: questions that nothing in the prompt answers, one after another on each stream (seeded
+  sampling, temperature 0.7, top_p 0.9, as chat clients run).
 
 Greedy and seeded answers do not depend on speculation, so both modes generate the same tokens (checked:
 every answer is compared). Per run: decode tok/s (each request's tokens after the first over the time
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.machine import cpu_name  # noqa: E402
 from helexa.config import EngineConfig  # noqa: E402
 from helexa.engine.engine import Engine  # noqa: E402
+from helexa.model.quant import native as native_kernels  # noqa: E402
 from helexa.model.sampling import SamplingParams  # noqa: E402
 from helexa.values import parse_size  # noqa: E402
 
@@ -147,11 +148,16 @@ def copy_session(engine: Engine, stream: int, args: argparse.Namespace, out: lis
 
 
 def chat_session(engine: Engine, stream: int, args: argparse.Namespace, out: list[Answer], bar: tqdm) -> None:
-    messages = [{"role": "user", "content": QUESTIONS[stream % len(QUESTIONS)]}]
-    prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    params = SamplingParams(max_tokens=args.answer_tokens, temperature=0.7, top_p=0.9, seed=1000 + stream)
-    out.append(ask(engine, prompt, params, None))
-    bar.update()
+    for turn in range(args.turns):  # one new question a turn, each its own conversation
+        question = QUESTIONS[(stream + turn * 3) % len(QUESTIONS)]
+        prompt = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True
+        )
+        params = SamplingParams(
+            max_tokens=args.answer_tokens, temperature=0.7, top_p=0.9, seed=1000 + 31 * stream + turn
+        )
+        out.append(ask(engine, prompt, params, None))
+        bar.update()
 
 
 def run(args: argparse.Namespace, workload: str, streams: int, mode: str) -> Run:
@@ -164,7 +170,7 @@ def run(args: argparse.Namespace, workload: str, streams: int, mode: str) -> Run
     engine.start()
     result = Run(workload, streams, mode, answers=[[] for _ in range(streams)])
     session = copy_session if workload == "copy" else chat_session
-    turns = args.turns if workload == "copy" else 1
+    turns = args.turns
     start = time.monotonic()
     with tqdm(total=streams * turns, desc=f"{workload} x{streams} speculative={mode}", leave=False) as bar:
         threads = [
@@ -183,7 +189,7 @@ def run(args: argparse.Namespace, workload: str, streams: int, mode: str) -> Run
 
 
 def report(runs: dict[tuple[str, int, str], Run], args: argparse.Namespace, identical: bool) -> str:
-    native = "fused C step (helexa_step)" if args.native else "torch layers"
+    native = f"the fused C step on helexa's {native_kernels.kernel_path()} kernels" if args.native else "torch layers"
     lines = [
         "# Speculative decoding: agent sessions that copy, chat that does not",
         "",
@@ -191,7 +197,7 @@ def report(runs: dict[tuple[str, int, str], Run], args: argparse.Namespace, iden
         f"(its GGUF), kernel path: {native}; mode under test: `--speculative {args.mode}`, "
         f"`--num-speculative-tokens {args.num_speculative_tokens}`.",
         f"copy: {args.turns} turns of up to {args.answer_tokens} tokens per stream, files of {args.file_chars} chars; "
-        f"chat: one answer of up to {args.answer_tokens} tokens per stream.",
+        f"chat: {args.turns} questions of up to {args.answer_tokens} tokens per stream.",
         f"Every answer identical with and without speculation: {'yes' if identical else 'NO'}.",
         "",
         "| workload | streams | decode tok/s off | decode tok/s on | speed-up | TTFT p50 off (s) | TTFT p50 on (s) "

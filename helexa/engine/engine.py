@@ -655,12 +655,15 @@ class Engine:
         return finished
 
     def _propose_drafts(self) -> dict[Sequence, tuple[int, ...]]:
-        """Speculative decoding: the draft each decoding sequence verifies this step. A draft never needs a
-        slot beyond the request's reservation (nor its context), and never takes the output past its
-        granted limit: a request near either drafts less. A structured-output request drafts only what its
-        grammar allows."""
+        """Speculative decoding: the draft each decoding sequence verifies this step; none while a prompt is
+        being prefilled (its step stays as short as it would be without drafts, so time to first token does
+        not pay for them). A draft never needs a slot beyond the request's reservation (nor its context),
+        and never takes the output past its granted limit: a request near either drafts less. A
+        structured-output request drafts only what its grammar allows."""
         drafter, block_size = self.drafter, self.config.block_size
         assert drafter is not None
+        if any(s.in_prefill for s in self._running):  # a prompt waiting for its first token is not slowed by drafts
+            return {}
         decoding = [s for s in self._running if s.num_tokens - s.num_computed == 1 and not s.in_prefill]
         # What one verified row costs against what one more token of a decoding request is worth: a row adds
         # about what a prompt token adds to a step; a kept token saves its request a step, whose time the
