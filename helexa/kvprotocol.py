@@ -17,10 +17,13 @@ __all__ = ["BlockStates", "KVHoldings", "Share"]
 class Share(NamedTuple):
     """A prefix lookup: `hit_blocks` full blocks of the request's tokens are indexed; `shared_blocks` of them are
     held by running sequences (charged to them: a reservation leaves them out); the rest are cached (evictable),
-    and a request that pins them is charged for them."""
+    and a request that pins them is charged for them. `tier_blocks` full blocks after the hit are held by a
+    tier below the pool (host memory, disk): the request will load them into new blocks of its own reservation
+    instead of computing them, so they are charged like computed ones and only their time differs."""
 
     hit_blocks: int
     shared_blocks: int
+    tier_blocks: int = 0
 
 
 class BlockStates(NamedTuple):

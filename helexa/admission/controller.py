@@ -278,12 +278,19 @@ class AdmissionController:
         return PollResult(granted, expired, cancelled)
 
     def progress(
-        self, ticket: Ticket, *, tokens_generated: int | None = None, prompt_prefilled: int | None = None
+        self,
+        ticket: Ticket,
+        *,
+        tokens_generated: int | None = None,
+        prompt_prefilled: int | None = None,
+        prompt_loadable: int | None = None,
     ) -> None:
-        """Record a running ticket's progress (absolute values, not deltas).
+        """Record a running ticket's progress (absolute values, not deltas); `prompt_loadable`: prompt tokens a
+        tier below the pool still holds for it to load (0 once its loads are done).
 
         Raises `ValueError` when a value leaves its bounds: `tokens_generated <= max_tokens`,
-        `prompt_prefilled <= prompt_tokens`. (The blocks it holds are the KV owner's to count.)
+        `prompt_prefilled <= prompt_tokens`, `prompt_loadable <= prompt_tokens`. (The blocks it holds are the KV
+        owner's to count.)
         """
         with self._critical:
             self._check_owned(ticket)
@@ -292,6 +299,7 @@ class AdmissionController:
             for name, value, limit, what in (
                 ("tokens_generated", tokens_generated, ticket.max_tokens, "its max_tokens"),
                 ("prompt_prefilled", prompt_prefilled, ticket.prompt_tokens, "the tokens of its prompt"),
+                ("prompt_loadable", prompt_loadable, ticket.prompt_tokens, "the tokens of its prompt"),
             ):
                 if value is not None:
                     check_int(value, name, 0)
@@ -301,6 +309,8 @@ class AdmissionController:
                 ticket.tokens_generated = tokens_generated
             if prompt_prefilled is not None:
                 ticket.prompt_prefilled = prompt_prefilled
+            if prompt_loadable is not None:
+                ticket.prompt_loadable = prompt_loadable
             self._plan_drifted = True
 
     def release(self, ticket: Ticket, *, finish_reason: str | None = None, output_tokens: int | None = None) -> bool:
@@ -378,7 +388,7 @@ class AdmissionController:
             del self._running[ticket.id]
             self._reserved -= freed
             self._let_go(ticket)
-            ticket.prompt_prefilled = 0
+            ticket.prompt_prefilled = ticket.prompt_loadable = 0
             ticket.blocks_reserved = self._reservation(
                 ticket.prompt_tokens, ticket.max_tokens, 0, ticket.tokens_generated, ticket.stops_early
             )
@@ -597,6 +607,7 @@ class AdmissionController:
             "admission_wait_seconds_sum": _seconds(self._wait_seconds_sum),
             "decode_step_seconds": self._rates.decode_step_seconds,
             "prefill_token_seconds": self._rates.prefill_token_seconds,
+            "load_token_seconds": self._rates.load_token_seconds,
             "answer_length_basis": lengths.basis,
             "answer_length_samples": lengths.samples,
             "expected_answer_tokens": round(lengths.expected_remaining(0, cfg.default_max_tokens), 1),
@@ -632,7 +643,7 @@ class AdmissionController:
         if not waiting or cfg.policy == "backfill":
 
             def backfills(hit: int) -> bool:  # a request behind a blocked head must end by the head's start
-                run_seconds = self._rates.run_seconds(prompt - hit * cap.block_size, expected)
+                run_seconds = self._rates.run_seconds(ticket.prefill_tokens_left, expected, ticket.prompt_loadable)
                 return not waiting or self._backfill_fits(now, run_seconds)
 
             share = self._try_grant(ticket, now, backfills)
@@ -663,7 +674,7 @@ class AdmissionController:
             return self._reject("queue_full", arith, retry_after_seconds(wait), message, request_id)
 
         plan = self._ensure_plan(now)
-        run_seconds = self._rates.run_seconds(ticket.prefill_tokens_left, expected)
+        run_seconds = self._rates.run_seconds(ticket.prefill_tokens_left, expected, ticket.prompt_loadable)
         start, appended = plan.append_if_starts_by(blocks, run_seconds, now + cfg.max_wait_secs, expected)
         wait = max(0.0, start - now)
         if not appended:
@@ -702,6 +713,7 @@ class AdmissionController:
         for _ in range(3):
             share = self._kv.lookup(ticket.request_id) if self._kv is not None and ticket.request_id else Share(0, 0)
             ticket.prompt_prefilled = min(ticket.prompt_tokens, share.hit_blocks * bs)
+            ticket.prompt_loadable = min(ticket.prompt_tokens - ticket.prompt_prefilled, share.tier_blocks * bs)
             ticket.blocks_reserved = self._reservation(
                 ticket.prompt_tokens,
                 ticket.max_tokens,
@@ -827,9 +839,8 @@ class AdmissionController:
             if len(self._running) >= cfg.max_num_seqs:
                 break
 
-            def ends_in_time(hit: int, t: Ticket = t) -> bool:
-                prefill = t.prompt_tokens - min(t.prompt_tokens, hit * self.capacity.block_size)
-                return now + rates.run_seconds(prefill, t.max_tokens) <= shadow
+            def ends_in_time(hit: int, t: Ticket = t) -> bool:  # `_measure` has set t's prefilled and loadable
+                return now + rates.run_seconds(t.prefill_tokens_left, t.max_tokens, t.prompt_loadable) <= shadow
 
             share = self._try_grant(t, now, ends_in_time)
             if share is not None and share.pinned:
@@ -955,15 +966,17 @@ class AdmissionController:
         releases = []
         for t in self._running.values():
             left = 0.0 if t.cancel_requested else expect(t)
-            releases.append((now + rates.run_seconds(t.prefill_tokens_left, left), t.blocks_reserved, left))
+            run = rates.run_seconds(t.prefill_tokens_left, left, t.prompt_loadable)
+            releases.append((now + run, t.blocks_reserved, left))
         plan = FifoPlan(now, self._available(), cfg.max_num_seqs - len(self._running), releases)
         waiting = [*self._resume.values(), *self._queue.values()]
         decode, prefill = rates.decode_step_seconds, rates.prefill_token_seconds  # inline: 1,000s of tickets
+        load = rates.load_token_seconds if rates.load_token_seconds is not None else prefill
         work = []
         for t in waiting:  # a resumed ticket recomputes its generated tokens too
             left = expect(t)
-            recompute = t.prompt_tokens + t.tokens_generated - t.prompt_prefilled
-            work.append((t.blocks_reserved, recompute * prefill + left * decode, left))
+            recompute = t.prompt_tokens + t.tokens_generated - t.prompt_prefilled - t.prompt_loadable
+            work.append((t.blocks_reserved, recompute * prefill + t.prompt_loadable * load + left * decode, left))
         starts = plan.extend(work)
         if not worst_case:
             for t, start in zip(waiting, starts):

@@ -11,13 +11,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EngineRates:
-    """Seconds per decode step and per prefilled prompt token.
+    """Seconds per decode step, per prefilled prompt token and per prompt token loaded from a tier below the pool.
 
-    The defaults are priors for a small model on one accelerator, used until the engine has measured.
+    The defaults are priors for a small model on one accelerator, used until the engine has measured. Until a
+    tier load has been measured (`load_token_seconds` None) a token to load is priced as one to compute.
     """
 
     decode_step_seconds: float = 0.05
     prefill_token_seconds: float = 0.0005
+    load_token_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.decode_step_seconds) and self.decode_step_seconds > 0):
@@ -28,10 +30,16 @@ class EngineRates:
             raise ValueError(
                 f"EngineRates.prefill_token_seconds must be finite and >= 0, got {self.prefill_token_seconds!r}"
             )
+        load = self.load_token_seconds
+        if load is not None and not (math.isfinite(load) and load >= 0):
+            raise ValueError(f"EngineRates.load_token_seconds must be finite and >= 0 (or None), got {load!r}")
 
-    def run_seconds(self, prefill_tokens: float, decode_tokens: float) -> float:
-        """Estimated seconds to prefill `prefill_tokens` and then decode `decode_tokens` tokens."""
-        return prefill_tokens * self.prefill_token_seconds + decode_tokens * self.decode_step_seconds
+    def run_seconds(self, prefill_tokens: float, decode_tokens: float, load_tokens: float = 0.0) -> float:
+        """Estimated seconds to load `load_tokens` prompt tokens from a tier, prefill `prefill_tokens` and then
+        decode `decode_tokens` tokens."""
+        load = self.load_token_seconds if self.load_token_seconds is not None else self.prefill_token_seconds
+        compute = prefill_tokens * self.prefill_token_seconds + decode_tokens * self.decode_step_seconds
+        return load_tokens * load + compute
 
 
 class RateTracker:

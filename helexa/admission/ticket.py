@@ -56,6 +56,7 @@ class Ticket:
     preemptions: int = 0  # times its blocks were taken back to let older requests grow (policy "adaptive")
     tokens_generated: int = 0
     prompt_prefilled: int = 0  # prompt tokens whose K/V is in the cache (shared ones included)
+    prompt_loadable: int = 0  # prompt tokens after those that a tier below the pool holds: loaded, not computed
     cancel_requested: bool = False  # cancelled while the engine runs it: the engine must abort, then release
     error: AdmissionRejected | None = None  # set when the ticket expired in the queue
     est_start: float = field(default=0.0, repr=False)  # latest estimated grant time while queued
@@ -68,8 +69,8 @@ class Ticket:
 
     @property
     def prefill_tokens_left(self) -> int:
-        """Prompt tokens still to prefill."""
-        return self.prompt_tokens - self.prompt_prefilled
+        """Prompt tokens still to compute (those a tier will load are not: see `prompt_loadable`)."""
+        return max(0, self.prompt_tokens - self.prompt_prefilled - self.prompt_loadable)
 
 
 class PollResult(NamedTuple):

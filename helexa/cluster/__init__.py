@@ -10,6 +10,7 @@ docs/scaling.md show a replica joining an `InferencePool`.
 
 from helexa.cluster.events import (
     MEDIUM,
+    MEDIUM_CPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -17,6 +18,7 @@ from helexa.cluster.events import (
     KVEventBatch,
     decode_batch,
     encode_batch,
+    pool_medium,
 )
 from helexa.cluster.publisher import END_OF_REPLAY, KVEventPublisher, binds
 from helexa.cluster.recorder import KVEventRecorder
@@ -24,6 +26,7 @@ from helexa.cluster.recorder import KVEventRecorder
 __all__ = [
     "END_OF_REPLAY",
     "MEDIUM",
+    "MEDIUM_CPU",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -34,4 +37,5 @@ __all__ = [
     "binds",
     "decode_batch",
     "encode_batch",
+    "pool_medium",
 ]

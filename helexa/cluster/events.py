@@ -13,8 +13,9 @@ to tagged maps). llm-d's KV indexer (llm-d-kv-cache, `pkg/kvevents/engineadapter
 decodes this positional form in every version, so it consumes helexa's stream unchanged.
 
 Block hashes are unsigned 64-bit ints (`helexa.kvcache.prefix.block_hash`); a first block's parent is
-nil. `medium` says where a block lives: "GPU" (vLLM's name for the engine's own KV pool, whatever the
-device), "CPU_HOST" (the host-memory tier) or "DISK" (the disk tier).
+nil. `medium` says where a block lives: the engine's own KV pool is "GPU" on an accelerator (vLLM's name) and
+"CPU" where the pool is host memory (a CPU engine); "CPU_HOST" is the host-memory tier below the pool and "DISK"
+the disk tier (`pool_medium`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import msgspec
 
 __all__ = [
     "MEDIUM",
+    "MEDIUM_CPU",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -30,9 +32,16 @@ __all__ = [
     "KVEventBatch",
     "decode_batch",
     "encode_batch",
+    "pool_medium",
 ]
 
-MEDIUM = "GPU"  # vLLM's MEDIUM_GPU: the engine's primary KV pool (the tiers below it: "CPU_HOST", "DISK")
+MEDIUM = "GPU"  # vLLM's MEDIUM_GPU: the engine's own KV pool on an accelerator (below it: "CPU_HOST", "DISK")
+MEDIUM_CPU = "CPU"  # the engine's primary KV pool when it lives in host memory (a CPU engine)
+
+
+def pool_medium(device_type: str) -> str:
+    """The `medium` of blocks in the engine's own pool on a device of type `device_type` ("cpu", "cuda", ...)."""
+    return MEDIUM_CPU if device_type == "cpu" else MEDIUM
 
 
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):

@@ -13,11 +13,12 @@ ever blocking. Whole-cache changes are spelled out block by block, so a consumer
   `AllBlocksCleared` then `BlockStored` of every block indexed now (parents first), which replaces the
   lost events for a consumer that honours `AllBlocksCleared`.
 
-With tiers below the pool (`KVTiers`, `TierListener`), every event carries its block's `medium`: the pool's
-"GPU", `CPU_HOST` or `DISK`. A block that moves down (the pool evicts it into a tier, or a full tier hands it
-to the next) is removed from the medium it left before it is stored in the one it reaches, so a consumer
-that ignores `medium` still holds every block that is anywhere on this replica, and drops a block only when
-it leaves the last tier. The tiers outlive a reload, so `AllBlocksCleared` is followed by their blocks again.
+With tiers below the pool (`KVTiers`, `TierListener`), every event carries its block's `medium`: the
+pool's (`pool_medium`: "GPU", or "CPU" for a CPU engine), `CPU_HOST` or `DISK`. A block that moves down
+(the pool evicts it into a tier, or a full tier hands it to the next) is removed from the medium it left
+before it is stored in the one it reaches, so a consumer that ignores `medium` still holds every block
+that is anywhere on this replica, and drops a block only when it leaves the last tier. The tiers outlive
+a reload, so `AllBlocksCleared` is followed by their blocks again.
 """
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ class KVEventRecorder:
         block_size: int,
         *,
         data_parallel_rank: int = 0,
+        medium: str = MEDIUM,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.publisher = publisher
         self.block_size = block_size
+        self.medium = medium  # the pool's blocks' `medium` ("GPU", or "CPU" for a pool in host memory)
         self.data_parallel_rank = data_parallel_rank
         self._clock = clock
         self._lock = Lock()  # guards _pending (the cache's lock, when taken, is taken first)
@@ -78,6 +81,7 @@ class KVEventRecorder:
         replay_endpoint: str | None,
         topic: str,
         block_size: int,
+        medium: str = MEDIUM,
         tagged_maps: bool = False,
         queue_batches: int = 1024,
         buffer_batches: int = 10_000,
@@ -93,11 +97,11 @@ class KVEventRecorder:
         )
         publisher.start()
         logger.info(
-            "kv events: publishing on %s (replay: %s) topic=%r block_size=%d encoding=%s",
-            publisher.endpoint, publisher.replay_endpoint or "off", topic, block_size,
+            "kv events: publishing on %s (replay: %s) topic=%r block_size=%d medium=%s encoding=%s",
+            publisher.endpoint, publisher.replay_endpoint or "off", topic, block_size, medium,
             "map" if tagged_maps else "array",
         )  # fmt: skip
-        return cls(publisher, block_size)
+        return cls(publisher, block_size, medium=medium)
 
     # ------------------------------------------------------------------ engine
 
@@ -185,7 +189,7 @@ class KVEventRecorder:
 
     def block_stored(self, node: CachedBlock) -> None:
         with self._lock:
-            _append_stored(self._pending, node, self.block_size)
+            self._append_stored(self._pending, node)
 
     def blocks_removed(self, nodes: Sequence[CachedBlock]) -> None:
         with self._lock:
@@ -210,7 +214,7 @@ class KVEventRecorder:
     # ------------------------------------------------------------------ internals
 
     def _removed(self, nodes: Sequence[CachedBlock]) -> None:
-        self._removed_hashes([node.hash for node in nodes], MEDIUM)
+        self._removed_hashes([node.hash for node in nodes], self.medium)
 
     def _removed_hashes(self, hashes: list[int], medium: str) -> None:
         last = self._pending[-1] if self._pending else None
@@ -218,6 +222,11 @@ class KVEventRecorder:
             last.block_hashes.extend(hashes)
         else:
             self._pending.append(BlockRemoved(block_hashes=hashes, medium=medium))
+
+    def _append_stored(self, events: list[Event], node: CachedBlock) -> None:
+        """Add the pool's `node` to `events`."""
+        parent = node.parent.hash if node.parent is not None else None
+        _append(events, node.hash, parent, node.tokens, self.medium, self.block_size)
 
     def _stored_below(self, events: list[Event], tiers: KVTiers) -> None:
         """Append a `BlockStored` of every block the tiers hold (their lock and `_lock` held)."""
@@ -244,7 +253,7 @@ class KVEventRecorder:
             events: list[Event] = [AllBlocksCleared()]
             nodes = cache.indexed_blocks() if cache is not None else []
             for node in nodes:
-                _append_stored(events, node, self.block_size)
+                self._append_stored(events, node)
             if tiers is not None:
                 self._stored_below(events, tiers)
             if not self.publisher.publish(self._batch(events)):
@@ -254,11 +263,6 @@ class KVEventRecorder:
         logger.warning(
             "kv events: resynced after %d dropped batches: AllBlocksCleared + %d blocks", dropped, len(nodes)
         )
-
-
-def _append_stored(events: list[Event], node: CachedBlock, block_size: int) -> None:
-    """Add the pool's `node` to `events`."""
-    _append(events, node.hash, node.parent.hash if node.parent is not None else None, node.tokens, MEDIUM, block_size)
 
 
 def _append(

@@ -13,14 +13,14 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from helexa.admission import AdmissionController, Capacity, Ticket, TicketState
 from helexa.admission.estimator import RequestSizes
-from helexa.cluster import KVEventRecorder
+from helexa.cluster import KVEventRecorder, pool_medium
 from helexa.config import EngineConfig
 from helexa.engine.faults import FaultInjector, ModelHealth
 from helexa.engine.kv_tiers import open_tiers
@@ -202,7 +202,7 @@ class Engine:
             self.kv_events = KVEventRecorder.open(
                 config.kv_events_endpoint, replay_endpoint=config.kv_events_replay_endpoint,
                 topic=config.kv_events_topic or "", block_size=config.block_size,
-                tagged_maps=config.kv_events_encoding == "map",
+                medium=pool_medium(torch.device(self.device).type), tagged_maps=config.kv_events_encoding == "map",
                 queue_batches=config.kv_events_queue_batches, buffer_batches=config.kv_events_buffer_batches,
             )  # fmt: skip
             self.kv_events.start(self.kv.prefix_cache, self.kv.tiers)
@@ -378,12 +378,14 @@ class Engine:
         self._release_deferred()
         self._apply_aborts()
         self._apply_flushes()
+        loaded, load_seconds = self._load_phase()
         drafts = self._propose_drafts() if self.drafter is not None else None
-        chunks = schedule(self._running, self.config.max_num_batched_tokens, self.step_budget.prefill_limit, drafts)
+        computing = [s for s in self._running if not s.loading]
+        chunks = schedule(computing, self.config.max_num_batched_tokens, self.step_budget.prefill_limit, drafts)
         if self._adaptive:
             chunks = self._provision(chunks)
         if not chunks:
-            return False
+            return loaded > 0  # a step that only loaded worked: the loop comes straight back
         self._step_no += 1
         t0 = time.perf_counter()
         try:
@@ -411,7 +413,7 @@ class Engine:
         # The rate estimates are made from the loop's cadence: from the end of the previous working step
         # (back to back under load) to the end of this one, so the loop's own overhead and the threads
         # it shares the interpreter with are in it, as they are in every real wait.
-        self._record(inputs, t3 - begin, t3 - t0, t2 - t1, _decode_yield(inputs, sampled))
+        self._record(inputs, t3 - begin - load_seconds, t3 - t0, t2 - t1, _decode_yield(inputs, sampled))
         self._last_end = t3
         return True
 
@@ -526,7 +528,7 @@ class Engine:
                 generator=make_generator(req.params.seed, self.device) if req.params.seed is not None else None,
             )
         seq.num_computed = self.kv.start(seq.request_id, seq.token_ids)
-        seq.num_computed += self._load_from_tiers(seq)
+        seq.loading = self.kv.tiers is not None  # what a tier holds after the hit is loaded by `_load_phase`
         self._running.append(seq)
         if ticket.preemptions:
             self.counters.recomputed_tokens += max(0, seq.dropped_tokens - seq.num_computed)
@@ -541,13 +543,43 @@ class Engine:
             )  # fmt: skip
         self._refit(seq)  # a hit a reload dropped is computed, and so reserved, by the sequence itself
 
-    def _load_from_tiers(self, seq: Sequence) -> int:
-        """The load phase of a starting sequence: the full blocks after its hit that a tier below the pool holds
-        are copied into new blocks of its reservation instead of being computed. Returns the tokens loaded."""
-        if self.kv.tiers is None:
-            return 0
-        room = seq.ticket.blocks_reserved - self.kv.charged_blocks(seq.request_id)
-        return self.kv.load_from_tiers(seq.request_id, room)
+    def _load_phase(self) -> tuple[int, float]:
+        """Tier loads, scheduled like prefill chunks: each loading sequence (in admission order) copies the next
+        full blocks of its prompt that a tier below the pool holds into new blocks of its reservation, instead of
+        computing them, until a load finds no more; it computes nothing until then. While other sequences
+        decode, a step loads at most `StepBudget.load_limit` blocks (at the measured read time per block), so a
+        long session coming back never stalls their tokens for more than a step's worth. Returns the tokens
+        loaded and the seconds it took (left out of the step cadence the decode and prefill rates are measured
+        from: loads have their own rate)."""
+        tiers = self.kv.tiers
+        loading = [s for s in self._running if s.loading]
+        if tiers is None or not loading:
+            return 0, 0.0
+        t0, bs = time.perf_counter(), self.config.block_size
+        decoding = sum(1 for s in self._running if not s.loading and not s.in_prefill)
+        budget = self.step_budget.load_limit(decoding, tiers.load_seconds_per_block)
+        total = 0
+        for seq in loading:
+            room = min(budget, seq.ticket.blocks_reserved - self.kv.charged_blocks(seq.request_id))
+            n = self.kv.load_from_tiers(seq.request_id, room) if room > 0 else 0
+            seq.num_computed += n
+            total += n
+            budget -= n // bs
+            if not seq.ticket.preemptions:
+                seq.cached_tokens += n
+                self.counters.prefix_cache_hit_tokens += n
+            if n < room * bs or room <= 0:
+                seq.loading = False  # the tiers hold nothing more after it (or it has no room for more)
+            left = max(0, seq.ticket.prompt_loadable - n) if seq.loading else 0
+            self.admission.progress(
+                seq.ticket, prompt_prefilled=min(seq.num_computed, seq.prompt_len), prompt_loadable=left
+            )
+            if budget <= 0:
+                break
+        seconds = time.perf_counter() - t0
+        if total:
+            self._publish_rates()
+        return total, seconds
 
     def _hold_back(self, ticket: Ticket) -> tuple[str, int] | None:
         """`(source request, blocks)` when a running request is prefilling more full blocks of this new request's
@@ -768,7 +800,16 @@ class Engine:
         self.counters.model_seconds += model_seconds
         self.counters.prompt_tokens += inputs.num_prefill_tokens
         self.step_budget.observe(cadence_seconds, inputs.num_decode_tokens, inputs.num_prefill_tokens, decode_yield)
-        self.admission.set_rates(self.step_cost.rates())
+        self._publish_rates()
+
+    def _publish_rates(self) -> None:
+        """Hand admission the measured step costs, and the tiers' measured load cost per token once there is one."""
+        rates = self.step_cost.rates()
+        tiers = self.kv.tiers
+        per_block = tiers.load_seconds_per_block if tiers is not None else None
+        if per_block is not None:
+            rates = replace(rates, load_token_seconds=per_block / self.config.block_size)
+        self.admission.set_rates(rates)
 
     # ------------------------------------------------------------------ device faults
 
@@ -802,7 +843,7 @@ class Engine:
         pool; reservations in admission survive, grown where they had shared blocks."""
         for seq in self._running:
             seq.num_computed = self.kv.start(seq.request_id, seq.token_ids)
-            seq.num_computed += self._load_from_tiers(seq)  # the tiers outlive the pool
+            seq.loading = self.kv.tiers is not None  # the tiers outlive the pool: what they hold is loaded again
             self.admission.progress(seq.ticket, prompt_prefilled=0)
         for seq in list(self._running):
             if seq in self._running:

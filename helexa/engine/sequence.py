@@ -54,6 +54,7 @@ class Sequence:
     cached_tokens: int = 0
     dropped_tokens: int = 0  # computed tokens a preemption dropped; those the cache no longer holds are recomputed
     draft_state: DraftState | None = None  # speculative decoding: its prompt-lookup index and draft length
+    loading: bool = False  # its next full blocks may be in a tier below the pool: loaded (a chunk a step) first
 
     @property
     def request_id(self) -> str:

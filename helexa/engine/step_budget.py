@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 import statistics
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Protocol
@@ -182,6 +183,18 @@ class StepBudget:
             )
             self._logged = limit
         return limit
+
+    def load_limit(self, num_decode: int, block_seconds: float | None) -> int:
+        """Most KV blocks a step with `num_decode` decode rows may load from a tier below the pool, sized like a
+        prefill chunk: the reads (`block_seconds` each, as measured) that keep the step within the target, but
+        never less than the decodes alone take, nor less than one block. Before a read was measured, a prefill
+        chunk's tokens' worth; without decodes or a target, no limit (`sys.maxsize`): no one waits on it."""
+        if num_decode <= 0 or not self.enabled:
+            return sys.maxsize
+        if block_seconds is None or block_seconds <= 0:
+            return max(1, self.chunk_tokens // self.block_size)
+        decode = self.cost.estimate().decode_seconds
+        return max(1, int(max(self.target_seconds - decode, decode) / block_seconds))
 
     @property
     def chunk_tokens(self) -> int:

@@ -217,13 +217,19 @@ class KVManager:
 
     def lookup(self, key: str) -> Share:
         """The request's prefix hit now (pins nothing): at most `(len(tokens) - 1) // block_size` blocks, so
-        at least its last token is computed."""
+        at least its last token is computed; and the blocks after it that a tier below the pool holds (within
+        the same limit), which it would load rather than compute. Reads no tier's data."""
         with self._lock:
             h, cache = self._holdings[key], self._cache
             if cache is None:
                 return Share(0, 0)
-            nodes = cache.match(h.tokens, h.salt, self._limit(h, cache))
-            return Share(len(nodes), sum(1 for n in nodes if cache.holders(n.block_id) > 0))
+            limit = self._limit(h, cache)
+            nodes = cache.match(h.tokens, h.salt, limit)
+            below = 0
+            if self._tiers is not None and len(nodes) < limit:
+                parent = nodes[-1].hash if nodes else root_hash(h.salt)
+                below = self._tiers.peek(h.tokens, len(nodes), parent, limit)
+            return Share(len(nodes), sum(1 for n in nodes if cache.holders(n.block_id) > 0), below)
 
     def pin(self, key: str, share: Share) -> bool:
         """Pin the request's hit when it is still exactly `share` (False, pinning nothing, otherwise)."""
@@ -232,7 +238,7 @@ class KVManager:
             if h.pinned or h.table is not None:
                 raise ValueError(f"request {key!r} already holds blocks; let_go before pinning again")
             if cache is None:
-                return share == (0, 0)
+                return share.hit_blocks == share.shared_blocks == 0
             if share.hit_blocks == 0:
                 return share.shared_blocks == 0
             hit = cache.acquire(

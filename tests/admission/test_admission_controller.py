@@ -141,6 +141,28 @@ def test_shared_blocks_reduce_the_reservation() -> None:
     c.check_integrity()
 
 
+def test_blocks_a_tier_will_load_are_reserved_and_priced_at_the_load_rate() -> None:
+    """A prompt whose blocks after the hit are in a tier below the pool: they are charged like computed ones (its
+    reservation is unchanged), but every wait estimate prices them at the measured load cost, not the compute
+    cost; before a load was measured, as computed."""
+    for load, expected_wait in ((0.001, 500 * 0.01 + 800 * 0.001 + 20 * 0.5), (None, 1300 * 0.01 + 20 * 0.5)):
+        kv = FixedKV(16, 100)
+        rates = EngineRates(decode_step_seconds=0.5, prefill_token_seconds=0.01, load_token_seconds=load)
+        c = make(kv=kv, rates=rates)
+        a = c.submit(1300, 20, stops_early=False, request_id=kv.request(1300, tier=50))  # 800 tokens on a tier
+        assert a.state is TicketState.GRANTED and a.blocks_reserved == 83  # loaded blocks are its own: reserved
+        assert (a.prompt_prefilled, a.prompt_loadable, a.prefill_tokens_left) == (0, 800, 500)
+        b = c.submit(1300, 20, stops_early=False, request_id=kv.request(1300))  # waits for a's blocks
+        assert b.state is TicketState.QUEUED and b.est_wait_at_arrival == pytest.approx(expected_wait)
+        assert c.snapshot()["load_token_seconds"] == load
+        # the engine loads, then reports: nothing more to load; the plan now waits only for a's decode
+        c.progress(a, prompt_prefilled=800, prompt_loadable=0)
+        assert a.prefill_tokens_left == 500
+        with pytest.raises(ValueError, match="prompt_loadable=1301 exceeds"):
+            c.progress(a, prompt_loadable=1301)
+        c.check_integrity()
+
+
 def test_a_head_that_cannot_fit_even_fully_shared_costs_no_lookup() -> None:
     kv = FixedKV(16, 100)
     c = make(kv=kv)

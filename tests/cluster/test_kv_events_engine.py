@@ -135,7 +135,8 @@ def test_the_wire_carries_vllms_positional_layout(tiny_model_dir) -> None:
             assert isinstance(ts, float) and abs(ts - time.time()) < 60 and rank == 0
         stored = [e for _, events, _ in batches for e in events if e[0] == "BlockStored"]
         tag, hashes, parent, token_ids, block_size, lora_id, medium, lora_name = stored[0]
-        assert (tag, parent, block_size, lora_id, medium, lora_name) == ("BlockStored", None, BS, None, "GPU", None)
+        # the pool of a CPU engine is host memory: its medium is "CPU" (on an accelerator, vLLM's "GPU")
+        assert (tag, parent, block_size, lora_id, medium, lora_name) == ("BlockStored", None, BS, None, "CPU", None)
         assert token_ids == prompt[: len(hashes) * BS] and all(0 < h < 2**64 for h in hashes)
         # prompt + output = 23 tokens: the 5 full blocks the prompt and answer filled, chained from the root
         every = [h for e in stored for h in e[1]]

@@ -235,3 +235,49 @@ def test_tier_flags_are_checked(tiny_model_dir, tmp_path) -> None:
         cpu_config(Path(tiny_model_dir), kv_disk_bytes=1 << 20)
     with pytest.raises(ValueError, match="--no-prefix-cache"):
         cpu_config(Path(tiny_model_dir), kv_disk_path=str(tmp_path), prefix_cache=False)
+
+
+def test_a_session_comes_back_a_chunk_a_step_while_another_decodes(tiny_model_dir, reference_engine, tmp_path) -> None:
+    """Loads are scheduled like prefill chunks: with one block a step allowed, the session's blocks come back over
+    several steps, it computes nothing until they are in, and a sequence decoding meanwhile gains a token every
+    step; the answer is still exactly the uncached one, and admission's estimates learn the load cost."""
+    engine = _engine(tiny_model_dir, num_blocks=20, kv_disk_path=str(tmp_path / "kv"))
+    rng = random.Random(11)
+    first = [rng.randrange(3, 400) for _ in range(25)]
+    (out,), _ = _turns(engine, [first], ["agent"])
+    for _ in range(2):  # each needs 19 of the 20 blocks: the agent's blocks go to disk
+        _turns(engine, [[rng.randrange(3, 400) for _ in range(70)]], [None])
+    engine.kv.tiers.flush()
+    assert engine.snapshot()["blocks_disk"] > 0 and engine.snapshot()["load_token_seconds"] is None
+    engine.step_budget.load_limit = lambda num_decode, block_seconds: 1 if num_decode else 10**9  # type: ignore[method-assign]
+
+    decoder = engine.submit([rng.randrange(3, 400) for _ in range(6)], SamplingParams(max_tokens=14, temperature=0.0))
+    while not any(s.num_output for s in engine._running):
+        engine.step()
+    second = first + out + [rng.randrange(3, 400) for _ in range(5)]
+    agent = engine.submit(second, GREEDY, prompt_cache_key="agent")
+    loading_steps, events = 0, {decoder.request_id: [], agent.request_id: []}
+    for _ in range(200):
+        running = {s.request_id: s for s in engine._running}
+        before = running[decoder.request_id].num_output if decoder.request_id in running else None
+        engine.step()
+        engine.check_integrity()
+        seq = next((s for s in engine._running if s.request_id == agent.request_id), None)
+        if seq is not None and seq.loading:
+            loading_steps += 1
+            assert seq.num_computed % BS == 0 and seq.num_computed < len(second)  # loaded blocks only
+            if before is not None and decoder.request_id in {s.request_id for s in engine._running}:
+                assert running[decoder.request_id].num_output == before + 1  # the decode was not held up
+        for h in (decoder, agent):
+            while (e := h.stream.get(timeout=0)) is not None:
+                events[h.request_id].append(e)
+        if all(ev and ev[-1].finished for ev in events.values()):
+            break
+    computed = len(first) + len(out) - 1
+    assert loading_steps >= 3  # one block a step: the blocks came back over several steps
+    assert tokens(events[agent.request_id]) == _reference(reference_engine, [second])[0]
+    assert max(e.num_cached_tokens for e in events[agent.request_id]) == computed // BS * BS
+    load = engine.snapshot()["load_token_seconds"]
+    assert load is not None and load == pytest.approx(engine.kv.tiers.load_seconds_per_block / BS)
+    assert_released(engine)
+    engine.shutdown()

@@ -66,6 +66,17 @@ def test_fast_steps_keep_the_full_budget():
     assert budget.prefill_limit(1) == budget.prefill_limit(64) == budget.chunk_tokens == 2048
 
 
+def test_tier_loads_are_sized_like_prefill_chunks():
+    budget = StepBudget(2048, 0.5, 16, FixedCost(decode=0.1, per_token=0.01))
+    assert budget.load_limit(1, 0.004) == 100  # the 0.4 s the decodes leave, at 4 ms a block
+    assert budget.load_limit(1, None) == 40 // 16  # before a read was measured: a prefill chunk's tokens
+    assert budget.load_limit(1, 1.0) == 1  # at least one block a step
+    slow = StepBudget(2048, 0.5, 16, FixedCost(decode=0.6, per_token=0.01))
+    assert slow.load_limit(1, 0.004) == 150  # decodes alone miss the target: loads get as long as they take
+    assert budget.load_limit(0, 0.004) == StepBudget(2048, 0.0, 16, FixedCost(0.1, 0.01)).load_limit(3, 0.004)
+    assert budget.load_limit(0, 0.004) >= 2**62  # nothing decodes, or no target: no stream waits on the loads
+
+
 def test_zero_target_is_the_fixed_budget():
     budget = StepBudget(512, 0.0, 16, FixedCost(decode=1.0, per_token=1.0))
     assert not budget.enabled and budget.prefill_limit(3) == budget.chunk_tokens == 512

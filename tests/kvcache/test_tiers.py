@@ -12,6 +12,7 @@ from helexa.cluster.events import BlockRemoved, BlockStored
 from helexa.cluster.recorder import KVEventRecorder
 from helexa.kvcache import BlockPool, KVManager, block_hash, root_hash
 from helexa.kvcache.tiers import KVIdentity, KVTiers, TierBlock, TierIndex
+from helexa.kvprotocol import Share
 
 BS = 4
 
@@ -107,7 +108,14 @@ def test_evicted_blocks_go_down_host_then_disk_and_come_back_exact(tmp_path: Pat
     assert _turn(kv, pool, "b1", b) == 0
     host, disk = tiers.stats()
     assert (host.blocks, host.writes, host.drops) == (2, 3, 1) and (disk.blocks, disk.writes) == (1, 1)
+    # admission's lookup sees the hit in the pool and the three blocks after it below, reading and counting nothing
+    kv.open("peek", a)
+    assert kv.lookup("peek") == Share(1, 0, 3) and tiers.load_seconds_per_block is None
+    kv.close("peek")
+    assert [(t.hits, t.loads) for t in tiers.stats()] == [(0, 0), (0, 0)]
     assert _turn(kv, pool, "a2", a) == 16  # a's first block from the pool, two from host memory, one from disk
+    per_block = tiers.load_seconds_per_block
+    assert per_block is not None and per_block == pytest.approx(tiers.load_seconds / 3)
     host, disk = tiers.stats()
     assert (host.hits, host.loads, disk.hits, disk.loads) == (2, 2, 1, 1) and host.failures == disk.failures == 0
     tiers.check_integrity()
@@ -136,6 +144,7 @@ def test_a_damaged_or_truncated_file_is_a_miss_and_a_changed_identity_discards_t
     data[-1] ^= 0x40  # one bit of the payload
     third.write_bytes(bytes(data))
     assert _turn(kv, pool, "a2", a) == 8  # the chain stops at the damaged block: computed again, never loaded
+    assert tiers.flush()  # the writer thread deletes a dropped block's file
     assert tiers.stats()[0].failures == 1 and not third.exists()
     kv.prefix_cache.ensure_free(pool.num_blocks)
     assert tiers.flush()

@@ -56,22 +56,23 @@ def controller(
 
 class FixedKV:
     """A stand-in KV owner for admission tests (the `KVHoldings` protocol). A request registered with
-    `request(prompt_tokens, shared=n)` finds `n` full blocks of its prefix cached and held by running requests
-    (at most all but its last token's); nothing is ever orphaned or cached. `allocate(key, n)` says a request
+    `request(prompt_tokens, shared=n, tier=k)` finds `n` full blocks of its prefix cached and held by running
+    requests and the next `k` in a tier below the pool (together at most all but its last token's); nothing is
+    ever orphaned or cached. `allocate(key, n)` says a request
     now holds `n` blocks of its own, as the engine's table would. Records what it pinned and let go."""
 
     def __init__(self, block_size: int, num_blocks: int) -> None:
         self.block_size, self.num_blocks = block_size, num_blocks
         self._keys = itertools.count(1)
-        self.wanted: dict[str, tuple[int, int]] = {}  # key -> (prompt tokens, shared blocks its lookup finds)
+        self.wanted: dict[str, tuple[int, int, int]] = {}  # key -> (prompt tokens, shared blocks, tier blocks)
         self.pinned: dict[str, int] = {}  # key -> shared blocks pinned
         self.own: dict[str, int] = {}  # key -> blocks of its own, as the test reports them
         self.released: list[str] = []  # keys let go, in order
         self.lookups = 0  # lookup() calls
 
-    def request(self, prompt_tokens: int, shared: int = 0) -> str:
+    def request(self, prompt_tokens: int, shared: int = 0, tier: int = 0) -> str:
         key = f"r{next(self._keys)}"
-        self.wanted[key] = (prompt_tokens, shared)
+        self.wanted[key] = (prompt_tokens, shared, tier)
         return key
 
     def allocate(self, key: str, blocks: int) -> None:
@@ -79,9 +80,10 @@ class FixedKV:
 
     def lookup(self, key: str) -> Share:
         self.lookups += 1
-        prompt, want = self.wanted.get(key, (1, 0))
-        n = min(want, (prompt - 1) // self.block_size)
-        return Share(n, n)
+        prompt, want, tier = self.wanted.get(key, (1, 0, 0))
+        limit = (prompt - 1) // self.block_size
+        n = min(want, limit)
+        return Share(n, n, min(tier, limit - n))
 
     def pin(self, key: str, share: Share) -> bool:
         self.pinned[key] = share.shared_blocks

@@ -140,19 +140,24 @@ class KVTiers:
         """The blocks `start`, `start + 1`, ... (at most up to block `limit`) of `tokens` that the tiers hold, in
         order from `start` until the first one they do not: `parent` is the chain value before block `start`
         (its parent's hash, or `root_hash(salt)` at 0). Verified by tokens and parent, read nothing yet."""
-        bs = self.identity.block_size
-        out: list[TierHit] = []
         with self._lock:
-            for i in range(start, limit):
-                block_tokens = tokens[i * bs : (i + 1) * bs]
-                h = block_hash(parent, block_tokens)
-                held = self._holding(h)
-                if held is None or not held.block.matches(parent, block_tokens):
-                    break
+            out = self._chain(tokens, start, parent, limit)
+            for held in out:
                 held.tier.counters.hits += 1
-                out.append(held)
-                parent = h
         return out
+
+    def peek(self, tokens: Sequence[int], start: int, parent: int, limit: int) -> int:
+        """How many blocks `find` would return now, counting nothing and reading nothing (admission's estimate of
+        what a request will load instead of compute)."""
+        with self._lock:
+            return len(self._chain(tokens, start, parent, limit))
+
+    @property
+    def load_seconds_per_block(self) -> float | None:
+        """The measured time to read one block back (file or memory, verification and copy included): the loads'
+        total time over their blocks since start. None before any load."""
+        blocks = self.load_bytes // self.identity.payload_bytes
+        return self.load_seconds / blocks if blocks > 0 else None
 
     def read(self, found: Sequence[TierHit]) -> list[torch.Tensor]:
         """The K/V of `found`'s blocks in order, each (num_layers, 2, block_size, num_kv_heads, head_dim), stopping at
@@ -246,6 +251,20 @@ class KVTiers:
         return "kv tiers: " + " ".join(parts) + f" block={self.identity.payload_bytes}B dtype={self.identity.dtype}"
 
     # ------------------------------------------------------------------ internals (lock held)
+
+    def _chain(self, tokens: Sequence[int], start: int, parent: int, limit: int) -> list[TierHit]:
+        """The held blocks `start`, `start + 1`, ... below `limit` of `tokens`, up to the first one no tier holds."""
+        bs = self.identity.block_size
+        out: list[TierHit] = []
+        for i in range(start, limit):
+            block_tokens = tokens[i * bs : (i + 1) * bs]
+            h = block_hash(parent, block_tokens)
+            held = self._holding(h)
+            if held is None or not held.block.matches(parent, block_tokens):
+                break
+            out.append(held)
+            parent = h
+        return out
 
     def _holding(self, h: int) -> TierHit | None:
         for tier in self.tiers:
