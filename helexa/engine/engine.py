@@ -544,7 +544,7 @@ class Engine:
         self._refit(seq)  # a hit a reload dropped is computed, and so reserved, by the sequence itself
 
     def _load_phase(self) -> tuple[int, float]:
-        """Tier loads, scheduled like prefill chunks: each loading sequence (in admission order) copies the next
+        """Tier loads, scheduled like prefill chunks: each loading sequence (sessions first) copies the next
         full blocks of its prompt that a tier below the pool holds into new blocks of its reservation, instead of
         computing them, until a load finds no more; it computes nothing until then. While other sequences
         decode, a step loads at most `StepBudget.load_limit` blocks (at the measured read time per block), so a
@@ -552,7 +552,9 @@ class Engine:
         loaded and the seconds it took (left out of the step cadence the decode and prefill rates are measured
         from: loads have their own rate)."""
         tiers = self.kv.tiers
-        loading = [s for s in self._running if s.loading]
+        # sessions (a `prompt_cache_key`: the agents whose blocks a tier keeps longest) load first, then the rest,
+        # each group in admission order
+        loading = sorted((s for s in self._running if s.loading), key=lambda s: s.request.session is None)
         if tiers is None or not loading:
             return 0, 0.0
         t0, bs = time.perf_counter(), self.config.block_size
