@@ -1,17 +1,18 @@
-"""The engine core in its own process against the engine in the server's, same run, paired, default model.
+"""The engine core in its own process against the engine in the server's, same run, alternating, default model.
 
-Two servers of the default model run side by side (`python -m helexa.server`, the load generator in this
-process): A with the engine on a thread of the server (today's default), B with `HELEXA_ENGINE_PROCESS=1`.
-For each load (1, 16 and 64 streaming clients, and 16 beside the soak's hostile client) the two are
-measured alternately, `--rounds` times each: `/health` latency p50/p99 (probed every 20 ms during the
-load), every stream's inter-token gaps p50/p99, and the aggregate output tokens/s. Then, on B only:
-the time from a SIGKILL of the core to the next new token of a stream (the replay), and the channel's
-own cost per token event (encode, frame, socket, decode) measured alone.
+Three servers of the default model run side by side (`python -m helexa.server`, the load generator in this
+process): A with the engine on a thread of the server (the default), B with `HELEXA_ENGINE_PROCESS=1`, C the
+same with `HELEXA_CORE_NICE=10` (the core 10 steps nicer than the server, so the server's event loop wins the
+shared CPU). For each load (1, 16 and 64 streaming clients, and 16 beside the soak's hostile client) they are
+measured in turn, `--rounds` times each, the order alternating: `/health` latency p50/p99 (probed every 20 ms
+from a process of its own during the load), every stream's inter-token gaps p50/p99, and the aggregate output
+tokens/s. Then, on B only: the time from a SIGKILL of the core to the next new token of a stream (the
+replay), and the channel's own cost per token event (encode, frame, socket, decode) measured alone.
 
     python bench/core_process.py                # 3 rounds, 32 tokens a stream
     python bench/core_process.py --quick        # 1 round, 8 tokens, loads 1 and 16
 
-Prints the CPU, a table with the B/A ratios, writes bench/out/core_process.md and core_process.png.
+Prints the CPU, a table with the ratios to A, writes bench/out/core_process.md and core_process.png.
 """
 
 from __future__ import annotations
@@ -39,16 +40,39 @@ from helexa.engine.stream import TokenEvent, TokenLogprob  # noqa: E402
 from tests.reliability.test_soak import _HOSTILE  # noqa: E402  (the soak's hostile client, as it is)
 
 OUT = Path(__file__).resolve().parent / "out"
-MODES = {"A in-process": "0", "B core process": "1"}
+# each mode's environment: A the engine on a thread of the server, B the core in its own process, C that core
+# running 10 steps nicer than the server (HELEXA_CORE_NICE), so the event loop wins the shared CPU
+MODES = {
+    "A in-process": {"HELEXA_ENGINE_PROCESS": "0"},
+    "B core process": {"HELEXA_ENGINE_PROCESS": "1", "HELEXA_CORE_NICE": "0"},
+    "C core, nice 10": {"HELEXA_ENGINE_PROCESS": "1", "HELEXA_CORE_NICE": "10"},
+}
+# `/health` is probed from a process of its own (a kept-alive connection, one GET every 20 ms), so what it
+# measures is the server, not the load generator's own event loop
+_PROBE = """
+import http.client, sys, time
+host, port = sys.argv[1], int(sys.argv[2])
+conn, out = http.client.HTTPConnection(host, port, timeout=30), []
+while not sys.stdin.closed:
+    t0 = time.perf_counter()
+    conn.request("GET", "/health")
+    conn.getresponse().read()
+    out.append(time.perf_counter() - t0)
+    time.sleep(0.02)
+    if len(out) % 10 == 0:
+        import select
+        if select.select([sys.stdin], [], [], 0)[0]:
+            break
+print(" ".join(f"{x:.6f}" for x in out))
+"""
 PROMPT = "Write a short plan with three steps about caching memory blocks for an agent session number {i}."
 
 
 class Server:
     """`python -m helexa.server` on a free port; its log lines kept (the core's pid is read from them)."""
 
-    def __init__(self, engine_process: str, max_num_seqs: int) -> None:
-        env = {**os.environ, "HELEXA_ENGINE_PROCESS": engine_process, "OMP_NUM_THREADS": os.environ.get(
-            "OMP_NUM_THREADS", "2")}  # fmt: skip
+    def __init__(self, mode_env: dict[str, str], max_num_seqs: int) -> None:
+        env = {**os.environ, **mode_env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
         argv = ["--port", "0", "--kv-cache-memory", "1GiB", "--max-num-seqs", str(max_num_seqs),
                 "--max-queue-depth", "512", "--max-connections", "2048"]  # fmt: skip
         self.proc = subprocess.Popen(
@@ -98,27 +122,18 @@ async def _stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: int, 
                 arrivals.append(time.perf_counter())
 
 
-async def _probe(url: str, stop: asyncio.Event, latencies: list[float]) -> None:
-    async with httpx.AsyncClient(timeout=30) as client:
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            await client.get(f"{url}/health")
-            latencies.append(time.perf_counter() - t0)
-            await asyncio.sleep(0.02)
-
-
 async def _load(url: str, streams: int, max_tokens: int) -> dict[str, float]:
     arrivals: list[list[float]] = [[] for _ in range(streams)]
-    health: list[float] = []
-    stop = asyncio.Event()
+    host, port = url.removeprefix("http://").split(":")
+    prober = subprocess.Popen([sys.executable, "-c", _PROBE, host, port], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        prober = asyncio.ensure_future(_probe(url, stop, health))
         t0 = time.perf_counter()
         await asyncio.gather(*(_stream(client, url, i, max_tokens, arrivals[i]) for i in range(streams)))
         wall = time.perf_counter() - t0
-        stop.set()
-        await prober
+    out, _ = prober.communicate("stop\n", timeout=60)
+    health = [float(x) for x in out.split()]
     gaps = [b - a for times in arrivals for a, b in zip(times, times[1:])]
     tokens = sum(len(t) for t in arrivals)
     return {"health_p50": pct(health, 0.5), "health_p99": pct(health, 0.99), "itl_p50": pct(gaps, 0.5),
@@ -190,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.max_tokens, loads = 1, 8, [(1, False), (16, False)]
     print(f"CPU: {cpu_name()} ({os.cpu_count()} cores visible, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})")
-    servers = {name: Server(flag, max_num_seqs=64) for name, flag in MODES.items()}
+    servers = {name: Server(env, max_num_seqs=64) for name, env in MODES.items()}
     for name, server in servers.items():
         load_line = server.find(r"model: loaded .*")
         print(f"{name}: {server.url} | {load_line.group(0)[:200] if load_line else '?'}")
@@ -201,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         for streams, hostile in loads:
             label = f"{streams} streams" + (" + hostile" if hostile else "")
             for r in range(args.rounds):
-                order = list(servers) if r % 2 == 0 else list(reversed(servers))  # paired, alternating
+                order = list(servers) if r % 2 == 0 else list(reversed(servers))  # alternating order
                 for name in order:
                     result = measure(servers[name], streams, args.max_tokens, hostile)
                     rows.setdefault((label, name), []).append(result)
@@ -231,7 +246,7 @@ def _median(rows: list[dict[str, float]], key: str) -> float:
 
 
 def _table(rows: dict[tuple[str, str], list[dict[str, float]]]) -> list[str]:
-    lines = ["| load | mode | /health p50 ms | /health p99 ms | ITL p50 ms | ITL p99 ms | tok/s | tok/s B/A |",
+    lines = ["| load | mode | /health p50 ms | /health p99 ms | ITL p50 ms | ITL p99 ms | tok/s | tok/s / A |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     labels = list(dict.fromkeys(label for label, _ in rows))
     for label in labels:
@@ -256,8 +271,8 @@ def _plot(rows: dict[tuple[str, str], list[dict[str, float]]], path: Path) -> No
     for ax, (key, title) in zip(axes, panels):
         for k, name in enumerate(MODES):
             values = [_median(rows[(label, name)], key) * (1 if key == "tok_s" else 1e3) for label in labels]
-            ax.bar([x + 0.4 * k for x in range(len(labels))], values, width=0.4, label=name)
-        ax.set_xticks([x + 0.2 for x in range(len(labels))], labels, fontsize=7)
+            ax.bar([x + 0.27 * k for x in range(len(labels))], values, width=0.27, label=name)
+        ax.set_xticks([x + 0.27 for x in range(len(labels))], labels, fontsize=7)
         ax.set_title(title, fontsize=9)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"engine core in its own process vs in the server's ({cpu_name()})", fontsize=9)

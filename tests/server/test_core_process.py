@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from helexa.engine import EngineClient
+from helexa.engine.core.client import DEFAULT_CORE_NICE, core_nice
 from tests.support.servers import RunningServer, metric, tiny_engine_config, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,6 +111,19 @@ def test_a_core_sigkill_mid_stream_costs_no_request(core_server: RunningServer) 
     snap = engine.snapshot()
     assert (snap["blocks_total"], snap["blocks_reserved"], snap["in_flight"]) == (128, 0, 0)  # same pool, none leaked
     engine.check_integrity()
+
+
+def test_the_core_runs_nicer_than_the_server(core_server: RunningServer) -> None:
+    """The core lowers its own priority by `HELEXA_CORE_NICE` (default `DEFAULT_CORE_NICE`) at start, so the
+    server's event loop wins a shared CPU; a bad value stops the server before any core starts."""
+    engine = core_server.engine
+    assert isinstance(engine, EngineClient) and engine.core_pid is not None
+    server_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, engine.core_pid) == min(19, server_nice + core_nice())
+    assert core_nice("") == DEFAULT_CORE_NICE and core_nice("0") == 0 and core_nice(" 19 ") == 19
+    for bad in ("-1", "20", "five", "1.5"):
+        with pytest.raises(ValueError, match="HELEXA_CORE_NICE must be an integer from 0 to 19"):
+            core_nice(bad)
 
 
 def test_a_rejection_crosses_the_channel_with_its_status(core_server: RunningServer) -> None:

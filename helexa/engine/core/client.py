@@ -63,7 +63,7 @@ from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model
 
 logger = logging.getLogger("helexa.engine.core")
 
-__all__ = ["CoreDied", "CoreHealth", "EngineClient", "engine_process_enabled"]
+__all__ = ["CoreDied", "CoreHealth", "EngineClient", "core_nice", "engine_process_enabled"]
 
 _CALL_TIMEOUT_SECS = 60.0
 _START_TIMEOUT_SECS = 600.0
@@ -84,6 +84,22 @@ def engine_process_enabled(value: str | None = None) -> bool:
     if text in ("1", "true", "yes", "on"):
         return True
     raise ValueError(f"HELEXA_ENGINE_PROCESS must be 0 or 1 (or true/false), got {text!r}")
+
+
+DEFAULT_CORE_NICE = 0
+
+
+def core_nice(value: str | None = None) -> int:
+    """How much nicer than the server the engine core runs (`HELEXA_CORE_NICE`, or `value`; default
+    `DEFAULT_CORE_NICE`): an int from 0 to 19 added to the core's scheduling niceness at its start, so the
+    server's event loop wins a shared CPU whenever it has work (a `/health` probe, a new request, a token to
+    stream) and the core computes in the rest. Anything else raises `ValueError`."""
+    text = (os.environ.get("HELEXA_CORE_NICE", "") if value is None else value).strip()
+    if not text:
+        return DEFAULT_CORE_NICE
+    if not text.isdigit() or int(text) > 19:
+        raise ValueError(f"HELEXA_CORE_NICE must be an integer from 0 to 19, got {text!r}")
+    return int(text)
 
 
 class _ChannelLost(EngineError):
@@ -177,6 +193,7 @@ class EngineClient:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        self.core_nice = core_nice()  # checked here: a bad value stops the server before any core starts
         self.model_name = config.model if config.model is not None else DEFAULT_MODEL
         self.model_dir = resolve_model(self.model_name)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)

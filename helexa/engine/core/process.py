@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from helexa.config import EngineConfig
+from helexa.engine.core.client import core_nice
 from helexa.engine.core.wire import ChannelClosed, encode_error, from_plain, read_frame, to_plain, write_frame
 from helexa.engine.engine import Engine, RequestHandle
 from helexa.model.sampling import SamplingParams
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     if os.getppid() != parent:  # the server died before the death signal was armed
         return 3
+    nice = core_nice()
+    if nice:
+        os.nice(nice)  # the server's event loop first on a shared CPU; the core computes in the rest
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: it shuts the core down
     logging.basicConfig(
         level=os.environ.get("HELEXA_CORE_LOG_LEVEL", "INFO"),
