@@ -11,7 +11,9 @@ configuration of `--helexa-args`.
 
 Each engine runs in a fresh process of its own, one after another (llama.cpp's:
 `bench/peer_llama_cpp.py`, which imports neither torch nor helexa), so each process's peak RSS
-(VmHWM) is that engine's alone; `--threads` threads each (2 by default). Every prompt is tokenised
+(VmHWM) is that engine's alone; `--threads` threads each (2 by default). `--rounds N` runs each
+engine N times, the engines alternating, and keeps each speed's best round (on a shared machine, the
+least disturbed one); memory comes from each engine's first round. Every prompt is tokenised
 once, here, by helexa's tokenizer (the random GGUFs carry the default model's tokenizer) and the
 same ids go to both engines. Measured per model:
 
@@ -20,8 +22,8 @@ same ids go to both engines. Measured per model:
   first / (end - the moment every stream had its first token). helexa: one `generate` of all
   streams; llama.cpp: one `llama_decode` of one token per stream each step (peer_llama_cpp.py).
 - prefill: prompts of each length of `--prefill` (500 and 4096 tokens of this repository's docs,
-  `--prefill-repeats` different ones, each starting elsewhere, so no prefix-cache hit) to their
-  first token: prompt tokens / time to first token, the median.
+  `--prefill-repeats` different ones, one of those over 1,024 tokens, each starting elsewhere, so no
+  prefix-cache hit) to their first token: prompt tokens / time to first token, the median.
 - long context (`--long`, 8128 tokens: 8k context with the new tokens): one stream prefills a prompt
   of that length, then decodes `--long-new-tokens`; tok/s of the decode at that context.
 - memory: each process's peak RSS, and the KV memory each engine held for its largest need
@@ -76,6 +78,7 @@ from random_gguf import SHAPES, path_for  # noqa: E402
 RESULTS = BENCH / "results"
 MODELS = ["135m", *SHAPES]
 PEER = "llama.cpp"
+LONG_PROMPT = 1024  # prompts longer than this are prefilled once (not --prefill-repeats times)
 
 CHAT_PROMPTS = [
     "Write a haiku about a lighthouse in the fog.",
@@ -198,18 +201,18 @@ def child_plan(args: argparse.Namespace, tokenizer, gguf: Path) -> dict[str, Any
     """What each engine's process measures (the same token ids for both), as JSON-able data."""
     streams = sorted({int(s) for s in args.streams.split(",") if s.strip()})
     lengths = [int(n) for n in args.prefill.split(",") if n.strip()]
+    repeats = [args.prefill_repeats if n <= LONG_PROMPT else 1 for n in lengths]  # a long prompt once
     prompts = docs_prompts(
-        tokenizer, [n for n in lengths for _ in range(args.prefill_repeats)] + [args.long] * (args.long > 0)
+        tokenizer, [n for n, r in zip(lengths, repeats) for _ in range(r)] + [args.long] * (args.long > 0)
     )
+    starts = np.cumsum([0, *repeats])
     plan: dict[str, Any] = {
         "gguf": str(gguf),
         "threads": args.threads,
         "streams": streams,
         "new_tokens": args.new_tokens,
         "chat": stream_prompts(tokenizer, max(streams)),
-        "prefill": {
-            str(n): prompts[i * args.prefill_repeats : (i + 1) * args.prefill_repeats] for i, n in enumerate(lengths)
-        },
+        "prefill": {str(n): prompts[starts[i] : starts[i + 1]] for i, n in enumerate(lengths)},
         "long": {"prompt": prompts[-1], "new_tokens": args.long_new_tokens} if args.long > 0 else None,
     }
     return plan
@@ -349,6 +352,23 @@ class Column:
     def error(self) -> str | None:
         return self.result.get("error")
 
+    def merge(self, result: dict[str, Any]) -> None:
+        """Add one round's result: each speed the best of the rounds (the machine is shared: the best
+        round is the one least disturbed), memory and the rest from the first round that succeeded."""
+        if "error" in result:
+            self.result.setdefault("error", result["error"])
+            return
+        if not self.result or "error" in self.result:
+            self.result = {**result, "loads": [result["load"]]}
+            return
+        self.result["loads"].append(result["load"])
+        for key in ("decode", "prefill"):
+            for k, v in result[key].items():
+                self.result[key][k] = max(v, self.result[key].get(k, v))
+        for key in ("long_decode", "long_prefill"):
+            if key in result:
+                self.result[key] = max(result[key], self.result.get(key, result[key]))
+
     def decode(self, n: int) -> float | None:
         return self.result.get("decode", {}).get(str(n))
 
@@ -446,8 +466,10 @@ def report(runs: list[ModelRun], args: argparse.Namespace) -> str:
         f"({args.threads} threads). Load average at the start: {args.load_at_start}.",
         "",
         f"Greedy, EOS ignored, {args.new_tokens} new tokens per stream ({args.long_new_tokens} at the long context); "
-        f"prefill: median of {args.prefill_repeats} different prompts. Same token ids for every engine; each engine "
-        "in its own fresh process. Ratio: helexa's / llama.cpp's.",
+        f"prefill: median of {args.prefill_repeats} different prompts (over {LONG_PROMPT} tokens: one). "
+        "Same token ids for every engine; each engine "
+        f"in its own fresh process, {args.rounds} round(s) with the engines alternating, each speed the best round's. "
+        "Ratio: helexa's / llama.cpp's.",
     ]
     for run in runs:
         roof = args.read_bandwidth / run.weight_bytes
@@ -469,7 +491,7 @@ def report(runs: list[ModelRun], args: argparse.Namespace) -> str:
             notes.append(
                 f"- {c.name}: RSS after load {fmt(mem.get('rss'), 0)} MiB (peak so far {fmt(mem.get('peak'), 0)}); "
                 f"process start {fmt(r.get('memory_start', {}).get('rss'), 0)} MiB{extra}; "
-                f"1-min load average at its start {r.get('load', 0):.1f}"
+                f"1-min load average at the start of each round {', '.join(f'{v:.1f}' for v in r['loads'])}"
             )
         lines += ["", *notes]
     return "\n".join(lines)
@@ -548,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long", type=int, default=8128, help="the long-context decode's prompt tokens (0: skip)")
     parser.add_argument("--long-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each engine, alternating; the best counts")
     parser.add_argument("--no-llama-cpp", action="store_true", help="measure helexa only")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 16 new tokens, 1 prefill repeat")
@@ -580,18 +603,21 @@ def main(argv: list[str] | None = None) -> int:
             for label in args.helexa_args:
                 child = {**plan, "model_dir": model_dir, "engine_args": parse_config(label)}
                 engines.append((f"helexa {label}".strip(), [sys.executable, __file__, "--child"], child))
-            for engine, command, engine_plan in engines:
-                print(f"[{name}: {engine}]", flush=True)
-                load = os.getloadavg()[0]
-                col = Column(engine, run_child(command, engine_plan, tmp, f"{name}-{len(run.cols)}"))
-                col.result["load"] = load
-                if engine == PEER and col.error is None:
-                    _, shape = weight_bytes(gguf)
-                    per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2  # K and V, float16
-                    col.result["kv_bytes"] = col.result["kv_tokens"] * per_token
-                run.cols.append(col)
-                (args.out / "peers.md").write_text(report(runs, args) + "\n")  # so far
-                gc.collect()
+            cols = {engine: Column(engine) for engine, _, _ in engines}
+            run.cols = list(cols.values())
+            for r in range(args.rounds):  # engines alternating, so each round sees about the same machine
+                for engine, command, engine_plan in engines:
+                    print(f"[{name}: {engine}, round {r + 1} of {args.rounds}]", flush=True)
+                    load = os.getloadavg()[0]
+                    result = run_child(command, engine_plan, tmp, f"{name}-{engine}-{r}".replace(" ", "_"))
+                    result["load"] = load
+                    if engine == PEER and "error" not in result:
+                        _, shape = weight_bytes(gguf)
+                        per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2  # K, V float16
+                        result["kv_bytes"] = result["kv_tokens"] * per_token
+                    cols[engine].merge(result)
+                    (args.out / "peers.md").write_text(report(runs, args) + "\n")  # so far
+                    gc.collect()
     text = report(runs, args)
     print()
     print(text)
