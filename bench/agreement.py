@@ -44,18 +44,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peers import (  # noqa: E402  (bench/peers.py: shared prompts, config parsing and the llama.cpp peer)
-    BUILD_HINT,
+from peer_llama_cpp import BUILD_HINT, LlamaCppModel, import_llama_cpp  # noqa: E402  (bench/: the llama.cpp peer)
+from peers import (  # noqa: E402  (bench/peers.py: shared prompts and config parsing)
     CHAT_PROMPTS,
-    DEFAULT_CONFIGS,
     DEFAULT_MODEL,
     RESULTS,
-    LlamaCppModel,
     add_helexa_args,
     chat_ids,
     default_gguf,
     docs_text,
-    import_llama_cpp,
     load_tokenizer,
     parse_config,
 )
@@ -63,6 +60,7 @@ from peers import (  # noqa: E402  (bench/peers.py: shared prompts, config parsi
 from helexa import LLM, SamplingParams  # noqa: E402
 
 # Eight varied prompts: poetry, explanation, science, code, arithmetic, description, list, translation.
+DEFAULT_CONFIGS = ["dtype=float32", "quantization=auto", "quantization=none"]
 AGREEMENT_PROMPTS = [CHAT_PROMPTS[i] for i in (0, 1, 3, 5, 8, 9, 12, 14)]
 
 

@@ -1,51 +1,59 @@
-"""helexa against llama.cpp on the same GGUF, same token ids, same token counts, in one run (issue 16).
+"""helexa against llama.cpp on the same GGUF, same token ids, same token counts, in one run (issues 16, 36).
 
-Both engines run the default model's GGUF (SmolLM2-135M-Instruct Q4_1, the file `helexa pull`
-extracted into `$HELEXA_HOME/downloads/`): llama.cpp (llama-cpp-python, built into `.peers/` by
-`bash bench/setup_llama_cpp.sh`) runs its Q4_1 weights natively; helexa runs its converted model
-under each configuration given with `--helexa-args`. One engine at a time, each released (del + gc)
-before the next; 2 threads each (`torch.set_num_threads`, llama.cpp `n_threads`/`n_threads_batch`).
+Models (`--models`, default `135m,1b`; `8b` on request): `135m` is the default model's GGUF
+(SmolLM2-135M-Instruct Q4_1, Q8_0 tied embedding); `1b` and `8b` are random-weight GGUFs of
+TinyLlama-1.1B's and Llama-3-8B's layer shapes quantized by llama.cpp's own quantizer to the same
+layout (`bench/random_gguf.py`, made once into `$HELEXA_HOME/bench/`). llama.cpp runs each file
+natively (llama-cpp-python over libraries built for this CPU into `.peers/` by
+`bash bench/setup_llama_cpp.sh`, the strongest build this CPU runs); helexa runs the same file
+through its GGUF import (converted once, beforehand, in a separate process) under each
+configuration of `--helexa-args`.
 
-Measured, with every prompt tokenised once by helexa's tokenizer and the same ids fed to both:
+Each engine runs in a fresh process of its own, one after another (llama.cpp's:
+`bench/peer_llama_cpp.py`, which imports neither torch nor helexa), so each process's peak RSS
+(VmHWM) is that engine's alone; `--threads` threads each (2 by default). `--rounds N` runs each
+engine N times, the engines alternating, and keeps each speed's best round (on a shared machine, the
+least disturbed one); memory comes from each engine's first round. Every prompt is tokenised
+once, here, by helexa's tokenizer (the random GGUFs carry the default model's tokenizer) and the
+same ids go to both engines. Measured per model:
 
-- prefill: a 500-token prompt (docs text) to its first token; prompt tokens / time to first token
-  (helexa: `RequestOutput.timings.ttft`; llama.cpp: one `llama_decode` of the prompt, n_batch 512,
-  to the argmax of its last logits row). Median of `--prefill-repeats` different prompts.
-- decode: greedy, `--new-tokens` (128) new tokens per stream, EOS ignored, at 1, 8 and 16
-  concurrent streams (different short chat prompts); aggregate decode tok/s = tokens after each
-  stream's first / (end - the moment every stream had its first token). helexa: one `generate` of
-  all streams (continuous batching). llama.cpp: its low-level batch API - one context with
-  `n_seq_max = streams` (per-sequence KV, `kv_unified` off), a `llama_batch` holding one token per
-  stream each step (`seq_id` = stream), one `llama_decode` per step, greedy argmax over each
-  stream's logits row (`llama_get_logits_ith`).
+- decode: greedy, `--new-tokens` new tokens per stream, EOS ignored, at each stream count of
+  `--streams` (1, 8, 16; different short chat prompts); aggregate tok/s = tokens after each stream's
+  first / (end - the moment every stream had its first token). helexa: one `generate` of all
+  streams; llama.cpp: one `llama_decode` of one token per stream each step (peer_llama_cpp.py).
+- prefill: prompts of each length of `--prefill` (500 and 4096 tokens of this repository's docs,
+  `--prefill-repeats` different ones, one of those over 1,024 tokens, each starting elsewhere, so no
+  prefix-cache hit) to their first token: prompt tokens / time to first token, the median.
+- long context (`--long`, 8128 tokens: 8k context with the new tokens): one stream prefills a prompt
+  of that length, then decodes `--long-new-tokens`; tok/s of the decode at that context.
+- memory: each process's peak RSS, and the KV memory each engine held for its largest need
+  (helexa: the whole pool, sized to the largest need here; llama.cpp: its largest context's
+  float16 K/V) — the issue's target is helexa's peak <= llama.cpp's + helexa's pool.
+- the roofline: the machine's read bandwidth measured here (`--threads` threads summing a 1 GiB
+  buffer, best of 5) over the bytes a decode step reads (every weight of the GGUF once: the tied
+  embedding is the head), so one stream's roofline is bandwidth / weight bytes tok/s; each engine's
+  one-stream decode as a percentage of it.
 
-    python bench/peers.py                                   # llama.cpp + 3 helexa configs
-    python bench/peers.py --helexa-args dtype=float32 dtype=bfloat16
-    python bench/peers.py --helexa-args "dtype=bfloat16,quantization=int8" --streams 1,8
+    python bench/peers.py                                   # 135m and 1b, llama.cpp + helexa
+    python bench/peers.py --models 8b --prefill 500 --long 0 --new-tokens 32
+    python bench/peers.py --helexa-args "" "kv_cache_dtype=float16"
     python bench/peers.py --quick                           # a smoke run (16 new tokens, 1 repeat)
 
 Each `--helexa-args` item is one helexa configuration: comma-separated `EngineConfig` fields
-(`key=value`, as `helexa.LLM(None, **engine_args)` takes them); its text is its column name.
-Writes `bench/results/peers.md` and `bench/results/peers.png`.
-
-The report also gives (issue 36) the CPU model, helexa's kernel path (`helexa.model.quant.isa`),
-the machine's read bandwidth measured here (`--threads` threads summing a 1 GiB buffer, best of 5),
-each engine's one-stream decode as a fraction of the roofline that bandwidth allows (tok/s x the
-GGUF's bytes / bandwidth: every weight read once per token; the KV read at short context is
-negligible), and the memory each engine holds while loaded (the process's RSS after its runs minus
-its RSS before loading it; one engine at a time, each released before the next; a KV pool's pages
-count once they are touched, so this is the weights, the runtime and the KV actually used).
+(`key=value`, as `helexa.LLM(model, **engine_args)` takes them; "" for the defaults); its text is
+its column name. Writes `bench/results/peers.md` and `bench/results/peers.png`.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
-import logging
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,16 +64,21 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-PEERS_DIR = ROOT / ".peers"
 
 from helexa import LLM, SamplingParams  # noqa: E402
 from helexa.model.quant import native  # noqa: E402
 from helexa.model.weights.pull import DEFAULT_MODEL, KNOWN_MODELS, helexa_home, pull  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_CONFIGS = ["dtype=float32", "quantization=auto", "quantization=none"]
-BUILD_HINT = "build it with `bash bench/setup_llama_cpp.sh` (about 12 minutes on 2 cores; installs into .peers/)"
+sys.path.insert(0, str(BENCH))
+from machine import cpu_has_amx, cpu_name, memory_mib  # noqa: E402
+from random_gguf import SHAPES, path_for  # noqa: E402
+
+RESULTS = BENCH / "results"
+MODELS = ["135m", *SHAPES]
+PEER = "llama.cpp"
+LONG_PROMPT = 1024  # prompts longer than this are prefilled once (not --prefill-repeats times)
 
 CHAT_PROMPTS = [
     "Write a haiku about a lighthouse in the fog.",
@@ -97,7 +110,7 @@ def add_helexa_args(parser: argparse.ArgumentParser, default: list[str]) -> None
         nargs="+",
         default=default,
         metavar="K=V[,K=V...]",
-        help=f"helexa configurations, one per item (default: {' '.join(default)})",
+        help=f"helexa configurations, one per item (default: {' '.join(map(repr, default))})",
     )
 
 
@@ -164,157 +177,212 @@ def stream_prompts(tokenizer, n: int) -> list[list[int]]:
     return chat_ids(tokenizer, texts)
 
 
+def docs_prompts(tokenizer, lengths: Sequence[int]) -> list[list[int]]:
+    """One slice of the docs text per entry of `lengths`, each starting at a different token (so no
+    two share a first block: no prefix-cache hit between them)."""
+    ids = tokenizer.encode(docs_text())
+    if not lengths:
+        return []
+    step = (len(ids) - max(lengths)) // len(lengths)
+    if step < 1:
+        raise SystemExit(f"docs text has {len(ids)} tokens, too few for prompts of {list(lengths)} tokens")
+    return [ids[i * step : i * step + n] for i, n in enumerate(lengths)]
+
+
 def prefill_prompts(tokenizer, length: int, repeats: int) -> list[list[int]]:
     """`repeats` different `length`-token slices of the docs text (different, so no prefix cache hit)."""
-    ids = tokenizer.encode(docs_text())
-    stride = max(1, (len(ids) - length) // max(1, repeats))
-    out = [ids[i * stride : i * stride + length] for i in range(repeats)]
-    if any(len(p) < length for p in out):
-        raise SystemExit(f"docs text has {len(ids)} tokens, too few for {repeats} x {length}-token prompts")
-    return out
+    return docs_prompts(tokenizer, [length] * repeats)
 
 
-# ---------------------------------------------------------------------------------------------- llama.cpp
+# ---------------------------------------------------------------------------------------------- one engine
 
 
-def import_llama_cpp():
-    """llama_cpp from `.peers/` (or the environment), its logging cut to errors; None when it is not built."""
-    if str(PEERS_DIR) not in sys.path and PEERS_DIR.is_dir():
-        sys.path.append(str(PEERS_DIR))  # last: the venv's numpy, jinja2, ... win over the copies pip put there
+def child_plan(args: argparse.Namespace, tokenizer, gguf: Path) -> dict[str, Any]:
+    """What each engine's process measures (the same token ids for both), as JSON-able data."""
+    streams = sorted({int(s) for s in args.streams.split(",") if s.strip()})
+    lengths = [int(n) for n in args.prefill.split(",") if n.strip()]
+    repeats = [args.prefill_repeats if n <= LONG_PROMPT else 1 for n in lengths]  # a long prompt once
+    prompts = docs_prompts(
+        tokenizer, [n for n, r in zip(lengths, repeats) for _ in range(r)] + [args.long] * (args.long > 0)
+    )
+    starts = np.cumsum([0, *repeats])
+    plan: dict[str, Any] = {
+        "gguf": str(gguf),
+        "threads": args.threads,
+        "streams": streams,
+        "new_tokens": args.new_tokens,
+        "chat": stream_prompts(tokenizer, max(streams)),
+        "prefill": {str(n): prompts[starts[i] : starts[i + 1]] for i, n in enumerate(lengths)},
+        "long": {"prompt": prompts[-1], "new_tokens": args.long_new_tokens} if args.long > 0 else None,
+    }
+    return plan
+
+
+def _kv_tokens_needed(plan: dict[str, Any], block_size: int) -> int:
+    """KV blocks the largest single measurement of `plan` holds at once (every stream's whole sequence)."""
+    blocks = lambda n: -(-n // block_size)  # noqa: E731
+    chat, new = plan["chat"], plan["new_tokens"]
+    needs = [sum(blocks(len(p) + new + 1) for p in chat[: max(plan["streams"])])]
+    needs += [blocks(int(n) + 2) for n in plan["prefill"]]
+    if plan["long"]:
+        needs.append(blocks(len(plan["long"]["prompt"]) + plan["long"]["new_tokens"] + 1))
+    return max(needs) + 2
+
+
+def measure_helexa(plan: dict[str, Any], model_dir: str, engine_args: dict[str, Any]) -> dict[str, Any]:
+    """Run `plan` on helexa (this process is one engine's: see the module doc)."""
+    torch.set_num_threads(plan["threads"])
+    result: dict[str, Any] = {"decode": {}, "prefill": {}, "prefill_ttft_ms": {}, "memory_start": memory_mib()}
+    block_size = int(engine_args.get("block_size", 16))
+    args = {"max_num_seqs": max(plan["streams"]), "num_blocks": _kv_tokens_needed(plan, block_size), **engine_args}
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, **args)
+    result["memory_loaded"] = memory_mib()
+    print(f"  loaded in {time.perf_counter() - t0:.1f}s ({llm.engine.dtype}, {args})", flush=True)
+    chat, new_tokens = plan["chat"], plan["new_tokens"]
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([chat[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)  # warm-up
+    for n in plan["streams"]:
+        outs = llm.generate(chat[:n], greedy, use_tqdm=False)
+        # All streams are submitted together; their first tokens come from the same (prefill) step.
+        window = max(o.timings.total for o in outs) - max(o.timings.ttft for o in outs)
+        result["decode"][str(n)] = sum(len(o.token_ids) - 1 for o in outs) / window
+        print(f"  helexa {n:>2} streams x {new_tokens}: {result['decode'][str(n)]:.1f} tok/s", flush=True)
+    for length, prompts in plan["prefill"].items():
+        ttfts = []
+        for p in prompts:
+            (out,) = llm.generate([p], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+            ttfts.append(out.timings.ttft)
+        ttft = statistics.median(ttfts)
+        result["prefill"][length], result["prefill_ttft_ms"][length] = int(length) / ttft, ttft * 1e3
+        print(f"  helexa prefill {length} tokens: {int(length) / ttft:.0f} tok/s", flush=True)
+    if plan["long"]:
+        prompt, new = plan["long"]["prompt"], plan["long"]["new_tokens"]
+        (out,) = llm.generate(
+            [prompt], SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), use_tqdm=False
+        )
+        result["long_decode"] = (len(out.token_ids) - 1) / (out.timings.total - out.timings.ttft)
+        result["long_prefill"] = len(prompt) / out.timings.ttft
+        print(f"  helexa decode at {len(prompt)} context: {result['long_decode']:.1f} tok/s", flush=True)
+    budget = llm.engine.budget
+    result["kv_bytes"] = budget.bytes_per_block * budget.num_blocks
+    result["kv_dtype"] = str(llm.engine.pool.dtype).removeprefix("torch.")
+    result["kernel_path"] = native.kernel_path()
+    result["memory_end"] = memory_mib()
+    llm.close()
+    return result
+
+
+def child_main(plan_path: Path, result_path: Path) -> int:
+    """`--child`: one helexa configuration's measurement of a plan, in this (fresh) process."""
+    plan = json.loads(plan_path.read_text())
     try:
-        import llama_cpp
-        import llama_cpp._logger  # installs the log callback that honours the logger's level
-    except Exception as exc:  # ImportError, or a shared library that fails to load
-        print(f"llama.cpp peer unavailable ({type(exc).__name__}: {exc}); {BUILD_HINT}", flush=True)
-        return None
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
-    return llama_cpp
+        result = measure_helexa(plan, plan["model_dir"], plan["engine_args"])
+    except Exception as exc:  # reported in the table; the other engines still run
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    result_path.write_text(json.dumps(result))
+    return 0 if "error" not in result else 1
 
 
-class LlamaCppModel:
-    """A GGUF loaded through llama.cpp's C API (`llama_model_load_from_file`), CPU only."""
-
-    def __init__(self, lib, gguf: Path, threads: int) -> None:
-        self.lib, self.threads = lib, threads
-        lib.llama_backend_init()
-        params = lib.llama_model_default_params()
-        params.n_gpu_layers = 0
-        self.model = lib.llama_model_load_from_file(str(gguf).encode(), params)
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {gguf}")
-        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
-
-    def context(self, n_seq_max: int, n_ctx_per_seq: int, n_batch: int = 512) -> LlamaCppContext:
-        return LlamaCppContext(self, n_seq_max, n_ctx_per_seq, n_batch)
-
-    def close(self) -> None:
-        if self.model:
-            self.lib.llama_model_free(self.model)
-            self.model = None
+def run_child(command: list[str], plan: dict[str, Any], tmp: Path, name: str) -> dict[str, Any]:
+    """Run one engine's process on `plan`; its result (with `error` when it failed or wrote none)."""
+    plan_path, result_path = tmp / f"{name}.plan.json", tmp / f"{name}.result.json"
+    plan_path.write_text(json.dumps(plan))
+    result_path.unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(plan["threads"])}
+    proc = subprocess.run([*command, str(plan_path), str(result_path)], env=env, cwd=ROOT)
+    if not result_path.is_file():
+        return {"error": f"the process exited {proc.returncode} without a result"}
+    return json.loads(result_path.read_text())
 
 
-class LlamaCppContext:
-    """One llama.cpp context of `n_seq_max` sequences (each its own KV of `n_ctx_per_seq` tokens) and a
-    batch of up to `n_batch` tokens; `decode` runs one `llama_decode` over tokens of any sequences."""
-
-    def __init__(self, owner: LlamaCppModel, n_seq_max: int, n_ctx_per_seq: int, n_batch: int) -> None:
-        lib = self.lib = owner.lib
-        self.n_vocab, self.n_batch = owner.n_vocab, n_batch
-        params = lib.llama_context_default_params()
-        params.n_ctx = n_seq_max * n_ctx_per_seq
-        params.n_batch = params.n_ubatch = n_batch
-        params.n_seq_max = n_seq_max
-        params.n_threads = params.n_threads_batch = owner.threads
-        params.kv_unified = False  # per-sequence KV streams: the faster layout for unrelated sequences
-        params.no_perf = True
-        self.ctx = lib.llama_init_from_model(owner.model, params)
-        if not self.ctx:
-            raise RuntimeError(f"llama.cpp could not create a context of {n_seq_max} x {n_ctx_per_seq} tokens")
-        self.batch = lib.llama_batch_init(n_batch, 0, 1)
-
-    def clear(self) -> None:
-        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
-
-    def decode(self, tokens: Sequence[tuple[int, int, int, bool]]) -> np.ndarray:
-        """Run `(token, position, seq_id, wants_logits)` entries (at most n_batch) through one `llama_decode`;
-        returns the logits rows of the entries that want them, in order: (R, V) float32 (a copy)."""
-        b = self.batch
-        b.n_tokens = len(tokens)
-        rows = 0
-        for i, (tok, pos, seq, out) in enumerate(tokens):
-            b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
-            b.seq_id[i][0] = seq
-            b.logits[i] = 1 if out else 0
-            rows += bool(out)
-        rc = self.lib.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc} for a batch of {len(tokens)} tokens")
-        if rows == 0:
-            return np.empty((0, self.n_vocab), dtype=np.float32)
-        ptr = self.lib.llama_get_logits(self.ctx)
-        flat = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(rows * self.n_vocab,))
-        return flat.reshape(rows, self.n_vocab).copy()
-
-    def prefill(self, ids: Sequence[int], seq: int = 0, all_logits: bool = False) -> np.ndarray:
-        """Feed `ids` to sequence `seq` from position 0 in n_batch chunks; the last row's logits (1, V),
-        or every position's (T, V) with `all_logits`."""
-        out = []
-        for start in range(0, len(ids), self.n_batch):
-            chunk = ids[start : start + self.n_batch]
-            last = start + len(chunk) == len(ids)
-            entries = [(t, start + i, seq, all_logits or (last and i == len(chunk) - 1)) for i, t in enumerate(chunk)]
-            out.append(self.decode(entries))
-        return np.concatenate(out)
-
-    def greedy(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> tuple[list[list[int]], float, float]:
-        """Greedy continuations of `prompts` (one sequence each, decoded together in one batch per step).
-
-        Returns (tokens per prompt, seconds until every prompt had its first token, seconds of the
-        decode steps after that)."""
-        if len(prompts) > self.n_batch:
-            raise ValueError(f"{len(prompts)} streams exceed the batch of {self.n_batch}")
-        self.clear()
-        start = time.perf_counter()
-        outs = [[int(self.prefill(p, seq=s)[-1].argmax())] for s, p in enumerate(prompts)]
-        first = time.perf_counter()
-        for _ in range(new_tokens - 1):
-            step = [(o[-1], len(p) + len(o) - 1, s, True) for s, (p, o) in enumerate(zip(prompts, outs))]
-            logits = self.decode(step)
-            for o, row in zip(outs, logits.argmax(axis=1).tolist()):
-                o.append(int(row))
-        end = time.perf_counter()
-        return outs, first - start, end - first
-
-    def close(self) -> None:
-        if self.ctx:
-            self.lib.llama_batch_free(self.batch)
-            self.lib.llama_free(self.ctx)
-            self.ctx = None
+def convert_for_helexa(gguf: Path) -> str:
+    """helexa's converted directory of `gguf`, converted once in a separate process (so the
+    conversion's memory is nobody's peak)."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from helexa.model.weights.pull import convert_gguf_file; "
+        "print(convert_gguf_file(sys.argv[2], progress=False))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT), str(gguf)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"converting {gguf} for helexa failed:\n{out.stderr[-2000:]}")
+    return out.stdout.strip().splitlines()[-1]
 
 
-# ---------------------------------------------------------------------------------------------- measurements
+def model_gguf(name: str, threads: int) -> Path:
+    """The GGUF of `name` (a key of MODELS), made by bench/random_gguf.py in its own process if missing."""
+    if name == "135m":
+        return default_gguf()
+    if not path_for(name).is_file():
+        subprocess.run([sys.executable, str(BENCH / "random_gguf.py"), name, "--threads", str(threads)], check=True)
+    return path_for(name)
+
+
+def weight_bytes(gguf: Path) -> tuple[int, dict[str, int]]:
+    """(bytes of every tensor of the GGUF: what one decode step reads, the shape numbers the KV size
+    needs: layers, kv_heads, head_dim)."""
+    import gguf as gguf_lib
+
+    reader = gguf_lib.GGUFReader(gguf)
+    arch = reader.fields["general.architecture"].contents()
+
+    def meta(key: str) -> int:
+        return int(reader.fields[f"{arch}.{key}"].contents())
+
+    heads = meta("attention.head_count")
+    shape = {
+        "layers": meta("block_count"),
+        "kv_heads": meta("attention.head_count_kv"),
+        "head_dim": meta("embedding_length") // heads,
+    }
+    return sum(int(t.n_bytes) for t in reader.tensors), shape
+
+
+# ---------------------------------------------------------------------------------------------- report
 
 
 @dataclass
 class Column:
-    """One system's numbers: prefill tok/s and aggregate decode tok/s per stream count, and the memory
-    it held while loaded (MiB)."""
+    """One engine's numbers on one model."""
 
     name: str
-    prefill: float | None = None
-    prefill_ttft_ms: float | None = None
-    decode: dict[int, float] = field(default_factory=dict)
-    held_mib: float | None = None
-    note: str = ""
-    error: str | None = None
+    result: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def error(self) -> str | None:
+        return self.result.get("error")
 
-def rss_mib() -> float:
-    """This process's resident set now, in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    def merge(self, result: dict[str, Any]) -> None:
+        """Add one round's result: each speed the best of the rounds (the machine is shared: the best
+        round is the one least disturbed), memory and the rest from the first round that succeeded."""
+        if "error" in result:
+            self.result.setdefault("error", result["error"])
+            return
+        if not self.result or "error" in self.result:
+            self.result = {**result, "loads": [result["load"]]}
+            return
+        self.result["loads"].append(result["load"])
+        for key in ("decode", "prefill"):
+            for k, v in result[key].items():
+                self.result[key][k] = max(v, self.result[key].get(k, v))
+        for key in ("long_decode", "long_prefill"):
+            if key in result:
+                self.result[key] = max(result[key], self.result.get(key, result[key]))
+
+    def decode(self, n: int) -> float | None:
+        return self.result.get("decode", {}).get(str(n))
+
+    def prefill(self, n: int) -> float | None:
+        return self.result.get("prefill", {}).get(str(n))
+
+    @property
+    def peak_mib(self) -> float | None:
+        return self.result.get("memory_end", {}).get("peak")
+
+    @property
+    def kv_mib(self) -> float | None:
+        v = self.result.get("kv_bytes")
+        return None if v is None else v / 2**20
 
 
 def read_bandwidth(threads: int) -> float:
@@ -331,263 +399,236 @@ def read_bandwidth(threads: int) -> float:
     return (1 << 30) / best
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
-def bench_llama_cpp(
-    lib,
-    gguf: Path,
-    streams: Sequence[int],
-    new_tokens: int,
-    chat: list[list[int]],
-    prefill: list[list[int]],
-    threads: int,
-) -> Column:
-    col = Column("llama.cpp", note="Q4_1 GGUF native; multi-stream: llama_batch, one seq_id per stream")
-    before = rss_mib()
-    model = LlamaCppModel(lib, gguf, threads)
-    try:
-        per_seq = max(len(p) for p in prefill) + 8
-        per_seq = max(per_seq, max(len(p) for p in chat) + new_tokens + 8)
-        per_seq = -(-per_seq // 256) * 256
-        for n in streams:
-            ctx = model.context(n_seq_max=n, n_ctx_per_seq=per_seq)
-            try:
-                if n == min(streams):  # warm-up, then prefill, on the smallest context
-                    ctx.greedy(chat[:1], 4)
-                    ttfts = []
-                    for p in prefill:
-                        ctx.clear()
-                        t0 = time.perf_counter()
-                        int(ctx.prefill(p)[-1].argmax())
-                        ttfts.append(time.perf_counter() - t0)
-                    ttft = statistics.median(ttfts)
-                    col.prefill, col.prefill_ttft_ms = len(prefill[0]) / ttft, ttft * 1e3
-                    print(f"  llama.cpp prefill {len(prefill[0])} tokens: {col.prefill:.0f} tok/s", flush=True)
-                outs, _, decode_s = ctx.greedy(chat[:n], new_tokens)
-                col.decode[n] = sum(len(o) - 1 for o in outs) / decode_s
-                print(f"  llama.cpp {n:>2} streams x {new_tokens}: {col.decode[n]:.1f} tok/s", flush=True)
-                col.held_mib = max(col.held_mib or 0.0, rss_mib() - before)
-            finally:
-                ctx.close()
-    finally:
-        model.close()
-    return col
-
-
-def bench_helexa(
-    label: str,
-    engine_args: dict[str, Any],
-    streams: Sequence[int],
-    new_tokens: int,
-    chat: list[list[int]],
-    prefill: list[list[int]],
-) -> Column:
-    col = Column(f"helexa {label}")
-    args = {"max_num_seqs": max(16, max(streams)), "num_blocks": 2048, **engine_args}
-    before = rss_mib()
-    t0 = time.perf_counter()
-    llm = LLM(None, **args)
-    print(f"  loaded in {time.perf_counter() - t0:.1f}s ({llm.engine.dtype}, {args})", flush=True)
-    try:
-        greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        llm.generate([chat[0]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
-        ttfts = []
-        for p in prefill:
-            (out,) = llm.generate([p], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-            ttfts.append(out.timings.ttft)
-        ttft = statistics.median(ttfts)
-        col.prefill, col.prefill_ttft_ms = len(prefill[0]) / ttft, ttft * 1e3
-        print(f"  {col.name} prefill {len(prefill[0])} tokens: {col.prefill:.0f} tok/s", flush=True)
-        for n in streams:
-            outs = llm.generate(chat[:n], greedy, use_tqdm=False)
-            # All streams are submitted together; their first tokens come from the same (prefill) step.
-            window = max(o.timings.total for o in outs) - max(o.timings.ttft for o in outs)
-            col.decode[n] = sum(len(o.token_ids) - 1 for o in outs) / window
-            print(f"  {col.name} {n:>2} streams x {new_tokens}: {col.decode[n]:.1f} tok/s", flush=True)
-        col.held_mib = rss_mib() - before
-        pool_mib = llm.engine.budget.bytes_per_block * llm.engine.budget.num_blocks / 2**20
-        col.note = "; ".join(
-            filter(
-                None,
-                [
-                    col.note,
-                    f"kernel path {native.kernel_path()}, KV pool {pool_mib:.0f} MiB of {llm.engine.pool.dtype}",
-                ],
-            )
-        )
-    finally:
-        del llm
-        gc.collect()
-    return col
-
-
-# ---------------------------------------------------------------------------------------------- report
-
-
-def _roofline(c: Column, weight_bytes: int, bandwidth: float) -> float | None:
-    """One-stream decode tok/s as a percentage of bandwidth / weight bytes (every weight read once a token)."""
-    one = c.decode.get(1)
-    return None if one is None else 100 * one * weight_bytes / bandwidth
-
-
 def fmt(v: float | None, digits: int = 1) -> str:
     return "—" if v is None else f"{v:.{digits}f}"
 
 
-def _decode_at(n: int) -> Callable[[Column], float | None]:
-    return lambda c: c.decode.get(n)
+@dataclass
+class ModelRun:
+    """One model's columns and the numbers the report needs about it."""
+
+    name: str
+    gguf: Path
+    weight_bytes: int
+    cols: list[Column]
+    streams: list[int]
+    prefill: list[int]
+    long: int
 
 
-def report(cols: list[Column], streams: Sequence[int], args: argparse.Namespace, prompt_len: int) -> str:
-    peer = next((c for c in cols if c.name == "llama.cpp"), None)
+def table(run: ModelRun, bandwidth: float) -> list[str]:
+    peer = next((c for c in run.cols if c.name == PEER and c.error is None), None)
     header = ["metric"]
-    for c in cols:
+    for c in run.cols:
         header.append(c.name)
-        if peer is not None and c is not peer:
-            header.append(f"{c.name} / llama.cpp")
-    metrics: list[tuple[str, Callable[[Column], float | None], bool]] = [  # (row, value, show the ratio)
-        (f"decode tok/s, {n} stream{'s' if n > 1 else ''} (aggregate)", _decode_at(n), True) for n in streams
+        if peer is not None and c.name != PEER:
+            header.append(f"{c.name} / {PEER}")
+    roof = bandwidth / run.weight_bytes
+    rows: list[tuple[str, Callable[[Column], float | None], bool]] = [  # (row, value, show the ratio)
+        (f"decode tok/s, {n} stream{'s' if n > 1 else ''} (aggregate)", (lambda c, n=n: c.decode(n)), True)
+        for n in run.streams
     ]
-    metrics.append((f"prefill tok/s ({prompt_len}-token prompt)", lambda c: c.prefill, True))
-    metrics.append(("prefill TTFT ms", lambda c: c.prefill_ttft_ms, False))
-    bandwidth, weight_bytes = args.read_bandwidth, args.gguf_bytes
-    metrics.append(("1-stream decode, % of the read roofline", lambda c: _roofline(c, weight_bytes, bandwidth), False))
-    metrics.append(("memory held while loaded, MiB (RSS delta)", lambda c: c.held_mib, True))
-    lines = [
-        f"# helexa vs llama.cpp — {time.strftime('%Y-%m-%d')}, {DEFAULT_MODEL} (Q4_1 GGUF), CPU, "
-        f"{args.threads} threads",
-        "",
-        f"Greedy, EOS ignored, {args.new_tokens} new tokens per stream; prefill: median of "
-        f"{args.prefill_repeats} different prompts. Same token ids for every system. Ratio: helexa's speed / "
-        f"llama.cpp's. Load average at the start: {args.load_at_start}.",
-        "",
-        f"CPU: {cpu_model()}; helexa kernel path: {native.kernel_path()}; measured read bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s ({args.threads} threads); GGUF {weight_bytes / 2**20:.0f} MiB, so one "
-        f"stream's roofline is {bandwidth / weight_bytes:.1f} tok/s.",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-    ]
-    for name, get, with_ratio in metrics:
+    rows += [(f"prefill tok/s, {n}-token prompt", (lambda c, n=n: c.prefill(n)), True) for n in run.prefill]
+    if run.long:
+        rows.append(
+            (f"decode tok/s at {run.long}-token context (1 stream)", lambda c: c.result.get("long_decode"), True)
+        )
+        rows.append((f"prefill tok/s, {run.long}-token prompt", lambda c: c.result.get("long_prefill"), True))
+    rows.append(
+        (
+            "1-stream decode, % of the read roofline",
+            lambda c: None if c.decode(1) is None else 100 * c.decode(1) / roof,
+            False,
+        )
+    )
+    rows.append(("peak RSS, MiB (the engine's own process)", lambda c: c.peak_mib, False))
+    rows.append(("KV held for the largest run, MiB", lambda c: c.kv_mib, False))
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, get, with_ratio in rows:
         row = [name]
         base = get(peer) if peer is not None else None
-        for c in cols:
-            v = get(c)
+        for c in run.cols:
+            v = None if c.error else get(c)
             row.append(fmt(v))
-            if peer is not None and c is not peer:
+            if peer is not None and c.name != PEER:
                 ratio = v / base if (with_ratio and v is not None and base) else None
                 row.append(fmt(ratio, 2) + ("x" if ratio is not None else ""))
         lines.append("| " + " | ".join(row) + " |")
-    notes = [f"- {c.name}: {c.note}" for c in cols if c.note] + [
-        f"- {c.name}: FAILED: {c.error}" for c in cols if c.error
+    return lines
+
+
+def report(runs: list[ModelRun], args: argparse.Namespace) -> str:
+    lines = [
+        f"# helexa vs llama.cpp — {time.strftime('%Y-%m-%d %H:%M')}, CPU, {args.threads} threads",
+        "",
+        f"CPU: {cpu_name()}; helexa kernel path: {native.kernel_path()}; llama.cpp: llama-cpp-python's sources "
+        f"built natively for this CPU (GGML_NATIVE=ON, bench/setup_llama_cpp.sh; extra buffer types "
+        f"{'off: this CPU has AMX, whose buffer type segfaulted on an AMX Xeon' if cpu_has_amx() else 'on'}); "
+        f"measured read bandwidth {args.read_bandwidth / 1e9:.1f} GB/s "
+        f"({args.threads} threads). Load average at the start: {args.load_at_start}.",
+        "",
+        f"Greedy, EOS ignored, {args.new_tokens} new tokens per stream ({args.long_new_tokens} at the long context); "
+        f"prefill: median of {args.prefill_repeats} different prompts (over {LONG_PROMPT} tokens: one). "
+        "Same token ids for every engine; each engine "
+        f"in its own fresh process, {args.rounds} round(s) with the engines alternating, each speed the best round's. "
+        "Ratio: helexa's / llama.cpp's.",
     ]
-    if notes:
+    for run in runs:
+        roof = args.read_bandwidth / run.weight_bytes
+        lines += [
+            "",
+            f"## {run.name}: {run.gguf.name} ({run.weight_bytes / 2**20:.0f} MiB of weights; one stream's roofline "
+            f"{roof:.1f} tok/s)",
+            "",
+            *table(run, args.read_bandwidth),
+        ]
+        notes = []
+        for c in run.cols:
+            r = c.result
+            if not r:
+                continue  # not run yet (a report written so far)
+            if c.error:
+                notes.append(f"- {c.name}: FAILED: {c.error}")
+                continue
+            mem = r.get("memory_loaded", {})
+            extra = f", KV {r['kv_dtype']}" if "kv_dtype" in r else ", KV float16 (llama.cpp's default)"
+            notes.append(
+                f"- {c.name}: RSS after load {fmt(mem.get('rss'), 0)} MiB (peak so far {fmt(mem.get('peak'), 0)}); "
+                f"process start {fmt(r.get('memory_start', {}).get('rss'), 0)} MiB{extra}; "
+                f"1-min load average at the start of each round {', '.join(f'{v:.1f}' for v in r['loads'])}"
+            )
         lines += ["", *notes]
-    if peer is None:
-        lines += ["", f"llama.cpp was not measured: {BUILD_HINT}."]
     return "\n".join(lines)
 
 
-def plot(cols: list[Column], streams: Sequence[int], path: Path, prompt_len: int) -> None:
+def _grouped_bars(
+    ax, cols: list[Column], labels: list[str], values: Callable[[Column], list[float]], ylabel: str
+) -> None:
+    """One bar per column and label, grouped by label, each with its value printed."""
+    width = 0.8 / max(1, len(cols))
+    x = np.arange(len(labels))
+    for i, c in enumerate(cols):
+        bars = ax.bar(x + (i - (len(cols) - 1) / 2) * width, values(c), width, label=c.name)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_xticks(x, labels)
+    ax.set_ylabel(ylabel)
+
+
+def plot(runs: list[ModelRun], bandwidth: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [c for c in cols if c.error is None]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 1]})
-    width = 0.8 / max(1, len(ok))
-    x = np.arange(len(streams))
-    for i, c in enumerate(ok):
-        values = [c.decode.get(n, 0.0) for n in streams]
-        bars = ax1.bar(x + (i - (len(ok) - 1) / 2) * width, values, width, label=c.name)
-        ax1.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax1.set_xticks(x, [f"{n} stream{'s' if n > 1 else ''}" for n in streams])
-    ax1.set_ylabel("aggregate decode tokens / s")
-    ax1.set_title("greedy decode")
-    ax1.legend(fontsize=8)
-    bars = ax2.bar(range(len(ok)), [c.prefill or 0.0 for c in ok], color=[f"C{i}" for i in range(len(ok))])
-    ax2.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax2.set_xticks(range(len(ok)), [c.name for c in ok], rotation=30, ha="right", fontsize=8)
-    ax2.set_ylabel("prompt tokens / s")
-    ax2.set_title(f"prefill ({prompt_len} tokens)")
-    fig.suptitle(f"{DEFAULT_MODEL} Q4_1 GGUF on CPU: helexa vs llama.cpp")
+    fig, axes = plt.subplots(len(runs), 3, figsize=(15, 4.2 * len(runs)), squeeze=False)
+    for (ax1, ax2, ax3), run in zip(axes, runs):
+        ok = [c for c in run.cols if c.error is None]
+        long = [run.long] if run.long else []
+        _grouped_bars(
+            ax1,
+            ok,
+            [f"{n} str." for n in run.streams] + [f"1 @ {n}" for n in long],
+            lambda c, run=run, long=long: (
+                [c.decode(n) or 0.0 for n in run.streams] + [c.result.get("long_decode", 0.0) for _ in long]
+            ),
+            "decode tokens / s",
+        )
+        ax1.axhline(bandwidth / run.weight_bytes, color="grey", ls="--", lw=1, label="1-stream roofline")
+        ax1.set_title(f"{run.name}: greedy decode")
+        ax1.legend(fontsize=8)
+        _grouped_bars(
+            ax2,
+            ok,
+            [f"{n} tokens" for n in run.prefill + long],
+            lambda c, run=run, long=long: (
+                [c.prefill(n) or 0.0 for n in run.prefill] + [c.result.get("long_prefill", 0.0) for _ in long]
+            ),
+            "prompt tokens / s",
+        )
+        ax2.set_title(f"{run.name}: prefill")
+        x = np.arange(len(ok))
+        peak = [c.peak_mib or 0.0 for c in ok]
+        kv = [c.kv_mib or 0.0 for c in ok]
+        ax3.bar_label(ax3.bar(x, peak, 0.5, color=[f"C{i}" for i in range(len(ok))]), fmt="%.0f", fontsize=7)
+        ax3.bar(x, kv, 0.5, color="none", edgecolor="black", hatch="//", label="of which KV held")
+        ax3.set_xticks(x, [c.name for c in ok], fontsize=8)
+        ax3.set_ylabel("MiB")
+        ax3.set_title(f"{run.name}: peak RSS")
+        ax3.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return child_main(Path(argv[1]), Path(argv[2]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_helexa_args(parser, DEFAULT_CONFIGS)
+    add_helexa_args(parser, [""])
+    parser.add_argument("--models", default="135m,1b", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--streams", default="1,8,16", help="concurrent streams to measure, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--prefill-tokens", type=int, default=500)
+    parser.add_argument("--prefill", default="500,4096", help="prompt lengths to prefill, comma-separated")
     parser.add_argument("--prefill-repeats", type=int, default=3)
+    parser.add_argument("--long", type=int, default=8128, help="the long-context decode's prompt tokens (0: skip)")
+    parser.add_argument("--long-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads")
-    parser.add_argument("--gguf", type=Path, default=None, help="the GGUF file (default: the default model's)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each engine, alternating; the best counts")
     parser.add_argument("--no-llama-cpp", action="store_true", help="measure helexa only")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 16 new tokens, 1 prefill repeat")
     args = parser.parse_args(argv)
     if args.quick:
-        args.new_tokens, args.prefill_repeats = 16, 1
-    streams = sorted({int(s) for s in args.streams.split(",") if s.strip()})
-    configs = [(label, parse_config(label)) for label in args.helexa_args]
-    torch.set_num_threads(args.threads)
+        args.new_tokens, args.prefill_repeats, args.long_new_tokens = 16, 1, 8
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if bad := [m for m in models if m not in MODELS]:
+        raise SystemExit(f"unknown models {bad}; known: {', '.join(MODELS)}")
     args.load_at_start = " ".join(f"{v:.1f}" for v in os.getloadavg())
-
-    gguf = args.gguf or default_gguf()
-    args.gguf_bytes = gguf.stat().st_size
     args.read_bandwidth = read_bandwidth(args.threads)
     print(
-        f"CPU {cpu_model()}; kernel path {native.kernel_path()}; read {args.read_bandwidth / 1e9:.1f} GB/s", flush=True
+        f"CPU {cpu_name()}; kernel path {native.kernel_path()}; read {args.read_bandwidth / 1e9:.1f} GB/s", flush=True
     )
     tokenizer = load_tokenizer()
-    chat = stream_prompts(tokenizer, max(streams))
-    prefill = prefill_prompts(tokenizer, args.prefill_tokens, args.prefill_repeats)
-    print(
-        f"gguf={gguf} threads={args.threads} streams={streams} new_tokens={args.new_tokens} "
-        f"chat prompt tokens={sorted(len(p) for p in chat)} prefill={args.prefill_tokens}x{args.prefill_repeats}",
-        flush=True,
-    )
-
-    cols: list[Column] = []
     args.out.mkdir(parents=True, exist_ok=True)
-
-    def measured(col: Column, load: float) -> None:
-        col.note = "; ".join(filter(None, [col.note, f"1-min load average at its start {load:.1f}"]))
-        cols.append(col)
-        (args.out / "peers.md").write_text(report(cols, streams, args, args.prefill_tokens) + "\n")  # so far
-        gc.collect()
-
-    lib = None if args.no_llama_cpp else import_llama_cpp()
-    if lib is not None:
-        print("[llama.cpp]", flush=True)
-        load = os.getloadavg()[0]
-        measured(bench_llama_cpp(lib, gguf, streams, args.new_tokens, chat, prefill, args.threads), load)
-    for label, engine_args in configs:
-        print(f"[helexa {label}]", flush=True)
-        load = os.getloadavg()[0]
-        try:
-            col = bench_helexa(label, engine_args, streams, args.new_tokens, chat, prefill)
-        except Exception as exc:  # e.g. a field this checkout's EngineConfig does not have yet
-            print(f"  helexa {label} failed: {type(exc).__name__}: {exc}", flush=True)
-            col = Column(f"helexa {label}", error=f"{type(exc).__name__}: {exc}")
-        measured(col, load)
-
-    table = report(cols, streams, args, args.prefill_tokens)
+    runs: list[ModelRun] = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        for name in models:
+            gguf = model_gguf(name, args.threads)
+            plan = child_plan(args, tokenizer, gguf)
+            nbytes, _ = weight_bytes(gguf)
+            run = ModelRun(name, gguf, nbytes, [], plan["streams"], [int(n) for n in plan["prefill"]], args.long)
+            runs.append(run)
+            engines: list[tuple[str, list[str], dict[str, Any]]] = []
+            if not args.no_llama_cpp:
+                engines.append((PEER, [sys.executable, str(BENCH / "peer_llama_cpp.py")], plan))
+            model_dir = convert_for_helexa(gguf)
+            for label in args.helexa_args:
+                child = {**plan, "model_dir": model_dir, "engine_args": parse_config(label)}
+                engines.append((f"helexa {label}".strip(), [sys.executable, __file__, "--child"], child))
+            cols = {engine: Column(engine) for engine, _, _ in engines}
+            run.cols = list(cols.values())
+            for r in range(args.rounds):  # engines alternating, so each round sees about the same machine
+                for engine, command, engine_plan in engines:
+                    print(f"[{name}: {engine}, round {r + 1} of {args.rounds}]", flush=True)
+                    load = os.getloadavg()[0]
+                    result = run_child(command, engine_plan, tmp, f"{name}-{engine}-{r}".replace(" ", "_"))
+                    result["load"] = load
+                    if engine == PEER and "error" not in result:
+                        _, shape = weight_bytes(gguf)
+                        per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2  # K, V float16
+                        result["kv_bytes"] = result["kv_tokens"] * per_token
+                    cols[engine].merge(result)
+                    (args.out / "peers.md").write_text(report(runs, args) + "\n")  # so far
+                    gc.collect()
+    text = report(runs, args)
     print()
-    print(table)
-    (args.out / "peers.md").write_text(table + "\n")
-    plot(cols, streams, args.out / "peers.png", args.prefill_tokens)
+    print(text)
+    (args.out / "peers.md").write_text(text + "\n")
+    plot(runs, args.read_bandwidth, args.out / "peers.png")
     print(f"wrote {args.out / 'peers.md'} and {args.out / 'peers.png'}")
-    return 0 if all(c.error is None for c in cols) else 1
+    return 0 if all(c.error is None for r in runs for c in r.cols) else 1
 
 
 if __name__ == "__main__":

@@ -1,25 +1,32 @@
 """Load a Hugging Face style directory (config.json + safetensors) into a `CausalLM`: built on the
-`meta` device, each parameter allocated once in the target dtype and device and filled from
-memory-mapped safetensors, then attached with `load_state_dict(assign=True)`. Pickles are never read.
+`meta` device, each parameter allocated once in the target dtype and device and filled from the
+safetensors files by positioned reads (`weights.tensor_file`: never mapped, so the file's pages are
+not this process's memory), then attached with `load_state_dict(assign=True)`. Pickles are never read.
+
+Tensors are read module by module; on the CPU a quantized module whose every part is read is
+prepared at once, so its kernel's tiled layout replaces the read tensors before the next module is
+read: peak memory while loading is about the weights' resident size, not twice it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from helexa.kernels import AttentionBackend
 from helexa.model.config import DTYPES, ModelConfig
 from helexa.model.parallel.comm import TensorParallel
-from helexa.model.parallel.sharding import ShardPlan
 from helexa.model.quant import native
 from helexa.model.quant.apply import (
     QUANTIZATION_CHOICES,
@@ -33,6 +40,7 @@ from helexa.model.quant.linear import QuantEmbedding, QuantLinear
 from helexa.model.quant.native_step import native_step_for
 from helexa.model.quant.weight import SUFFIXES, QuantizedWeight
 from helexa.model.transformer import CausalLM, copy_checked
+from helexa.model.weights.tensor_file import TensorFile
 
 __all__ = ["load_model", "resolve_dtype", "safetensors_files"]
 
@@ -135,16 +143,6 @@ def _narrow(tensor: torch.Tensor, part: tuple[int, int, int] | None) -> torch.Te
     return tensor.narrow(dim, start, stop - start)
 
 
-def _read(handle, name: str, plan: ShardPlan) -> torch.Tensor:
-    """Checkpoint tensor `name` as this rank keeps it: only its rows or columns are read from the mmap."""
-    part = plan.checkpoint_slice(name)
-    if part is None:
-        return handle.get_tensor(name)
-    dim, start, stop = part
-    view = handle.get_slice(name)
-    return view[start:stop] if dim == 0 else view[:, start:stop]
-
-
 class _Layout(NamedTuple):
     """How a checkpoint module is stored quantized."""
 
@@ -198,21 +196,72 @@ def _install_checkpoint_quantization(
 
 
 def _tensor_shapes(files: list[Path]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """name -> (dtype, shape) of every tensor of the checkpoint, read from the headers only."""
-    shapes = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                part = handle.get_slice(name)
-                shapes[name] = (_SAFETENSORS_DTYPES[part.get_dtype()], tuple(part.get_shape()))
+    """name -> (dtype, shape) of every tensor of the checkpoint, from the headers; `ValueError` for a
+    name two files hold."""
+    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for path in files:
+        with TensorFile(path) as file:
+            for name, info in file.infos.items():
+                if name in shapes:
+                    raise ValueError(f"tensor {name!r} appears more than once in the checkpoint (again in {path.name})")
+                shapes[name] = (info.dtype, info.shape)
     return shapes
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
+def _reading_order(
+    files: list[TensorFile], targets: dict[str, tuple[str, _Copy]], model: CausalLM
+) -> list[tuple[str, TensorFile]]:
+    """Every checkpoint tensor with its file, grouped by the model module it fills (in the model's
+    module order; a fused module's stacked parts together), so that each quantized module is complete,
+    and can be prepared, before the next one is read. Tensors the model does not take come first."""
+    rank = {name: i for i, (name, _) in enumerate(model.named_modules())}
+
+    def module_of(name: str) -> int:
+        module, _, leaf = name.rpartition(".")
+        target = targets.get(name)
+        if target is None and leaf in SUFFIXES:  # a quantized part of a weight the model takes dense
+            target = targets.get(f"{module}.weight")
+        return -1 if target is None else rank.get(target[0].rpartition(".")[0], -1)
+
+    entries = [(name, file) for file in files for name in file.keys()]
+    return sorted(entries, key=lambda entry: module_of(entry[0]))  # stable: a file's order within a module
+
+
+def _prepare_when_complete(
+    model: CausalLM, module_name: str, state: dict[str, torch.Tensor], awaiting: Counter[str]
+) -> None:
+    """If `module_name` is a quantized module every part of which is read, build its CPU execution
+    now (`QuantLinear.prepare_from`): when the native kernel takes it, its tiled layout becomes the
+    weight's only copy at once and the read parts leave `state`, so a checkpoint's canonical tensors
+    are never all resident together (weights once, during loading too)."""
+    module = model.get_submodule(module_name)
+    if not isinstance(module, QuantLinear) or module.qweight is None:
+        return
+    parts = [f"{module_name}.{leaf}" for leaf in SUFFIXES if getattr(module, leaf) is not None]
+    if any(awaiting[p] or p not in state for p in parts):
+        return
+    weight = QuantizedWeight.of(*(state[p] for p in parts))
+    if module.prepare_from(weight):
+        for p in parts:
+            del state[p]
+        del weight
+        _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Give the pages the C heap holds free back to the system (glibc's `malloc_trim`; elsewhere
+    nothing): the read tensors a module's tiled layout replaced would otherwise stay resident."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
 
 
 def load_model(
@@ -259,48 +308,56 @@ def load_model(
     mixed = [] if quantization == "none" else _install_checkpoint_quantization(model, shapes, dtype)
     targets = _checkpoint_targets(model)
     wanted = {entry for entry, _ in targets.values()}
-    state = {
-        name: torch.empty(t.shape, dtype=t.dtype if _is_quant_part(name) else dtype, device=device)
+    specs = {  # state entry -> (shape, dtype); allocated at its first checkpoint tensor, so a quantized
+        # module's read tensors live only while that module is read (and reuse the last one's memory)
+        name: (t.shape, t.dtype if _is_quant_part(name) else dtype)
         for name, t in [*model.named_parameters(), *model.named_buffers()]
         if name in wanted
     }
+    state: dict[str, torch.Tensor] = {}
     loaded: set[str] = set()
     pending: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint module -> quantized parts read for a dense weight
+    awaiting = Counter(entry for entry, _ in targets.values())  # state entry -> checkpoint tensors still to copy in
     num_bytes = 0
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                module, _, leaf = name.rpartition(".")
-                dense_from_quant = leaf in SUFFIXES and name not in targets and f"{module}.weight" in targets
-                if name not in targets and not dense_from_quant:
-                    tied_head = config.tie_word_embeddings and module == "lm_head"  # the embedding table
-                    if tied_head or name.endswith("rotary_emb.inv_freq"):  # older exports saved RoPE frequencies
-                        continue
-                    raise ValueError(f"unexpected tensor {name!r} in {file.name} (not part of {config.architecture})")
-                if name in loaded:
-                    raise ValueError(f"tensor {name!r} appears more than once in the checkpoint (again in {file.name})")
-                tensor = handle.get_tensor(name) if dense_from_quant else _read(handle, name, plan)
+    with ExitStack() as stack:
+        opened = [stack.enter_context(TensorFile(f)) for f in files]
+        for name, file in _reading_order(opened, targets, model):
+            ckpt_module, _, leaf = name.rpartition(".")
+            dense_from_quant = leaf in SUFFIXES and name not in targets and f"{ckpt_module}.weight" in targets
+            if name not in targets and not dense_from_quant:
+                tied_head = config.tie_word_embeddings and ckpt_module == "lm_head"  # the embedding table
+                if tied_head or name.endswith("rotary_emb.inv_freq"):  # older exports saved RoPE frequencies
+                    continue
+                raise ValueError(f"unexpected tensor {name!r} in {file.path.name} (not part of {config.architecture})")
+            tensor = file.read(name) if dense_from_quant else file.read(name, plan.checkpoint_slice(name))
+            loaded.add(name)
+            num_bytes += tensor.numel() * tensor.element_size()
+            if dense_from_quant:  # dequantised once all of the module's parts are read
+                parts = pending.setdefault(ckpt_module, {})
+                parts[leaf] = tensor
+                if (
+                    "qweight" not in parts
+                    or "scales" not in parts
+                    or (parts["qweight"].dtype == torch.uint8 and "zeros" not in parts)
+                ):
+                    continue
+                weight = QuantizedWeight.of(parts["qweight"], parts["scales"], parts.get("zeros"))
+                name = f"{ckpt_module}.weight"
+                tensor = _narrow(weight.dequantize(torch.float32), plan.checkpoint_slice(name))
+                del pending[ckpt_module]
                 loaded.add(name)
-                num_bytes += tensor.numel() * tensor.element_size()
-                if dense_from_quant:  # dequantised once all of the module's parts are read
-                    parts = pending.setdefault(module, {})
-                    parts[leaf] = tensor
-                    if (
-                        "qweight" not in parts
-                        or "scales" not in parts
-                        or (parts["qweight"].dtype == torch.uint8 and "zeros" not in parts)
-                    ):
-                        continue
-                    weight = QuantizedWeight.of(parts["qweight"], parts["scales"], parts.get("zeros"))
-                    name = f"{module}.weight"
-                    tensor = _narrow(weight.dequantize(torch.float32), plan.checkpoint_slice(name))
-                    del pending[module]
-                    loaded.add(name)
-                state_name, copy = targets[name]
-                try:
-                    copy(state[state_name], tensor)
-                except ValueError as exc:
-                    raise ValueError(f"tensor {name!r} in {file.name}: {exc}") from exc
+            state_name, copy = targets[name]
+            if state_name not in state:
+                shape, entry_dtype = specs[state_name]
+                state[state_name] = torch.empty(shape, dtype=entry_dtype, device=device)
+            try:
+                copy(state[state_name], tensor)
+            except ValueError as exc:
+                raise ValueError(f"tensor {name!r} in {file.path.name}: {exc}") from exc
+            del tensor
+            awaiting[state_name] -= 1
+            if awaiting[state_name] == 0 and device.type == "cpu":
+                _prepare_when_complete(model, state_name.rpartition(".")[0], state, awaiting)
 
     missing = sorted(set(targets) - loaded) + sorted(f"{m}.{{qweight,scales,zeros}}" for m in pending)
     if missing:

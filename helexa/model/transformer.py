@@ -187,7 +187,11 @@ class _Backbone(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens: nn.Module = (
-            nn.Embedding(config.vocab_size, config.hidden_size)
+            # `_weight`: no initialiser (the loader fills every weight; nn.Embedding's normal_ on the meta
+            # device would import torch._dynamo, ~70 MiB resident for nothing)
+            nn.Embedding(
+                config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+            )
             if tp is None
             else VocabParallelEmbedding(config.hidden_size, tp)
         )

@@ -201,6 +201,24 @@ def test_each_kernel_path_computes_every_position_the_same_however_it_is_schedul
     _check_schedules(quantized, random.Random(7), cache_dtype)
 
 
+def test_a_step_longer_than_the_mlps_row_chunk_computes_every_row_alike(quantized) -> None:
+    """step.c runs the MLP 256 rows at a time: a 600-token prompt in one step (three MLP chunks, the
+    last one short), in steps of 100 and in one mixed step beside another sequence give the same
+    logits and K/V, bit for bit."""
+    rng = random.Random(3)
+    vocab = quantized.config.vocab_size
+    prompts = {0: [rng.randrange(vocab) for _ in range(600)], 1: [rng.randrange(vocab) for _ in range(37)]}
+    one, one_cache = _schedule_run(quantized, {0: prompts[0]}, [{0: 600}])
+    chunks, chunks_cache = _schedule_run(quantized, {0: prompts[0]}, [{0: 100}] * 6)
+    mixed, mixed_cache = _schedule_run(quantized, prompts, [{1: 37, 0: 300}, {0: 300}])
+    for pos in range(600):
+        key = (0, pos)
+        assert torch.equal(one[key], chunks[key]) and torch.equal(one[key], mixed[key]), f"logits of {key}"
+        want = _kv(one_cache, *key)
+        assert all(torch.equal(a, b) for a, b in zip(want, _kv(chunks_cache, *key))), f"K/V of {key}"
+        assert all(torch.equal(a, b) for a, b in zip(want, _kv(mixed_cache, *key))), f"K/V of {key}"
+
+
 def _trim(schedule: list[dict[int, int]], lengths: dict[int, int]) -> list[dict[int, int]]:
     """Cut a token-by-token schedule at each sequence's length."""
     done = dict.fromkeys(lengths, 0)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from helexa.kernels.quant_matmul import int4_matmul, int8_matmul
-from helexa.model.quant.cpu import CpuQuantMatmul
+from helexa.model.quant.cpu import CpuQuantMatmul, cpu_kernel
 from helexa.model.quant.weight import QuantizedWeight
 
 __all__ = ["QuantEmbedding", "QuantLinear"]
@@ -71,6 +71,22 @@ class QuantLinear(nn.Module):
         self._cpu = CpuQuantMatmul(self.weight_q)
         if self._cpu.tiled is not None:
             self.qweight = self.scales = self.zeros = None
+
+    def prepare_from(self, weight: QuantizedWeight) -> bool:
+        """Prepare for the CPU from `weight` (CPU tensors of this module's layout) while the module's
+        own buffers may still be unloaded (on `meta`): the loader's path, module by module. True when
+        helexa's native kernel takes it, its tiled layout now the only copy and the buffers None (they
+        leave the state dict); False, with nothing changed, when it does not (load the buffers and call
+        `prepare`)."""
+        if weight.shape != (self.out_features, self.in_features) or weight.layout != (self.kind, self.group_size):
+            raise ValueError(
+                f"a {weight.kind}/g{weight.group_size} weight of shape {weight.shape} does not fit {self.extra_repr()}"
+            )
+        if cpu_kernel(weight) != "native":
+            return False
+        self._cpu = CpuQuantMatmul(weight, "native")
+        self.qweight = self.scales = self.zeros = None
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) -> (..., N) in x's dtype."""

@@ -61,6 +61,7 @@ _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-Wl,-Bsym
 _LIBS = ["-lm"]
 _BLOCK = 32  # activation values per int8 block; K and G must be multiples
 _COLUMNS = 8  # output columns per tile of the weight layout; N must be a multiple
+_TILE_ROWS = 1024  # rows tiled at a time (a multiple of _COLUMNS): bounds tiling's temporary memory
 
 
 def _compiler() -> str | None:
@@ -177,10 +178,15 @@ def _tile_groups(*ts: torch.Tensor) -> list[torch.Tensor]:
 def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The canonical int4 weight (qweight (N, K/2) uint8, even k in the low nibble; scales, zeros
     (N, K/G)) in the kernel's tiled layout: (tiled bytes, tiled scales, tiled zero terms z - 8 s), the
-    last two float16 when that is exact, else float32."""
-    q = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).flatten(1)  # (N, K) in [0, 15]
-    v = _tile_values(q)  # (N/8, K/4, 32)
-    tiled = (v[..., :16] | (v[..., 16:] << 4)).contiguous()  # value j low nibble, j + 16 high
+    last two float16 when that is exact, else float32. Beside the result it allocates only what
+    `_TILE_ROWS` rows need at a time."""
+    n, half_k = qweight.shape
+    tiled = torch.empty(n // _COLUMNS, half_k // 2, 16, dtype=torch.uint8)
+    for r in range(0, n, _TILE_ROWS):
+        part = qweight[r : r + _TILE_ROWS]
+        v = _tile_values(torch.stack((part & 0xF, part >> 4), dim=-1).flatten(1))  # (rows/8, K/4, 32) in [0, 15]
+        # value j of a chunk in the low nibble of byte j, value j + 16 in its high nibble
+        tiled[r // _COLUMNS : (r + len(part)) // _COLUMNS] = v[..., :16] | (v[..., 16:] << 4)
     s = scales.float()
     return tiled, *_tile_groups(s, zeros.float() - 8 * s)
 
@@ -189,7 +195,11 @@ def tile_int8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor
     """The canonical int8 weight (qweight (N, K) int8; scales (N, K/G), or (N,) per channel) in the
     kernel's tiled layout: (tiled bytes, tiled scales), the scales float16 when that is exact."""
     scales = scales if scales.dim() == 2 else scales[:, None]
-    return _tile_values(qweight).contiguous(), *_tile_groups(scales)
+    n, k = qweight.shape
+    tiled = torch.empty(n // _COLUMNS, k // 4, 32, dtype=torch.int8)
+    for r in range(0, n, _TILE_ROWS):
+        tiled[r // _COLUMNS : (r + _TILE_ROWS) // _COLUMNS] = _tile_values(qweight[r : r + _TILE_ROWS])
+    return tiled, *_tile_groups(scales)
 
 
 def untile(tiled: tuple[torch.Tensor, ...], rows: torch.Tensor | None = None) -> QuantizedWeight:
