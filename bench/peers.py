@@ -30,9 +30,9 @@ same ids go to both engines. Measured per model:
   (helexa: the whole pool, sized to the largest need here; llama.cpp: its largest context's
   float16 K/V) — the issue's target is helexa's peak <= llama.cpp's + helexa's pool.
 - the roofline: the machine's read bandwidth measured here (`--threads` threads summing a 1 GiB
-  buffer, best of 5) over the bytes a decode step reads (every weight of the GGUF once: the tied
-  embedding is the head), so one stream's roofline is bandwidth / weight bytes tok/s; each engine's
-  one-stream decode as a percentage of it.
+  buffer, best of 5, before the run and before each round; the best counts) over the bytes a decode
+  step reads (every weight of the GGUF once: the tied embedding is the head), so one stream's
+  roofline is bandwidth / weight bytes tok/s; each engine's one-stream decode as a percentage of it.
 
     python bench/peers.py                                   # 135m and 1b, llama.cpp + helexa
     python bench/peers.py --models 8b --prefill 500 --long 0 --new-tokens 32
@@ -41,7 +41,8 @@ same ids go to both engines. Measured per model:
 
 Each `--helexa-args` item is one helexa configuration: comma-separated `EngineConfig` fields
 (`key=value`, as `helexa.LLM(model, **engine_args)` takes them; "" for the defaults); its text is
-its column name. Writes `bench/results/peers.md` and `bench/results/peers.png`.
+its column name. Writes `bench/results/peers.md`, `bench/results/peers.png` and every round's raw
+result, `bench/results/peers.json` (each as soon as it is measured).
 """
 
 from __future__ import annotations
@@ -443,6 +444,13 @@ def table(run: ModelRun, bandwidth: float) -> list[str]:
     )
     rows.append(("peak RSS, MiB (the engine's own process)", lambda c: c.peak_mib, False))
     rows.append(("KV held for the largest run, MiB", lambda c: c.kv_mib, False))
+    rows.append(
+        (
+            "peak RSS less the KV held, MiB",
+            lambda c: None if c.peak_mib is None or c.kv_mib is None else c.peak_mib - c.kv_mib,
+            False,
+        )
+    )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, get, with_ratio in rows:
         row = [name]
@@ -592,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer()
     args.out.mkdir(parents=True, exist_ok=True)
     runs: list[ModelRun] = []
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {}  # model -> engine -> each round's result
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         for name in models:
@@ -610,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
             cols = {engine: Column(engine) for engine, _, _ in engines}
             run.cols = list(cols.values())
             for r in range(args.rounds):  # engines alternating, so each round sees about the same machine
+                args.read_bandwidth = max(args.read_bandwidth, read_bandwidth(args.threads))
                 for engine, command, engine_plan in engines:
                     print(f"[{name}: {engine}, round {r + 1} of {args.rounds}]", flush=True)
                     load = os.getloadavg()[0]
@@ -620,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
                         per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2  # K, V float16
                         result["kv_bytes"] = result["kv_tokens"] * per_token
                     cols[engine].merge(result)
+                    raw.setdefault(name, {}).setdefault(engine, []).append(result)
+                    (args.out / "peers.json").write_text(json.dumps(raw, indent=1))  # every round, as it ends
                     (args.out / "peers.md").write_text(report(runs, args) + "\n")  # so far
                     gc.collect()
     text = report(runs, args)
@@ -627,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     (args.out / "peers.md").write_text(text + "\n")
     plot(runs, args.read_bandwidth, args.out / "peers.png")
-    print(f"wrote {args.out / 'peers.md'} and {args.out / 'peers.png'}")
+    print(f"wrote {args.out / 'peers.md'}, {args.out / 'peers.png'} and the raw results, {args.out / 'peers.json'}")
     return 0 if all(c.error is None for r in runs for c in r.cols) else 1
 
 
