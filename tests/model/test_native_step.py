@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from helexa.kernels import reference
 from helexa.model.loader import load_model
-from helexa.model.quant import native
+from helexa.model.quant import native, native_step
 from helexa.model.quant.native_step import native_step_for, paged_attention
 from tests.support.kernel_paths import kernel_paths, use_kernel_path
 from tests.support.models import PagedCache, make_tiny_model
@@ -217,6 +217,26 @@ def test_a_step_longer_than_the_mlps_row_chunk_computes_every_row_alike(quantize
         want = _kv(one_cache, *key)
         assert all(torch.equal(a, b) for a, b in zip(want, _kv(chunks_cache, *key))), f"K/V of {key}"
         assert all(torch.equal(a, b) for a, b in zip(want, _kv(mixed_cache, *key))), f"K/V of {key}"
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_a_step_run_in_pieces_computes_every_row_alike(quantized, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of more than `STEP_ROWS` rows runs as consecutive native calls; pieces that cut sequences
+    anywhere (mid-prefill, between decode rows, one row each) give the logits and K/V of the step run in
+    one call, bit for bit."""
+    rng = random.Random(rows)
+    vocab = quantized.config.vocab_size
+    prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in enumerate((150, 3, 90, 41))}
+    schedule = [{0: 100, 1: 1, 2: 60}, {1: 1, 3: 41, 0: 50, 2: 30}, {1: 1, 0: 0, 2: 0}]
+    schedule = [{s: n for s, n in step.items() if n} for step in schedule]
+    monkeypatch.setattr(native_step, "STEP_ROWS", 10**9)
+    whole, whole_cache = _schedule_run(quantized, prompts, schedule)
+    monkeypatch.setattr(native_step, "STEP_ROWS", rows)
+    pieces, pieces_cache = _schedule_run(quantized, prompts, schedule)
+    assert pieces.keys() == whole.keys()
+    for key, row in whole.items():
+        assert torch.equal(pieces[key], row), f"logits of {key} differ: max {float((pieces[key] - row).abs().max())}"
+        assert all(torch.equal(a, b) for a, b in zip(_kv(pieces_cache, *key), _kv(whole_cache, *key))), f"K/V {key}"
 
 
 def _trim(schedule: list[dict[int, int]], lengths: dict[int, int]) -> list[dict[int, int]]:
