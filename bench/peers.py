@@ -32,7 +32,10 @@ same ids go to both engines. Measured per model:
 - the roofline: the machine's read bandwidth measured here (`--threads` threads summing a 1 GiB
   buffer, best of 5, before the run and before each round; the best counts) over the bytes a decode
   step reads (every weight of the GGUF once: the tied embedding is the head), so one stream's
-  roofline is bandwidth / weight bytes tok/s; each engine's one-stream decode as a percentage of it.
+  roofline is bandwidth / weight bytes steps/s; each engine's one-stream decode steps as a percentage
+  of it. helexa's default speculative decoding emits a verified draft's accepted tokens beside each
+  step's own (greedy output unchanged): the table says what share of the decode tokens they were, and
+  counts steps (tokens less those) against the roofline; `--helexa-args "" speculative=off` shows both.
 
     python bench/peers.py                                   # 135m and 1b, llama.cpp + helexa
     python bench/peers.py --models 8b --prefill 500 --long 0 --new-tokens 32
@@ -243,11 +246,18 @@ def measure_helexa(plan: dict[str, Any], model_dir: str, engine_args: dict[str, 
     chat, new_tokens = plan["chat"], plan["new_tokens"]
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([chat[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)  # warm-up
+    spec = llm.engine.drafter.stats if llm.engine.drafter is not None else None
+    result["decode_accepted"] = {}
     for n in plan["streams"]:
+        accepted = spec.accepted_tokens if spec is not None else 0
         outs = llm.generate(chat[:n], greedy, use_tqdm=False)
         # All streams are submitted together; their first tokens come from the same (prefill) step.
         window = max(o.timings.total for o in outs) - max(o.timings.ttft for o in outs)
-        result["decode"][str(n)] = sum(len(o.token_ids) - 1 for o in outs) / window
+        tokens = sum(len(o.token_ids) - 1 for o in outs)
+        result["decode"][str(n)] = tokens / window
+        # Tokens that came from accepted speculative drafts: a step that verifies a draft emits them besides
+        # its own token, so decode steps = tokens - these.
+        result["decode_accepted"][str(n)] = ((spec.accepted_tokens if spec is not None else 0) - accepted) / tokens
         print(f"  helexa {n:>2} streams x {new_tokens}: {result['decode'][str(n)]:.1f} tok/s", flush=True)
     for length, prompts in plan["prefill"].items():
         ttfts = []
@@ -355,7 +365,8 @@ class Column:
 
     def merge(self, result: dict[str, Any]) -> None:
         """Add one round's result: each speed the best of the rounds (the machine is shared: the best
-        round is the one least disturbed), memory and the rest from the first round that succeeded."""
+        round is the one least disturbed; a decode speed with its round's share of accepted drafts), memory
+        and the rest from the first round that succeeded."""
         if "error" in result:
             self.result.setdefault("error", result["error"])
             return
@@ -363,15 +374,23 @@ class Column:
             self.result = {**result, "loads": [result["load"]]}
             return
         self.result["loads"].append(result["load"])
-        for key in ("decode", "prefill"):
-            for k, v in result[key].items():
-                self.result[key][k] = max(v, self.result[key].get(k, v))
+        for k, v in result["decode"].items():  # the best round's speed, and its share of accepted drafts
+            if v > self.result["decode"].get(k, 0.0):
+                self.result["decode"][k] = v
+                self.result.setdefault("decode_accepted", {})[k] = result.get("decode_accepted", {}).get(k, 0.0)
+        for k, v in result["prefill"].items():
+            self.result["prefill"][k] = max(v, self.result["prefill"].get(k, v))
         for key in ("long_decode", "long_prefill"):
             if key in result:
                 self.result[key] = max(result[key], self.result.get(key, result[key]))
 
     def decode(self, n: int) -> float | None:
         return self.result.get("decode", {}).get(str(n))
+
+    def accepted(self, n: int) -> float:
+        """The fraction of the `n`-stream decode's tokens that came from accepted speculative drafts
+        (0 for an engine without them)."""
+        return self.result.get("decode_accepted", {}).get(str(n), 0.0)
 
     def prefill(self, n: int) -> float | None:
         return self.result.get("prefill", {}).get(str(n))
@@ -437,8 +456,15 @@ def table(run: ModelRun, bandwidth: float) -> list[str]:
         rows.append((f"prefill tok/s, {run.long}-token prompt", lambda c: c.result.get("long_prefill"), True))
     rows.append(
         (
-            "1-stream decode, % of the read roofline",
-            lambda c: None if c.decode(1) is None else 100 * c.decode(1) / roof,
+            "1-stream decode tokens from accepted speculative drafts, %",
+            lambda c: None if c.decode(1) is None else 100 * c.accepted(1),
+            False,
+        )
+    )
+    rows.append(
+        (
+            "1-stream decode, % of the read roofline (steps: each reads every weight once)",
+            lambda c: None if c.decode(1) is None else 100 * c.decode(1) * (1 - c.accepted(1)) / roof,
             False,
         )
     )
