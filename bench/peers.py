@@ -51,6 +51,7 @@ result, `bench/results/peers.json` (each as soon as it is measured).
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -371,7 +372,7 @@ class Column:
             self.result.setdefault("error", result["error"])
             return
         if not self.result or "error" in self.result:
-            self.result = {**result, "loads": [result["load"]]}
+            self.result = {**copy.deepcopy(result), "loads": [result["load"]]}  # the round's own dicts stay its own
             return
         self.result["loads"].append(result["load"])
         for k, v in result["decode"].items():  # the best round's speed, and its share of accepted drafts
