@@ -201,10 +201,13 @@ def test_each_kernel_path_computes_every_position_the_same_however_it_is_schedul
     _check_schedules(quantized, random.Random(7), cache_dtype)
 
 
-def test_a_step_longer_than_the_mlps_row_chunk_computes_every_row_alike(quantized) -> None:
-    """step.c runs the MLP 256 rows at a time: a 600-token prompt in one step (three MLP chunks, the
-    last one short), in steps of 100 and in one mixed step beside another sequence give the same
-    logits and K/V, bit for bit."""
+def test_a_step_longer_than_the_mlps_row_chunk_computes_every_row_alike(
+    quantized, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """step.c runs the MLP 256 rows at a time: a 600-token prompt in one native call (three MLP chunks,
+    the last one short; `STEP_ROWS` raised so the step is not cut into calls first), in steps of 100
+    and in one mixed step beside another sequence give the same logits and K/V, bit for bit."""
+    monkeypatch.setattr(native_step, "STEP_ROWS", 10**9)
     rng = random.Random(3)
     vocab = quantized.config.vocab_size
     prompts = {0: [rng.randrange(vocab) for _ in range(600)], 1: [rng.randrange(vocab) for _ in range(37)]}
