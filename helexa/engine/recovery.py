@@ -9,7 +9,6 @@ first load, or the cause to give up with.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from helexa.engine.faults import ModelHealth
+from helexa.heap import freeze_heap, thaw_heap
 from helexa.kvcache import KVBudget
 
 logger = logging.getLogger("helexa.engine")
@@ -89,9 +89,10 @@ class FaultRecovery(Generic[R]):
             return Recovered(None, f"device fault not recovered after {self.max_retries} reloads: {cause}")
         self.health.set("reloading")
         backoff = self.backoff_secs * 2 ** (self.consecutive - 1)
+        refreeze = False  # a server process froze its heap after load: it is frozen again after the reload
         while True:
             time.sleep(min(backoff, 30.0))
-            gc.collect()  # the old model and pool give their device memory back first
+            refreeze = thaw_heap() > 0 or refreeze  # the old model and pool give their device memory back first
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             try:
@@ -117,6 +118,8 @@ class FaultRecovery(Generic[R]):
                 f"after device fault: {cause}",
             )
         self.reloads += 1
+        if refreeze:
+            freeze_heap("engine: reloaded")
         self.health.set("loaded")
         return Recovered(runner, cause)
 

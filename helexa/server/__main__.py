@@ -9,6 +9,7 @@ import logging
 import sys
 
 from helexa.engine.core import CoreDied, start_engine
+from helexa.heap import freeze_heap
 from helexa.model.weights.pull import DownloadError
 from helexa.server.app import create_app
 from helexa.server.cli import build_parser, configs_from_args
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("cannot load the model: %s", exc)
         return 1
     server = HelexaServer(create_app(engine, settings), engine, settings)
+    freeze_heap("server")  # no collector pause of the loaded heap on the event loop (or, in-process, in a step)
     try:
         server.run()
     finally:

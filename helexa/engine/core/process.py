@@ -26,6 +26,7 @@ from helexa.config import EngineConfig
 from helexa.engine.core.client import core_nice
 from helexa.engine.core.wire import ChannelClosed, encode_error, from_plain, read_frame, to_plain, write_frame
 from helexa.engine.engine import Engine, RequestHandle
+from helexa.heap import freeze_heap
 from helexa.model.sampling import SamplingParams
 
 logger = logging.getLogger("helexa.engine.core")
@@ -235,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         write_frame(sock, ("load_error", encode_error(exc)))
         return 1
+    freeze_heap("engine core")  # no collector pause of the loaded heap in the middle of a step
     engine.start()
     info = {
         "pid": os.getpid(),

@@ -1,0 +1,54 @@
+"""The serving processes' frozen heap (`helexa.heap`): frozen objects are out of the collector's walks, a
+thaw frees their cyclic garbage, and a reload after a device fault thaws (the old model is freed) and
+freezes again."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+from helexa.heap import freeze_heap, thaw_heap
+from helexa.model.sampling import SamplingParams
+from tests.support.engines import drive, make_engine, random_prompts
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.me = self  # a cycle: only the collector frees it
+
+
+@pytest.fixture
+def thawed_after():
+    yield
+    gc.unfreeze()
+
+
+def test_frozen_cyclic_garbage_waits_for_the_thaw(thawed_after):
+    node = _Node()
+    gone = weakref.ref(node)
+    assert freeze_heap("test") == gc.get_freeze_count() > 0
+    del node  # cyclic garbage among the frozen objects
+    gc.collect()
+    assert gone() is not None  # the collector no longer walks it
+    frozen = gc.get_freeze_count()
+    assert thaw_heap() == frozen
+    assert gone() is None and gc.get_freeze_count() == 0
+    assert thaw_heap() == 0  # nothing frozen: a second thaw says so
+
+
+def test_a_reload_frees_the_old_model_and_freezes_again(tiny_model_dir, monkeypatch, thawed_after):
+    monkeypatch.setenv("HELEXA_FAULT_INJECT", "2")
+    engine = make_engine(tiny_model_dir, fault_backoff_secs=0.0)
+    old_runner = weakref.ref(engine.runner)
+    old_model_cycle = _Node()  # something of the loaded model's age that only the collector frees
+    engine.runner.heap_probe = old_model_cycle
+    old_cycle = weakref.ref(old_model_cycle)
+    del old_model_cycle
+    freeze_heap("test")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    drive(engine, [engine.submit(p, params) for p in random_prompts(2, seed=3)])
+    assert engine.counters.model_reloads == 1
+    assert old_runner() is None and old_cycle() is None  # thawed before the reload: the old model was freed
+    assert gc.get_freeze_count() > 0  # and frozen again after it
