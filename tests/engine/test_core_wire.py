@@ -15,8 +15,18 @@ from helexa.admission import AdmissionRejected, Ticket, TicketState
 from helexa.config import EngineConfig
 from helexa.engine import EngineClosed, RequestFailed, TokenEvent, TokenLogprob
 from helexa.engine.core import engine_process_enabled
-from helexa.engine.core.wire import ChannelClosed, from_plain, read_frame, to_plain, write_frame
+from helexa.engine.core.wire import (
+    ChannelClosed,
+    decode_error,
+    encode_error,
+    from_plain,
+    read_frame,
+    to_plain,
+    write_frame,
+)
 from helexa.model.sampling import SamplingParams
+from helexa.model.text.chat_template import ChatTemplateError
+from helexa.model.weights.pull import DownloadError
 
 
 class Tier(str, enum.Enum):
@@ -83,6 +93,20 @@ def test_errors_cross_as_their_own_class_with_their_fields() -> None:
         assert type(back) is type(error) and str(back) == str(error)
 
 
+def test_an_unregistered_error_crosses_as_its_nearest_builtin_class() -> None:
+    """A load error the server tells apart by kind (a bad template is a `ValueError`: exit 1 with one line)."""
+    back = decode_error(encode_error(ChatTemplateError("the template fails")))
+    assert type(back) is ValueError and str(back) == "ChatTemplateError: the template fails"
+    back = decode_error(encode_error(DownloadError("no network")))  # registered: itself
+    assert type(back) is DownloadError and str(back) == "no network"
+
+    class Odd(BaseException):
+        pass
+
+    back = decode_error(encode_error(Odd("odd")))  # no builtin Exception above it: a RuntimeError
+    assert type(back) is RuntimeError and str(back) == "Odd: odd"
+
+
 def test_a_value_with_no_plain_form_is_refused() -> None:
     for value in (torch.zeros(2), threading.Lock(), lambda: 1, Report):
         with pytest.raises(TypeError, match="no plain form"):
@@ -105,6 +129,7 @@ def test_frames_round_trip_and_end_of_stream() -> None:
 
 def test_the_switch_reads_only_clear_values() -> None:
     assert engine_process_enabled("1") and engine_process_enabled("true") and engine_process_enabled(" on ")
-    assert not engine_process_enabled("") and not engine_process_enabled("0") and not engine_process_enabled("off")
+    assert not engine_process_enabled("0") and not engine_process_enabled("off")
+    assert engine_process_enabled("") and not engine_process_enabled("", default=False)  # unset: the default
     with pytest.raises(ValueError, match="HELEXA_ENGINE_PROCESS"):
         engine_process_enabled("2")

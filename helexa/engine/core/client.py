@@ -59,27 +59,33 @@ from helexa.model.generation_defaults import SamplingDefaults, resolve_sampling_
 from helexa.model.sampling import SamplingParams
 from helexa.model.sampling.grammar import GrammarTokenizer
 from helexa.model.text.tokenizer import Tokenizer
-from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model
+from helexa.model.weights.pull import DEFAULT_MODEL, DownloadError, resolve_model
 
 logger = logging.getLogger("helexa.engine.core")
 
-__all__ = ["CoreDied", "CoreHealth", "EngineClient", "core_nice", "engine_process_enabled"]
+__all__ = ["DEFAULT_ENGINE_PROCESS", "CoreDied", "CoreHealth", "EngineClient", "core_nice", "engine_process_enabled"]
 
 _CALL_TIMEOUT_SECS = 60.0
 _START_TIMEOUT_SECS = 600.0
 
-for _cls in (DeviceFault, EngineClosed, EngineError, RequestFailed):
+for _cls in (DeviceFault, DownloadError, EngineClosed, EngineError, RequestFailed):
     register_error(_cls)
 register_error(
     AdmissionRejected, lambda d: AdmissionRejected(d["reason"], d["message"], d["retry_after"], d["arithmetic"])
 )
 
 
-def engine_process_enabled(value: str | None = None) -> bool:
+DEFAULT_ENGINE_PROCESS = True  # `python -m helexa.server` runs its engine core in a child process unless told not to
+
+
+def engine_process_enabled(value: str | None = None, default: bool = DEFAULT_ENGINE_PROCESS) -> bool:
     """Whether `HELEXA_ENGINE_PROCESS` (or `value`) asks for the engine core in its own process:
-    `1`/`true`/`yes`/`on` yes, `0`/`false`/`no`/`off`/unset no; anything else raises `ValueError`."""
+    `1`/`true`/`yes`/`on` yes, `0`/`false`/`no`/`off` no, unset or empty `default` (the server's default: yes);
+    anything else raises `ValueError`."""
     text = (os.environ.get("HELEXA_ENGINE_PROCESS", "") if value is None else value).strip().lower()
-    if text in ("", "0", "false", "no", "off"):
+    if text == "":
+        return default
+    if text in ("0", "false", "no", "off"):
         return False
     if text in ("1", "true", "yes", "on"):
         return True

@@ -245,22 +245,29 @@ def register_error(cls: type[BaseException], build: Callable[[dict[str, Any]], B
 
 
 def encode_error(exc: BaseException) -> dict[str, Any]:
-    """`{"__error__": class name, "message": str(exc), ...}` plus the exception's own plain attributes."""
+    """`{"__error__": class name, "__builtin__": its nearest builtin class, "message": str(exc), ...}` plus the
+    exception's own plain attributes."""
     extra = {k: to_plain(v) for k, v in vars(exc).items() if not k.startswith("_") and _is_plain(v)}
-    return {**extra, "__error__": type(exc).__name__, "message": str(exc)}
+    builtin = next(c.__name__ for c in type(exc).__mro__ if c.__module__ == "builtins")
+    return {**extra, "__error__": type(exc).__name__, "__builtin__": builtin, "message": str(exc)}
 
 
 def decode_error(plain: dict[str, Any]) -> BaseException:
-    """The exception `encode_error` described: of its own class when registered (or a builtin), else a
-    `RuntimeError` whose text names the class."""
+    """The exception `encode_error` described: of its own class when registered (or a builtin), else of its
+    nearest builtin class (a `ValueError` subclass stays a `ValueError`), its text naming the class; a
+    `RuntimeError` when neither is an `Exception`."""
     name, message = plain.get("__error__", "RuntimeError"), plain.get("message", "")
     build = _ERRORS.get(name)
     if build is not None:
         return build(plain)
-    builtin = getattr(__import__("builtins"), name, None)
+    builtins = __import__("builtins")
+    builtin = getattr(builtins, name, None)
     if isinstance(builtin, type) and issubclass(builtin, Exception):
         return builtin(message)
-    return RuntimeError(f"{name}: {message}")
+    base = getattr(builtins, plain.get("__builtin__", "RuntimeError"), None)
+    if not (isinstance(base, type) and issubclass(base, Exception)):
+        base = RuntimeError
+    return base(f"{name}: {message}")
 
 
 def _is_plain(value: Any) -> bool:
