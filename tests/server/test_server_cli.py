@@ -176,6 +176,9 @@ def test_startup_line(cli_server: tuple[_Process, str], tiny_model_dir: Path) ->
     assert str(tiny_model_dir) in line and "device=cpu" in line and "dtype=float32" in line
     assert "kv=128 blocks x 16 tokens = 2048 tokens" in line
     assert sum("helexa: serving" in x for x in process.lines) == 1
+    assert process.find(r"engine core: started \(pid \d+\)")  # the default: the engine core in its own process
+    for who in ("server", "engine core"):  # each froze its loaded heap (no collector pause walks it)
+        assert process.find(rf"{who}: heap frozen after load: [1-9]\d* objects"), process.lines
     assert KEY not in "\n".join(process.lines)  # the key is never logged
 
 

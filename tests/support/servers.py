@@ -17,6 +17,7 @@ import pytest
 
 from helexa.config import EngineConfig
 from helexa.engine import start_engine
+from helexa.engine.core import engine_process_enabled
 from helexa.model.text.tokenizer import Tokenizer
 from helexa.server.app import create_app
 from helexa.server.serve import HelexaServer
@@ -48,13 +49,17 @@ class RunningServer:
     """A real engine behind a real uvicorn server on 127.0.0.1 (any free port), in a daemon thread.
 
     `url` is the base URL; `engine` and `app` are the live objects. `stop()` is bounded (about 10 s).
-    `in_process`: False runs the engine core in its own process (None: as `HELEXA_ENGINE_PROCESS` says).
+    `in_process`: False runs the engine core in its own process (None: as `HELEXA_ENGINE_PROCESS` says, but in
+    this process when it is unset, unlike `python -m helexa.server`: a core process costs each of the suite's
+    hundreds of servers seconds to start; `tests/server/test_core_process.py` and the CLI tests run the core).
     """
 
     def __init__(
         self, config: EngineConfig, settings: ServerSettings | None = None, *, in_process: bool | None = None
     ) -> None:
         settings = dataclasses.replace(settings or ServerSettings(), host="127.0.0.1", port=0, log_level="warning")
+        if in_process is None:
+            in_process = not engine_process_enabled(default=False)
         self.engine = start_engine(config, in_process)
         self.app = create_app(self.engine, settings)
         self.server = HelexaServer(self.app, self.engine, settings)

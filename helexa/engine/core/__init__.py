@@ -1,4 +1,4 @@
-"""helexa.engine.core: the engine core in its own process (`HELEXA_ENGINE_PROCESS=1`).
+"""helexa.engine.core: the engine core in its own process (the server's default; `HELEXA_ENGINE_PROCESS=0` opts out).
 
 - `client`   `EngineClient`: the server's side; starts, supervises and restarts the core, replays streams.
 - `process`  `CoreServer`, `main`: the core process's side (`python -m helexa.engine.core`).
@@ -17,8 +17,8 @@ ServingEngine = Engine | EngineClient  # what the server serves: the engine in t
 
 
 def start_engine(config: EngineConfig, in_process: bool | None = None) -> ServingEngine:
-    """A started engine for the server: in its own process when `in_process` is False (None: unless
-    `HELEXA_ENGINE_PROCESS` asks for it), else in this one, its loop on a thread."""
+    """A started engine for the server: in its own process when `in_process` is False (None: as
+    `HELEXA_ENGINE_PROCESS` says, its own process when unset), else in this one, its loop on a thread."""
     if in_process is None:
         in_process = not engine_process_enabled()
     if not in_process:
