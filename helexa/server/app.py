@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -30,6 +31,7 @@ from helexa.server.formats import FORMATS, RENDERED, ApiFormat, LogprobFormatter
 from helexa.server.generation import Choice, GenerationRun, event_error
 from helexa.server.metrics import ServerMetrics
 from helexa.server.middleware import (
+    LARGE_BODY_BYTES,
     AuthMiddleware,
     BodyLimitMiddleware,
     RequestContextMiddleware,
@@ -168,6 +170,15 @@ def _observe(state: ServerState, run: GenerationRun) -> None:
         state.metrics.observe_ttft(run.first_token_at - run.started)
 
 
+async def _read_json_object(request: Request) -> dict[str, Any]:
+    """The request's body as a JSON object (`decode_json`: 400 when it is not one); a body of `LARGE_BODY_BYTES`
+    or more is parsed on a worker thread, so the event loop keeps answering the other connections."""
+    raw = await request.body()
+    if len(raw) >= LARGE_BODY_BYTES:
+        return await run_in_threadpool(decode_json, raw)
+    return decode_json(raw)
+
+
 async def generate(request: Request) -> Response | EventStreamResponse:
     """`POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`: one route, shaped by the path's format.
 
@@ -179,7 +190,7 @@ async def generate(request: Request) -> Response | EventStreamResponse:
         raise APIError("shutting_down", "the server is shutting down and admits no new requests")
     parse, fmt_type = FORMATS[request.url.path]
     _json_body_type(request)
-    req = parse(decode_json(await request.body()), state.settings.allow_additional_properties)
+    req = parse(await _read_json_object(request), state.settings.allow_additional_properties)
     if state.settings.prefix_cache_isolation == "per-key":  # each key (and tenant) salts its own prefixes
         req = dataclasses.replace(req, cache_salt=isolated_salt(request.headers, req.cache_salt))
     _check_logit_bias(state, req)
@@ -247,7 +258,7 @@ async def render(request: Request) -> Response:
     state = _state(request)
     parse, _ = FORMATS[request.url.path.removesuffix("/render")]
     _json_body_type(request)
-    req = parse(decode_json(await request.body()), state.settings.allow_additional_properties)  # no grammar built
+    req = parse(await _read_json_object(request), state.settings.allow_additional_properties)  # no grammar built
     prompt_ids = await run_in_threadpool(_prompt_ids, state, req)
     params: dict[str, object] = {**req.sampling, "max_tokens": req.max_tokens, "n": req.n, "seed": req.seed}
     bodies = [
@@ -331,7 +342,7 @@ async def tokenize(request: Request) -> Response:
     them, with their count and the node's `max_model_len`."""
     state = _state(request)
     _json_body_type(request)
-    req = parse_tokenize(decode_json(await request.body()))
+    req = parse_tokenize(await _read_json_object(request))
     tokenizer = state.engine.tokenizer
 
     def ids() -> list[int]:
@@ -354,7 +365,7 @@ async def detokenize(request: Request) -> Response:
     """`POST /detokenize` (vLLM's shape): the text of a list of token ids."""
     state = _state(request)
     _json_body_type(request)
-    tokens = parse_detokenize(decode_json(await request.body()))
+    tokens = parse_detokenize(await _read_json_object(request))
     vocab = state.engine.tokenizer.vocab_size
     bad = next((t for t in tokens if t >= vocab), None)
     if bad is not None:

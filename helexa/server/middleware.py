@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -18,6 +19,9 @@ from helexa.server.errors import APIError, error_response
 
 logger = logging.getLogger("helexa.server")
 
+# a body this large is joined and parsed on a worker thread, never on the event loop: megabytes of copying and
+# JSON held every other connection's answer (`/health`, every stream's next chunk) for tens of ms on a busy CPU
+LARGE_BODY_BYTES = 1 << 20
 _DRAIN_LIMIT_BYTES = 64 << 20  # an oversized body is read and dropped up to this much, so the client sees the 413
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -169,7 +173,8 @@ class BodyLimitMiddleware:
             )
             await error_response(error, {"connection": "close"})(scope, receive, send)
             return
-        pending = [last or {"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        joined = await run_in_threadpool(b"".join, chunks) if size >= LARGE_BODY_BYTES else b"".join(chunks)
+        pending = [last or {"type": "http.request", "body": joined, "more_body": False}]
 
         async def replay() -> Message:
             return pending.pop() if pending else await receive()

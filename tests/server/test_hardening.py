@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helexa.server.cli import build_parser, configs_from_args
+from helexa.server.protocol import decode_json
 from helexa.server.serve import RedactQuery
 from helexa.server.settings import ServerSettings
 from tests.support.servers import (
@@ -365,3 +366,25 @@ def test_accept_failures_are_logged_at_most_once_per_interval() -> None:
     assert len(passed) == 1 and limiter.dropped == 999
     other = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "something else", (), None)
     assert limiter.filter(other)
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(server: RunningServer, monkeypatch) -> None:
+    """A body of `LARGE_BODY_BYTES` or more is joined and parsed on a worker thread (megabytes of copying and
+    JSON held every other connection's answer for tens of ms); a small one inline, where a thread hop would
+    cost more than the parse."""
+    from helexa.server import app as app_module
+    from helexa.server.middleware import LARGE_BODY_BYTES
+
+    threads: list[str] = []
+
+    def recording(raw: bytes) -> dict:
+        threads.append(threading.current_thread().name)
+        return decode_json(raw)
+
+    monkeypatch.setattr(app_module, "decode_json", recording)
+    for size in (10, LARGE_BODY_BYTES):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "x" * size}], "max_tokens": 1}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code in (200, 400), response.text  # (the large one cannot fit: 400, once parsed)
+    assert threads[0] == server.thread.name  # the small body: on the event loop's thread
+    assert threads[1] != server.thread.name  # the large one: on a worker
