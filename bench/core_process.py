@@ -7,7 +7,8 @@ shared CPU). For each load (1, 16 and 64 streaming clients, and 16 beside the so
 measured in turn, `--rounds` times each, the order alternating: `/health` latency p50/p99 (probed every 20 ms
 from a process of its own during the load), every stream's inter-token gaps p50/p99, and the aggregate output
 tokens/s. Then, on B only: the time from a SIGKILL of the core to the next new token of a stream (the
-replay), and the channel's own cost per token event (encode, frame, socket, decode) measured alone.
+replay), and the channel's own cost per token event (encode, frame, socket, decode) measured alone. Last, each
+mode's resident memory after the loads (server, and core where there is one).
 
     python bench/core_process.py                # 3 rounds, 32 tokens a stream
     python bench/core_process.py --quick        # 1 round, 8 tokens, loads 1 and 16
@@ -93,6 +94,11 @@ class Server:
         lines = reversed(list(self.lines)) if last else list(self.lines)
         return next((m for line in lines if (m := re.search(pattern, line))), None)
 
+    def rss_mib(self) -> str:
+        """Resident memory now: the server's, and its core's where it has one (MiB)."""
+        pids = [self.proc.pid] + ([self.core_pid()] if self.find(r"engine core: started") else [])
+        return " + ".join(f"{_rss_mib(pid):.0f}" for pid in pids)
+
     def core_pid(self) -> int:
         return int(self.find(r"engine core: started \(pid (\d+)\)", last=True).group(1))
 
@@ -103,6 +109,11 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _rss_mib(pid: int) -> float:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1)) / 1024
 
 
 def pct(values: list[float], q: float) -> float:
@@ -221,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                     result = measure(servers[name], streams, args.max_tokens, hostile)
                     rows.setdefault((label, name), []).append(result)
                     print(f"{label:22} {name:15} round {r}: " + " ".join(f"{k}={v:.4g}" for k, v in result.items()))
+        rss = {name: server.rss_mib() for name, server in servers.items()}
         kills = [asyncio.run(_kill_to_token(servers["B core process"], max(16, args.max_tokens)))
                  for _ in range(1 if args.quick else 2)]  # fmt: skip
     finally:
@@ -233,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.max_tokens} tokens a stream, medians of the rounds", "", *table, "",
         f"core SIGKILL -> next new token of the interrupted stream: {', '.join(f'{k:.2f} s' for k in kills)}",
         f"channel cost per token event: {one:.1f} us (one a frame), {batched:.1f} us (16 a frame)",
+        "resident memory after the loads, MiB (server + core): " + "; ".join(f"{k}: {v}" for k, v in rss.items()),
     ])  # fmt: skip
     print(text)
     OUT.mkdir(exist_ok=True)
