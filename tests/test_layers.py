@@ -49,7 +49,7 @@ PACKAGE = REPO / "helexa"
 
 LAYERS: list[tuple[str, ...]] = [
     ("helexa._version",),
-    ("helexa.values",),
+    ("helexa.values", "helexa.heap"),
     ("helexa.config",),
     ("helexa.kvprotocol",),
     ("helexa.kernels",),
