@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helexa.server.errors import APIError
 from helexa.server.protocol import decode_json, parse_chat, parse_completion, parse_response
@@ -202,3 +206,36 @@ def test_stream_options_continuous_usage_stats_implies_include_usage() -> None:
 @pytest.mark.parametrize("bias", [{"5": 10**400}, {"5": float("nan")}, {"5": True}, {"-1": 1}, {"5x": 1}, [5]])
 def test_bad_logit_bias_is_a_400(bias: object) -> None:
     assert _error(parse_chat, {"messages": MESSAGES, "logit_bias": bias}).param == "logit_bias"
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_JSON_VALUES, ensure_ascii=st.booleans())
+def test_the_body_parser_gives_exactly_what_json_loads_gives(value, ensure_ascii: bool) -> None:
+    """The fast path (msgspec) and `json.loads` agree value for value, type for type (floats to the bit)."""
+    raw = json.dumps({"v": value}, ensure_ascii=ensure_ascii).encode()
+    assert repr(decode_json(raw)) == repr(json.loads(raw))
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"a": NaN, "b": -Infinity}',  # json.loads reads these; the fast decoder refuses them
+        b'\xef\xbb\xbf{"a": 1}',  # a byte-order mark
+        b'{"a": 1e400}',  # beyond a double: inf
+        b'{"a": ' + b"7" * 400 + b"}",  # an integer beyond 64 bits
+    ],
+)
+def test_what_the_fast_decoder_refuses_json_loads_still_reads(raw: bytes) -> None:
+    assert repr(decode_json(raw)) == repr(json.loads(raw))
+
+
+def test_a_utf8_encoded_surrogate_is_still_refused_as_not_unicode() -> None:
+    with pytest.raises(APIError, match="lone UTF-16 surrogate"):
+        decode_json(b'{"a": "\xed\xa0\x80"}')
