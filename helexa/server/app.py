@@ -171,8 +171,10 @@ def _observe(state: ServerState, run: GenerationRun) -> None:
 
 
 async def _read_json_object(request: Request) -> dict[str, Any]:
-    """The request's body as a JSON object (`decode_json`: 400 when it is not one); a body of `LARGE_BODY_BYTES`
-    or more is parsed on a worker thread, so the event loop keeps answering the other connections."""
+    """The request's body as a JSON object: 415 unless its Content-Type is JSON (`_json_body_type`), 400 when
+    it is not a JSON object (`decode_json`); a body of `LARGE_BODY_BYTES` or more is parsed on a worker
+    thread, so the event loop keeps answering the other connections."""
+    _json_body_type(request)
     raw = await request.body()
     if len(raw) >= LARGE_BODY_BYTES:
         return await run_in_threadpool(decode_json, raw)
@@ -189,7 +191,6 @@ async def generate(request: Request) -> Response | EventStreamResponse:
     if state.draining:
         raise APIError("shutting_down", "the server is shutting down and admits no new requests")
     parse, fmt_type = FORMATS[request.url.path]
-    _json_body_type(request)
     req = parse(await _read_json_object(request), state.settings.allow_additional_properties)
     if state.settings.prefix_cache_isolation == "per-key":  # each key (and tenant) salts its own prefixes
         req = dataclasses.replace(req, cache_salt=isolated_salt(request.headers, req.cache_salt))
@@ -257,7 +258,6 @@ async def render(request: Request) -> Response:
     """
     state = _state(request)
     parse, _ = FORMATS[request.url.path.removesuffix("/render")]
-    _json_body_type(request)
     req = parse(await _read_json_object(request), state.settings.allow_additional_properties)  # no grammar built
     prompt_ids = await run_in_threadpool(_prompt_ids, state, req)
     params: dict[str, object] = {**req.sampling, "max_tokens": req.max_tokens, "n": req.n, "seed": req.seed}
@@ -341,7 +341,6 @@ async def tokenize(request: Request) -> Response:
     """`POST /tokenize` (vLLM's shape): the token ids of a prompt, or of chat messages as the template renders
     them, with their count and the node's `max_model_len`."""
     state = _state(request)
-    _json_body_type(request)
     req = parse_tokenize(await _read_json_object(request))
     tokenizer = state.engine.tokenizer
 
@@ -364,7 +363,6 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     """`POST /detokenize` (vLLM's shape): the text of a list of token ids."""
     state = _state(request)
-    _json_body_type(request)
     tokens = parse_detokenize(await _read_json_object(request))
     vocab = state.engine.tokenizer.vocab_size
     bad = next((t for t in tokens if t >= vocab), None)
