@@ -1,14 +1,15 @@
 """The engine core in its own process against the engine in the server's, same run, alternating, default model.
 
 Three servers of the default model run side by side (`python -m helexa.server`, the load generator in this
-process): A with the engine on a thread of the server (the default), B with `HELEXA_ENGINE_PROCESS=1`, C the
-same with `HELEXA_CORE_NICE=10` (the core 10 steps nicer than the server, so the server's event loop wins the
-shared CPU). For each load (1, 16 and 64 streaming clients, and 16 beside the soak's hostile client) they are
-measured in turn, `--rounds` times each, the order alternating: `/health` latency p50/p99 (probed every 20 ms
-from a process of its own during the load), every stream's inter-token gaps p50/p99, and the aggregate output
-tokens/s. Then, on B only: the time from a SIGKILL of the core to the next new token of a stream (the
-replay), and the channel's own cost per token event (encode, frame, socket, decode) measured alone. Last, each
-mode's resident memory after the loads (server, and core where there is one).
+process): A with the engine on a thread of the server (`HELEXA_ENGINE_PROCESS=0`), B with the core in its
+own process (the server's default), C the same with `HELEXA_CORE_NICE=10` (the core 10 steps nicer than the
+server, so the server's event loop wins the shared CPU). For each load (1, 16 and 64 streaming clients, and
+16 beside the soak's hostile client) they are measured in turn, `--rounds` times each, the order
+alternating: `/health` latency p50/p99 (probed every 20 ms from a process of its own during the load),
+every stream's inter-token gaps p50/p99, and the aggregate output tokens/s. Then, on B only: the time from
+a SIGKILL of the core to the next new token of a stream (the replay), and the channel's own cost per token
+event (encode, frame, socket, decode) measured alone. Last, each mode's resident memory after the loads
+(server, and core where there is one).
 
     python bench/core_process.py                # 3 rounds, 32 tokens a stream
     python bench/core_process.py --quick        # 1 round, 8 tokens, loads 1 and 16
