@@ -3,7 +3,8 @@
 `write_kv` and `paged_attention` pick their implementation per call from the tensors' device: the
 compiled Triton kernel on CUDA; on CPU the torch reference, or the Triton kernel in Triton's
 interpreter when `TRITON_INTERPRET=1` (how the tests run the kernels on CPU). Callers that choose
-once (`--attention-backend`) use `get_attention_backend(name)`.
+once (`--attention-backend`) use `get_attention_backend(name)`. Triton itself is imported only when
+a Triton kernel is first used, so a CPU engine never loads it.
 
 fp8 KV caches (`FP8_KV_DTYPE`, e4m3; `--kv-cache-dtype fp8`) take keyword-only `k_scale` and
 `v_scale`, (KVH,) float32 each: `write_kv` stores `x / scale` saturated to ±448 and
@@ -12,6 +13,7 @@ fp8 KV caches (`FP8_KV_DTYPE`, e4m3; `--kv-cache-dtype fp8`) take keyword-only `
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,19 +36,38 @@ __all__ = [
     "write_kv_triton",
 ]
 
-try:
-    from helexa.kernels.attention import paged_attention_triton
-    from helexa.kernels.kv_write import write_kv_triton
-except ModuleNotFoundError as exc:  # triton is a Linux-only dependency
-    if exc.name != "triton":
-        raise
-    _why = f"the Triton kernels need the `triton` package ({exc}); use attention backend 'torch'"
+TRITON_KERNELS = ("paged_attention_triton", "write_kv_triton")
 
-    def _triton_missing(*args: object, **kwargs: object) -> Any:
-        """Stand-in for the Triton kernels when triton is not installed: raises RuntimeError."""
-        raise RuntimeError(_why)
 
-    write_kv_triton = paged_attention_triton = _triton_missing
+@functools.cache
+def _triton_kernel(name: str) -> Callable[..., Any]:
+    """The Triton kernel `name` (of TRITON_KERNELS), its module imported on first use, so that a CPU
+    process that never runs one never loads Triton (~50 MiB resident). Without the `triton` package it
+    is a stand-in that raises RuntimeError saying so."""
+    try:
+        if name == "write_kv_triton":
+            from helexa.kernels.kv_write import write_kv_triton
+
+            return write_kv_triton
+        from helexa.kernels.attention import paged_attention_triton
+
+        return paged_attention_triton
+    except ModuleNotFoundError as exc:  # triton is a Linux-only dependency
+        if exc.name != "triton":
+            raise
+        why = f"the Triton kernels need the `triton` package ({exc}); use attention backend 'torch'"
+
+    def triton_missing(*args: object, **kwargs: object) -> Any:
+        raise RuntimeError(why)
+
+    return triton_missing
+
+
+def __getattr__(name: str) -> Any:
+    """`helexa.kernels.paged_attention_triton` and `.write_kv_triton`, imported when first asked for."""
+    if name in TRITON_KERNELS:
+        return _triton_kernel(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -68,7 +89,7 @@ def write_kv(
     k, v: (T, KVH, D); k_cache, v_cache: (NB, BS, KVH, D); slot_mapping: (T,) int32/int64;
     k_scale, v_scale: (KVH,) float32 for fp8 caches only.
     """
-    impl = write_kv_triton if _use_triton(k) else reference.write_kv
+    impl = _triton_kernel("write_kv_triton") if _use_triton(k) else reference.write_kv
     impl(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
@@ -91,7 +112,7 @@ def paged_attention(
     query_start_loc: (B+1,); index tensors int32/int64; k_scale, v_scale: (KVH,) float32 for fp8
     caches only. Returns (T, H, D) in q's dtype.
     """
-    impl = paged_attention_triton if _use_triton(q) else reference.paged_attention
+    impl = _triton_kernel("paged_attention_triton") if _use_triton(q) else reference.paged_attention
     return impl(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale, out=out,
         k_scale=k_scale, v_scale=v_scale,
@@ -114,7 +135,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
     if name == "auto":
         return AttentionBackend("auto", write_kv, paged_attention)
     if name == "triton":
-        return AttentionBackend("triton", write_kv_triton, paged_attention_triton)
+        return AttentionBackend("triton", _triton_kernel("write_kv_triton"), _triton_kernel("paged_attention_triton"))
     if name == "torch":
         return AttentionBackend("torch", reference.write_kv, reference.paged_attention)
     raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'triton' or 'torch'")

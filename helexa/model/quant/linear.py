@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from helexa.kernels.quant_matmul import int4_matmul, int8_matmul
 from helexa.model.quant.cpu import CpuQuantMatmul, cpu_kernel
 from helexa.model.quant.weight import QuantizedWeight
 
@@ -93,6 +92,9 @@ class QuantLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.qweight is not None and self.qweight.is_cuda:
             assert self.scales is not None  # on CUDA the loaded buffers are the weight
+            # Imported here: Triton is loaded only where it runs (a CPU process never imports it).
+            from helexa.kernels.quant_matmul import int4_matmul, int8_matmul
+
             if self.zeros is None:
                 y = int8_matmul(rows, self.qweight, self.scales)
             else:
