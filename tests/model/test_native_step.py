@@ -17,6 +17,7 @@ from helexa.kernels import reference
 from helexa.model.loader import load_model
 from helexa.model.quant import native, native_step
 from helexa.model.quant.native_step import native_step_for, paged_attention
+from tests.support.engines import torch_threads
 from tests.support.kernel_paths import kernel_paths, use_kernel_path
 from tests.support.models import PagedCache, make_tiny_model
 
@@ -88,6 +89,25 @@ def test_a_query_attends_the_same_bits_whatever_shares_the_call(seqs: list[tuple
         torch.tensor([lens[b] - qlens[b] + i + 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
     )  # fmt: skip
     assert torch.equal(one, batch[s + i : s + i + 1])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=str)
+def test_long_context_decode_rows_are_the_same_bits_whatever_the_task_grouping(cache_dtype) -> None:
+    """A decode row over 9 chunks of keys: with 1 thread its chunk tasks cover every KV head (enough
+    chunks per thread), with 8 threads one KV head each; the same bits either way, and the reference's
+    values. A mutation that folds a chunk twice or skips a KV head in the grouped tasks fails this."""
+    g = torch.Generator().manual_seed(11)
+    lens, qlens = [1100, 1030], [1, 3]
+    q, k_cache, v_cache, tables, seq_lens, starts = _paged_inputs(g, lens, qlens, 8, 4, 16, 16)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    got = {}
+    with torch_threads(1):
+        got[1] = paged_attention(q, k_cache, v_cache, tables, seq_lens, starts)
+    with torch_threads(8):
+        got[8] = paged_attention(q, k_cache, v_cache, tables, seq_lens, starts)
+    assert torch.equal(got[1], got[8])
+    want = reference.paged_attention(q.double(), k_cache.double(), v_cache.double(), tables, seq_lens, starts)
+    torch.testing.assert_close(got[1], want.float(), rtol=1e-5, atol=1e-5)
 
 
 def test_paged_attention_checks_its_inputs() -> None:

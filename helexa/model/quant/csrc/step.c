@@ -189,6 +189,22 @@ static void chunk_rows(const hx_layer *L, const int32_t *table, int64_t j0, int6
     }
 }
 
+#define VREGS 8 /* output vectors a pass over the values accumulates in registers */
+
+/* out (8 R floats) = sum over keys j < n, in order, of p[j] * V[j][e0 .. e0 + 8 R): R (a constant at each
+ * call site) accumulators stay in registers across the keys. Each output element sums its terms in key
+ * order, whatever R and e0 are. */
+static inline __attribute__((always_inline)) void weigh_values(const float *p, const void *const *vp, int64_t n,
+                                                               int64_t e0, const int R, float *out, const int half) {
+    __m256 acc[VREGS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(pj, hx_load8(vp[j], e0 + 8 * r, half), acc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
 /* The partial of one query over the first n keys of a chunk (kp, vp), for the G query heads q (G, D) of
  * one KV head: per head g the maximum score m[g], the sum of exp(score - m) l[g] and the unnormalised
  * output o[g] (D). The one computation of a (query, chunk) pair: its result depends on q, the keys
@@ -232,13 +248,12 @@ static inline __attribute__((always_inline)) void chunk_partial_of(const float *
             sg[j] = expf(sg[j] - mx);
             sum += sg[j];
         }
-        __m256 acc[64]; /* D <= 512 */
-        for (int64_t i = 0; i < nv; i++) acc[i] = _mm256_setzero_ps();
-        for (j = 0; j < n; j++) {
-            const __m256 p = _mm256_set1_ps(sg[j]);
-            for (int64_t i = 0; i < nv; i++) acc[i] = _mm256_fmadd_ps(p, hx_load8(vp[j], 8 * i, half), acc[i]);
-        }
-        for (int64_t i = 0; i < nv; i++) _mm256_storeu_ps(o + g * d + 8 * i, acc[i]);
+        for (int64_t i0 = 0; i0 < nv; i0 += VREGS) /* VREGS vectors of the output at a time, in registers */
+            switch (nv - i0 < VREGS ? nv - i0 : VREGS) {
+#define VPART(R) case R: weigh_values(sg, vp, n, 8 * i0, R, o + g * d + 8 * i0, half); break;
+                VPART(1) VPART(2) VPART(3) VPART(4) VPART(5) VPART(6) VPART(7) VPART(8)
+#undef VPART
+            }
         m[g] = mx;
         l[g] = sum;
     }
@@ -270,9 +285,16 @@ static inline void finish(const float *O, float S, int64_t d, float *out) {
 }
 
 typedef struct {
-    int64_t b, kvh, i0, i1; /* sequence, KV head, its query rows [i0, i1) */
-    int64_t chunk;          /* >= 0: the partials of this chunk for those rows; -1: the rows' whole attention */
+    int64_t b, kvh, kvh1, i0, i1; /* sequence, KV heads [kvh, kvh1), its query rows [i0, i1) */
+    int64_t chunk;                /* >= 0: the partials of this chunk for those rows; -1: the rows' whole attention */
 } hx_task;
+
+/* Chunk tasks (the split rows') cover every KV head of their chunk once the step has this many chunk
+ * tasks per thread anyway: a task then reads its chunk's cache blocks whole, in address order (a
+ * block's rows interleave the KV heads), which the hardware prefetchers follow; one task per KV head
+ * read every KVH-th row, and a long context's attention waited on memory. Fewer chunks: a task per
+ * (chunk, KV head), for the threads' sake. The grouping changes no partial's arithmetic. */
+#define CHUNKS_PER_THREAD 4
 
 /* Paged causal attention of one step: q rows (T, H, D) at stride q_stride, sequence b's rows
  * [qsl[b], qsl[b+1]) at positions seq_lens[b] - q_len_b + i, each attending to the positions up to
@@ -283,12 +305,13 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
                   int64_t bs, float scale, float *out, int64_t out_stride) {
     const int64_t G = H / KVH, P = G * (D + 2); /* floats of one (row, KV head, chunk) partial: o, m, l */
     const int64_t T = qsl[B];
-    int64_t tasks = 0, parts = 0;
+    int64_t tasks = 0, parts = 0, chunks = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t qlen = qsl[b + 1] - qsl[b], len = seq_lens[b];
         if (qlen <= 0) continue;
         if (len < qlen) return -2;
         if (qlen <= SPLIT_ROWS) {
+            chunks += (len + KCHUNK - 1) / KCHUNK;
             tasks += KVH * ((len + KCHUNK - 1) / KCHUNK);
             for (int64_t i = 0; i < qlen; i++) parts += KVH * ((len - qlen + i) / KCHUNK + 1);
         } else {
@@ -304,6 +327,7 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
         free(part);
         return -1;
     }
+    const int64_t span = chunks >= CHUNKS_PER_THREAD * helexa_threads() ? KVH : 1; /* KV heads per chunk task */
     int64_t nt = 0, np = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t qlen = qsl[b + 1] - qsl[b], len = seq_lens[b];
@@ -313,12 +337,12 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
                 part_base[qsl[b] + i] = np; /* then (kvh * chunks + c) * P */
                 np += KVH * ((len - qlen + i) / KCHUNK + 1) * P;
             }
-            for (int64_t kvh = 0; kvh < KVH; kvh++)
-                for (int64_t c = 0; c * KCHUNK < len; c++) task[nt++] = (hx_task){b, kvh, 0, qlen, c};
+            for (int64_t kvh = 0; kvh < KVH; kvh += span)
+                for (int64_t c = 0; c * KCHUNK < len; c++) task[nt++] = (hx_task){b, kvh, kvh + span, 0, qlen, c};
         } else {
             for (int64_t kvh = 0; kvh < KVH; kvh++)
                 for (int64_t i0 = 0; i0 < qlen; i0 += QTILE)
-                    task[nt++] = (hx_task){b, kvh, i0, i0 + QTILE < qlen ? i0 + QTILE : qlen, -1};
+                    task[nt++] = (hx_task){b, kvh, kvh + 1, i0, i0 + QTILE < qlen ? i0 + QTILE : qlen, -1};
         }
     }
     int failed = 0;
@@ -330,14 +354,16 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
         const void *kp[KCHUNK], *vp[KCHUNK];
         if (k.chunk >= 0) { /* this chunk's partial of every row that reaches it */
             const int64_t j0 = k.chunk * KCHUNK, last = prefix + k.i1 - 1;
-            chunk_rows(L, table, j0, (last + 1 - j0 < KCHUNK ? last + 1 - j0 : KCHUNK), bs, k.kvh, kp, vp);
-            for (int64_t i = k.i0; i < k.i1; i++) {
-                const int64_t pos = prefix + i, row = qsl[k.b] + i;
-                if (pos < j0) continue;
-                const int64_t n = pos + 1 - j0 < KCHUNK ? pos + 1 - j0 : KCHUNK;
-                float *p = part + part_base[row] + (k.kvh * (pos / KCHUNK + 1) + k.chunk) * P;
-                chunk_partial(q + row * q_stride + k.kvh * G * D, G, kp, vp, n, D, scale, p + G * D, p + G * D + G, p,
-                              (int)L->kv_half);
+            for (int64_t kvh = k.kvh; kvh < k.kvh1; kvh++) {
+                chunk_rows(L, table, j0, (last + 1 - j0 < KCHUNK ? last + 1 - j0 : KCHUNK), bs, kvh, kp, vp);
+                for (int64_t i = k.i0; i < k.i1; i++) {
+                    const int64_t pos = prefix + i, row = qsl[k.b] + i;
+                    if (pos < j0) continue;
+                    const int64_t n = pos + 1 - j0 < KCHUNK ? pos + 1 - j0 : KCHUNK;
+                    float *p = part + part_base[row] + (kvh * (pos / KCHUNK + 1) + k.chunk) * P;
+                    chunk_partial(q + row * q_stride + kvh * G * D, G, kp, vp, n, D, scale, p + G * D, p + G * D + G,
+                                  p, (int)L->kv_half);
+                }
             }
             continue;
         }
