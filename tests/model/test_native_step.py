@@ -372,3 +372,14 @@ def test_the_library_runs_on_torchs_thread_count() -> None:
     finally:
         torch.set_num_threads(before)
     assert seen == [1, 2, 1, 1]
+
+
+def test_the_step_updates_only_an_embedding_it_owns_in_place() -> None:
+    """The step runs its residual stream in `hidden` only when that tensor is the whole of its storage (a
+    fresh lookup), never in a view that could be a table's rows."""
+    table = torch.randn(10, 8)
+    assert native_step._owns_its_storage(torch.randn(4, 8))
+    assert native_step._owns_its_storage(table[torch.tensor([1, 2])])  # an index lookup copies
+    assert not native_step._owns_its_storage(table[2:4])  # a view of the table
+    assert not native_step._owns_its_storage(table[:1])  # its first row: offset 0, but not all of it
+    assert not native_step._owns_its_storage(torch.randn(8, 4).t())  # not contiguous

@@ -163,8 +163,10 @@ class NativeStep:
     ) -> torch.Tensor | None:
         """The logits (S, V) float32 of one step's rows `logits_indices` (S,): hidden (T, E) the new
         tokens' embeddings, positions (T,) int64 theirs, `attn` the step's metadata; the new K/V are
-        written to the caches. None, with nothing written, when the step or the caches do not fit
-        (then the caller runs the torch layers)."""
+        written to the caches. `hidden`, when it is the whole of its storage, is used as the step's
+        residual stream and left holding it (it is not a result: callers embed each step afresh). None,
+        with nothing written and `hidden` untouched, when the step or the caches do not fit (then the
+        caller runs the torch layers)."""
         t = hidden.shape[0]
         if attn.num_tokens != t or positions.shape != (t,) or hidden.dtype != torch.float32 or t == 0:
             return None
@@ -173,17 +175,29 @@ class NativeStep:
             return None
         if tables.stride(-1) != 1 or not self._bind_caches(kv_caches):
             return None
-        x = hidden.clone(memory_format=torch.contiguous_format)  # the residual stream, updated in place
+        x = hidden if _owns_its_storage(hidden) else hidden.contiguous().clone()  # the residual stream
         positions, lens, slots, starts = (v.contiguous() for v in (positions.long(), lens, slots, starts))
-        out = torch.empty_like(x)
+        # The final-normed rows: a piece's at a time, the rows to sample gathered from each (a long
+        # prefill holds one piece's, not the whole prompt's).
+        out = torch.empty(min(t, STEP_ROWS), x.shape[1])  # (rows, E)
+        picked = torch.empty(logits_indices.shape[0], x.shape[1]) if t > STEP_ROWS else None  # (S, E)
         for a, b, piece_starts, piece_lens, piece_tables in _pieces(starts, lens, tables, t, STEP_ROWS):
             rc = native.library().helexa_step(
                 ctypes.byref(self._model), b - a, x[a:b].data_ptr(), positions[a:b].data_ptr(),
                 self._inv_freq.data_ptr(), slots[a:b].data_ptr(), piece_lens.shape[0], piece_starts.data_ptr(),
-                piece_tables.data_ptr(), piece_tables.stride(0), piece_lens.data_ptr(), out[a:b].data_ptr(),
+                piece_tables.data_ptr(), piece_tables.stride(0), piece_lens.data_ptr(), out.data_ptr(),
             )  # fmt: skip
             _check(rc, "the native step")
-        return self._head(out[logits_indices])
+            if picked is not None:
+                here = (logits_indices >= a) & (logits_indices < b)  # (S,)
+                picked[here] = out[logits_indices[here] - a]
+        return self._head(out[logits_indices] if picked is None else picked)
+
+
+def _owns_its_storage(t: torch.Tensor) -> bool:
+    """True when `t` is a contiguous float32 tensor that is the whole of its storage (a fresh embedding
+    lookup, not a view into a table): the step may then update it in place as its residual stream."""
+    return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * 4
 
 
 def _pieces(
