@@ -35,6 +35,7 @@ from helexa.engine.speculative import Drafter, SpecStats
 from helexa.engine.step_budget import MeasuredStepCost, StepBudget
 from helexa.engine.stream import RequestStream, TokenEvent
 from helexa.engine.view import EngineView
+from helexa.heap import trim_heap
 from helexa.kvcache import BlockPool, KVBudget, KVManager
 from helexa.kvcache.tiers import KVTiers
 from helexa.model.config import ModelConfig
@@ -206,6 +207,7 @@ class Engine:
                 queue_batches=config.kv_events_queue_batches, buffer_batches=config.kv_events_buffer_batches,
             )  # fmt: skip
             self.kv_events.start(self.kv.prefix_cache, self.kv.tiers)
+        trim_heap("engine: loaded")  # what loading and calibration freed leaves the resident set
         self.load_seconds = time.perf_counter() - load_start
         logger.info(
             f"engine: loaded {self.model_name} on {self.device} {_dtype_name(self.dtype)} in {self.load_seconds:.2f}s; "

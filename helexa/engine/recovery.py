@@ -18,7 +18,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from helexa.engine.faults import ModelHealth
-from helexa.heap import freeze_heap, thaw_heap
+from helexa.heap import freeze_heap, thaw_heap, trim_heap
 from helexa.kvcache import KVBudget
 
 logger = logging.getLogger("helexa.engine")
@@ -118,6 +118,7 @@ class FaultRecovery(Generic[R]):
                 f"after device fault: {cause}",
             )
         self.reloads += 1
+        trim_heap("engine: reloaded")
         if refreeze:
             freeze_heap("engine: reloaded")
         self.health.set("loaded")
