@@ -30,10 +30,12 @@ same ids go to both engines. Measured per model:
   (helexa: the whole pool, sized to the largest need here; llama.cpp: its largest context's
   float16 K/V) — the issue's target is helexa's peak <= llama.cpp's + helexa's pool.
 - the roofline: the machine's read bandwidth measured here (`--threads` threads summing a 1 GiB
-  buffer, best of 5, before the run and before each round; the best counts) over the bytes a decode
-  step reads (every weight of the GGUF once: the tied embedding is the head), so one stream's
-  roofline is bandwidth / weight bytes steps/s; each engine's one-stream decode steps as a percentage
-  of it. helexa's default speculative decoding emits a verified draft's accepted tokens beside each
+  buffer, best of 5) over the bytes a decode step reads (every weight of the GGUF once: the tied
+  embedding is the head), so one stream's roofline is bandwidth / weight bytes steps/s; each engine's
+  one-stream decode steps as a percentage of it. The bandwidth is measured again right before each
+  engine's run and each engine is held against the best it saw (a shared VM's bandwidth swings by 2x
+  within minutes: a fraction against a sample taken at another moment says little); the header gives
+  the run's best. helexa's default speculative decoding emits a verified draft's accepted tokens beside each
   step's own (greedy output unchanged): the table says what share of the decode tokens they were, and
   counts steps (tokens less those) against the roofline; `--helexa-args "" speculative=off` shows both.
 
@@ -375,6 +377,7 @@ class Column:
             self.result = {**copy.deepcopy(result), "loads": [result["load"]]}  # the round's own dicts stay its own
             return
         self.result["loads"].append(result["load"])
+        self.result["read_bandwidth"] = max(result.get("read_bandwidth", 0.0), self.result.get("read_bandwidth", 0.0))
         for k, v in result["decode"].items():  # the best round's speed, and its share of accepted drafts
             if v > self.result["decode"].get(k, 0.0):
                 self.result["decode"][k] = v
@@ -387,6 +390,10 @@ class Column:
 
     def decode(self, n: int) -> float | None:
         return self.result.get("decode", {}).get(str(n))
+
+    def bandwidth(self, default: float) -> float:
+        """The read bandwidth measured right before this engine's runs (the best of its rounds), else `default`."""
+        return self.result.get("read_bandwidth") or default
 
     def accepted(self, n: int) -> float:
         """The fraction of the `n`-stream decode's tokens that came from accepted speculative drafts
@@ -444,7 +451,6 @@ def table(run: ModelRun, bandwidth: float) -> list[str]:
         header.append(c.name)
         if peer is not None and c.name != PEER:
             header.append(f"{c.name} / {PEER}")
-    roof = bandwidth / run.weight_bytes
     rows: list[tuple[str, Callable[[Column], float | None], bool]] = [  # (row, value, show the ratio)
         (f"decode tok/s, {n} stream{'s' if n > 1 else ''} (aggregate)", (lambda c, n=n: c.decode(n)), True)
         for n in run.streams
@@ -465,10 +471,15 @@ def table(run: ModelRun, bandwidth: float) -> list[str]:
     rows.append(
         (
             "1-stream decode, % of the read roofline (steps: each reads every weight once)",
-            lambda c: None if c.decode(1) is None else 100 * c.decode(1) * (1 - c.accepted(1)) / roof,
+            lambda c: (
+                None
+                if c.decode(1) is None
+                else 100 * c.decode(1) * (1 - c.accepted(1)) * run.weight_bytes / c.bandwidth(bandwidth)
+            ),
             False,
         )
     )
+    rows.append(("read bandwidth right before the engine's run, GB/s", lambda c: c.bandwidth(bandwidth) / 1e9, False))
     rows.append(("peak RSS, MiB (the engine's own process)", lambda c: c.peak_mib, False))
     rows.append(("KV held for the largest run, MiB", lambda c: c.kv_mib, False))
     rows.append(
@@ -646,12 +657,13 @@ def main(argv: list[str] | None = None) -> int:
             cols = {engine: Column(engine) for engine, _, _ in engines}
             run.cols = list(cols.values())
             for r in range(args.rounds):  # engines alternating, so each round sees about the same machine
-                args.read_bandwidth = max(args.read_bandwidth, read_bandwidth(args.threads))
                 for engine, command, engine_plan in engines:
                     print(f"[{name}: {engine}, round {r + 1} of {args.rounds}]", flush=True)
                     load = os.getloadavg()[0]
+                    bandwidth = read_bandwidth(args.threads)  # this engine's moment (see the module doc)
+                    args.read_bandwidth = max(args.read_bandwidth, bandwidth)
                     result = run_child(command, engine_plan, tmp, f"{name}-{engine}-{r}".replace(" ", "_"))
-                    result["load"] = load
+                    result["load"], result["read_bandwidth"] = load, bandwidth
                     if engine == PEER and "error" not in result:
                         _, shape = weight_bytes(gguf)
                         per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2  # K, V float16
