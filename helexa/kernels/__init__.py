@@ -36,12 +36,12 @@ __all__ = [
     "write_kv_triton",
 ]
 
-TRITON_KERNELS = ("paged_attention_triton", "write_kv_triton")
+_TRITON_KERNELS = ("paged_attention_triton", "write_kv_triton")
 
 
 @functools.cache
 def _triton_kernel(name: str) -> Callable[..., Any]:
-    """The Triton kernel `name` (of TRITON_KERNELS), its module imported on first use, so that a CPU
+    """The Triton kernel `name` (of _TRITON_KERNELS), its module imported on first use, so that a CPU
     process that never runs one never loads Triton (~50 MiB resident). Without the `triton` package it
     is a stand-in that raises RuntimeError saying so."""
     try:
@@ -65,7 +65,7 @@ def _triton_kernel(name: str) -> Callable[..., Any]:
 
 def __getattr__(name: str) -> Any:
     """`helexa.kernels.paged_attention_triton` and `.write_kv_triton`, imported when first asked for."""
-    if name in TRITON_KERNELS:
+    if name in _TRITON_KERNELS:
         return _triton_kernel(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

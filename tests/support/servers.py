@@ -18,6 +18,7 @@ import pytest
 from helexa.config import EngineConfig
 from helexa.engine import start_engine
 from helexa.engine.core import engine_process_enabled
+from helexa.heap import resident_bytes
 from helexa.model.text.tokenizer import Tokenizer
 from helexa.server.app import create_app
 from helexa.server.serve import HelexaServer
@@ -160,9 +161,8 @@ def metric(text: str, name: str) -> float:
 
 
 def rss_bytes() -> int:
-    """This process's resident set size, from /proc/self/status (VmRSS)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmRSS not found in /proc/self/status")
+    """This process's resident set size (`helexa.heap.resident_bytes`); RuntimeError where it cannot be read."""
+    rss = resident_bytes()
+    if not rss:
+        raise RuntimeError("the resident set cannot be read here (no /proc/self/statm)")
+    return rss
