@@ -7,10 +7,13 @@ same state and every value can be compared exactly.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
+from helexa.admission.rates import EngineRates
 from helexa.engine.engine import Engine
 from helexa.model.sampling import SamplingParams
 from helexa.server.app import create_app
@@ -38,7 +41,7 @@ def _value(samples: dict, name: str, **labels: str) -> float:
 def engine(tiny_model_dir):
     config = cpu_config(
         tiny_model_dir, num_blocks=32, block_size=BS, max_num_batched_tokens=64, max_num_seqs=2,
-        kv_events_endpoint="tcp://127.0.0.1:*",
+        kv_events_endpoint="tcp://127.0.0.1:*", replan_interval_secs=0.0,
     )  # fmt: skip
     engine = Engine(config)
     yield engine
@@ -81,10 +84,16 @@ def test_vllm_names_equal_the_admission_snapshot(engine: Engine) -> None:
                       ("queue_depth", "helexa_queue_depth"), ("in_flight", "helexa_requests_in_flight")):  # fmt: skip
         assert _value(samples, name) == snap[key], name
 
-    wait = _value(samples, "helexa_admission_estimated_wait_seconds")
+    # The estimate is a time to come: it shrinks as the clock runs while nothing steps. Slow rates (replanned at
+    # once: no replan interval) make it seconds long, and the clock around the two readings bounds their gap.
+    engine.admission.set_rates(EngineRates(decode_step_seconds=2.0, prefill_token_seconds=0.01))
     assert engine.request_sizes.median() == (20, 8)
-    assert wait > 0  # two requests of that size already wait for the two running ones
-    assert wait == pytest.approx(engine.admission.estimate_wait(20, 8), abs=0.05)
+    before = time.monotonic()
+    wait = _value(_scrape(client)[0], "helexa_admission_estimated_wait_seconds")
+    direct = engine.admission.estimate_wait(20, 8)
+    elapsed = time.monotonic() - before
+    assert wait > 2.0  # two requests of that size already wait for the two running ones, a step at least
+    assert 0.0 <= wait - direct <= elapsed, (wait, direct, elapsed)
     assert engine.kv_events is not None and engine.kv_events.publisher.flush(10.0)
     samples, _ = _scrape(client)
     assert _value(samples, "helexa_kv_event_batches_published_total") == engine.kv_events.published > 1
