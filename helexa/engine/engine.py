@@ -35,7 +35,7 @@ from helexa.engine.speculative import Drafter, SpecStats
 from helexa.engine.step_budget import MeasuredStepCost, StepBudget
 from helexa.engine.stream import RequestStream, TokenEvent
 from helexa.engine.view import EngineView
-from helexa.heap import trim_heap
+from helexa.heap import return_large_blocks, trim_heap
 from helexa.kvcache import BlockPool, KVBudget, KVManager
 from helexa.kvcache.tiers import KVTiers
 from helexa.model.config import ModelConfig
@@ -116,6 +116,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         load_start = time.perf_counter()
+        return_large_blocks()  # a step's large buffers are unmapped when freed, not kept by the heap
         self.device = _resolve_device(config.device)
         torch.manual_seed(config.seed)  # the default generator unseeded requests draw from
         self.model_name = config.model if config.model is not None else DEFAULT_MODEL

@@ -29,10 +29,7 @@ arenas would otherwise keep resident.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import dataclasses
-import functools
 import json
 import queue
 import threading
@@ -41,6 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from helexa.heap import release_free_pages
 from helexa.model.sampling.grammar import GrammarError, GrammarTokenizer, json_schema_grammar
 from helexa.server.errors import APIError
 from helexa.server.protocol import GenerationRequest
@@ -182,13 +180,6 @@ class GrammarCompiler:
         return size
 
 
-@functools.cache
-def _malloc_trim() -> Any:
-    """glibc's `malloc_trim`, or None where the C library has none."""
-    name = ctypes.util.find_library("c")
-    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-
-
 _last_trim = 0.0
 
 
@@ -196,7 +187,7 @@ def _trim_heap() -> None:
     """Return the C heap's free pages to the system (a no-op without glibc, or within `TRIM_EVERY_SECS` of
     the last trim)."""
     global _last_trim
-    trim, now = _malloc_trim(), time.monotonic()
-    if trim is not None and now - _last_trim >= TRIM_EVERY_SECS:
+    now = time.monotonic()
+    if now - _last_trim >= TRIM_EVERY_SECS:
         _last_trim = now
-        trim(0)
+        release_free_pages()

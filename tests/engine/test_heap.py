@@ -5,6 +5,9 @@ freezes again."""
 from __future__ import annotations
 
 import gc
+import platform
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -66,3 +69,42 @@ def test_trim_hands_freed_heap_back_to_the_os():
     released = trim_heap("test")
     assert len(kept) == 256
     assert released > 32 * 2**20
+
+
+_LARGE_BLOCK_PROBE = """
+import ctypes, sys
+from helexa.heap import resident_bytes, return_large_blocks
+if sys.argv[1] == "fixed":
+    assert return_large_blocks()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+first = libc.malloc(24 << 20)  # mapped (over the default 128 KiB); freeing it raises glibc's threshold to 24 MiB
+libc.free(first)
+pin = libc.malloc(1 << 10)  # something live above the next block: it cannot be given back by shrinking the heap
+block = libc.malloc(16 << 20)
+top = libc.malloc(1 << 10)
+ctypes.memset(block, 1, 16 << 20)  # resident
+before = resident_bytes()
+libc.free(block)
+print(before - resident_bytes())
+"""
+
+
+@pytest.mark.parametrize("threshold", ["glibc's", "fixed"])
+def test_a_freed_large_block_leaves_the_resident_set(threshold: str) -> None:
+    """After one large block is freed, glibc serves the next ones from its heap and keeps them resident once
+    freed (its dynamic threshold); with `return_large_blocks` a freed 16 MiB block leaves the resident set at
+    once. Each case in a fresh process (the setting is process-wide); the default's case shows the probe can
+    fail."""
+    if resident_bytes() == 0 or sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("needs glibc's allocator and /proc")
+    probe = subprocess.run(
+        [sys.executable, "-c", _LARGE_BLOCK_PROBE, threshold], capture_output=True, text=True, timeout=120, check=True
+    )
+    released = int(probe.stdout.split()[-1])
+    if threshold == "fixed":
+        assert released >= 15 * 2**20
+    else:
+        assert released < 2**20

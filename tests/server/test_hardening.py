@@ -5,8 +5,6 @@ file and the access log."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import gc
 import json
 import logging
@@ -21,6 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from helexa.heap import release_free_pages
 from helexa.server.cli import build_parser, configs_from_args
 from helexa.server.protocol import decode_json
 from helexa.server.serve import RedactQuery
@@ -227,15 +226,6 @@ def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("long_ctx"), max_position_embeddings=65536)
 
 
-def _malloc_trim() -> None:
-    """glibc's `malloc_trim(0)` where there is one: freed heap pages go back to the system, so RSS counts
-    what is still held, not what the allocator keeps cached after the tokeniser's large buffers."""
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    if trim is not None:
-        trim(0)
-
-
 def test_the_largest_bodies_stall_no_one(long_context_dir: Path) -> None:
     """With the worst allowed prompt being tokenised (~2 MB, seconds of work) and a 7.9 MiB body beside it,
     `/health` keeps answering and a running stream keeps flowing (tokenising releases the GIL; a prompt is
@@ -283,7 +273,7 @@ def test_the_largest_bodies_stall_no_one(long_context_dir: Path) -> None:
             assert huge[0] == 400 and huge[1]["code"] == "context_length_exceeded"  # refused before tokenising
             assert "bytes of text cannot fit" in huge[1]["message"]
             gc.collect()
-            _malloc_trim()  # the C heap's free pages go back first: what is measured is memory still held
+            release_free_pages()  # the C heap's free pages go back first: what is measured is memory still held
             rss.append(rss_bytes())
         assert rss[2] - rss[0] < 100 << 20, rss  # no growth from round to round
     finally:
