@@ -296,11 +296,11 @@ class CausalLM(nn.Module):
         if logits_indices.dim() != 1:
             raise ValueError(f"logits_indices must be [S], got {tuple(logits_indices.shape)}")
 
-        hidden = self.model.embed_tokens(input_ids)  # (T, E)
-        if self.native_step is not None:
-            logits = self.native_step(hidden, positions, attn, kv_caches, logits_indices)  # or None: the layers
+        if self.native_step is not None:  # it embeds the tokens itself, a piece of the step at a time
+            logits = self.native_step(input_ids, positions, attn, kv_caches, logits_indices)  # or None: the layers
             if logits is not None:
                 return logits  # (S, V)
+        hidden = self.model.embed_tokens(input_ids)  # (T, E)
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2) float32
         angles = torch.cat((angles, angles), dim=-1)  # (T, D)
         sin = angles.sin()

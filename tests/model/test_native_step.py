@@ -244,9 +244,9 @@ def test_a_step_longer_than_the_mlps_row_chunk_computes_every_row_alike(
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_a_step_run_in_pieces_computes_every_row_alike(quantized, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step of more than `STEP_ROWS` rows runs as consecutive native calls; pieces that cut sequences
-    anywhere (mid-prefill, between decode rows, one row each) give the logits and K/V of the step run in
-    one call, bit for bit."""
+    """A step of more than `STEP_ROWS` rows runs as consecutive native calls, each embedding its own rows
+    when it comes; pieces that cut sequences anywhere (mid-prefill, between decode rows, one row each) give
+    the logits and K/V of the step run in one call, bit for bit."""
     rng = random.Random(rows)
     vocab = quantized.config.vocab_size
     prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in enumerate((150, 3, 90, 41))}
@@ -255,7 +255,11 @@ def test_a_step_run_in_pieces_computes_every_row_alike(quantized, rows: int, mon
     monkeypatch.setattr(native_step, "STEP_ROWS", 10**9)
     whole, whole_cache = _schedule_run(quantized, prompts, schedule)
     monkeypatch.setattr(native_step, "STEP_ROWS", rows)
+    looked_up: list[int] = []  # each embedding lookup's rows: a piece's, never the step's
+    embed = quantized.native_step._embed
+    monkeypatch.setattr(quantized.native_step, "_embed", lambda ids: looked_up.append(ids.shape[0]) or embed(ids))
     pieces, pieces_cache = _schedule_run(quantized, prompts, schedule)
+    assert looked_up and max(looked_up) == rows and sum(looked_up) == sum(sum(step.values()) for step in schedule)
     assert pieces.keys() == whole.keys()
     for key, row in whole.items():
         assert torch.equal(pieces[key], row), f"logits of {key} differ: max {float((pieces[key] - row).abs().max())}"

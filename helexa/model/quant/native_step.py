@@ -38,8 +38,9 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 _MAX_HEAD_DIM = 512  # the C code's per-head buffers
 _MAX_GROUP = 16  # query heads per KV head (GMAX)
 # Most rows one native call computes: a step of more (a long prefill chunk) runs as consecutive calls, so
-# the C step's scratch (every row's activations in every buffer of a layer) stays that of 256 rows (a
-# 4,096-token prompt on a 1B model: peak 1,358 -> 1,300 MiB). Each row is one computation whatever
+# the C step's scratch (every row's activations in every buffer of a layer) and the embeddings the Python
+# side holds stay those of 256 rows (a 4,096-token prompt on a 1B model: peak 1,358 -> 1,300 MiB; the
+# embeddings of a 2,048-token chunk of it, 16 MiB, -> 2 MiB). Each row is one computation whatever
 # shares its call (see the module doc), so no bit changes; each call reads the weights once more,
 # which a 256-row prefill piece (seconds of compute) does not notice.
 STEP_ROWS = 256
@@ -128,6 +129,7 @@ class NativeStep:
     ) -> None:
         config, plan = model.config, model.plan
         self._keep = keep  # everything the C structures point to
+        self._embed = model.model.embed_tokens  # token ids (R,) -> embeddings (R, E), looked up per piece
         self._head = head  # final-normed rows (S, E) -> logits (S, V), each row on its own
         self._layers = (_Layer * len(layers))(*layers)
         self._model = _Model(
@@ -155,35 +157,33 @@ class NativeStep:
 
     def __call__(
         self,
-        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
         kv_caches: list[Any],
         logits_indices: torch.Tensor,
     ) -> torch.Tensor | None:
-        """The logits (S, V) float32 of one step's rows `logits_indices` (S,): hidden (T, E) the new
-        tokens' embeddings, positions (T,) int64 theirs, `attn` the step's metadata; the new K/V are
-        written to the caches. `hidden`, when it is the whole of its storage, is used as the step's
-        residual stream and left holding it (it is not a result: callers embed each step afresh). None,
-        with nothing written and `hidden` untouched, when the step or the caches do not fit (then the
-        caller runs the torch layers)."""
-        t = hidden.shape[0]
-        if attn.num_tokens != t or positions.shape != (t,) or hidden.dtype != torch.float32 or t == 0:
+        """The logits (S, V) float32 of one step's rows `logits_indices` (S,): input_ids (T,) the new tokens,
+        positions (T,) int64 theirs, `attn` the step's metadata; the new K/V are written to the caches.
+        Each piece of at most `STEP_ROWS` rows is embedded when its call comes (a long prefill holds one
+        piece's embeddings, not the whole chunk's). None, with nothing written, when the step or the caches
+        do not fit (then the caller runs the torch layers)."""
+        t = input_ids.shape[0]
+        if attn.num_tokens != t or positions.shape != (t,) or t == 0:
             return None
         tables, lens, slots, starts = attn.block_tables, attn.seq_lens, attn.slot_mapping, attn.query_start_loc
         if any(x.dtype != torch.int32 for x in (tables, lens, starts)) or slots.dtype != torch.int64:
             return None
         if tables.stride(-1) != 1 or not self._bind_caches(kv_caches):
             return None
-        x = hidden if _owns_its_storage(hidden) else hidden.contiguous().clone()  # the residual stream
         positions, lens, slots, starts = (v.contiguous() for v in (positions.long(), lens, slots, starts))
-        # The final-normed rows: a piece's at a time, the rows to sample gathered from each (a long
-        # prefill holds one piece's, not the whole prompt's).
-        out = torch.empty(min(t, STEP_ROWS), x.shape[1])  # (rows, E)
-        picked = torch.empty(logits_indices.shape[0], x.shape[1]) if t > STEP_ROWS else None  # (S, E)
+        # The final-normed rows: a piece's at a time, the rows to sample gathered from each.
+        out = torch.empty(min(t, STEP_ROWS), self._model.hidden)  # (rows, E)
+        picked = torch.empty(logits_indices.shape[0], self._model.hidden) if t > STEP_ROWS else None  # (S, E)
         for a, b, piece_starts, piece_lens, piece_tables in _pieces(starts, lens, tables, t, STEP_ROWS):
+            x = self._residual_stream(input_ids[a:b])
             rc = native.library().helexa_step(
-                ctypes.byref(self._model), b - a, x[a:b].data_ptr(), positions[a:b].data_ptr(),
+                ctypes.byref(self._model), b - a, x.data_ptr(), positions[a:b].data_ptr(),
                 self._inv_freq.data_ptr(), slots[a:b].data_ptr(), piece_lens.shape[0], piece_starts.data_ptr(),
                 piece_tables.data_ptr(), piece_tables.stride(0), piece_lens.data_ptr(), out.data_ptr(),
             )  # fmt: skip
@@ -192,6 +192,14 @@ class NativeStep:
                 here = (logits_indices >= a) & (logits_indices < b)  # (S,)
                 picked[here] = out[logits_indices[here] - a]
         return self._head(out[logits_indices] if picked is None else picked)
+
+    def _residual_stream(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings (R, E) float32 of `ids` (R,) as a tensor the step may update in place: the lookup's
+        own result when it is the whole of its storage (a fresh lookup), else a copy (never a table's rows)."""
+        x = self._embed(ids)
+        if x.dtype != torch.float32:
+            raise TypeError(f"the fused step runs float32 embeddings, got {x.dtype}")
+        return x if _owns_its_storage(x) else x.contiguous().clone()
 
 
 def _owns_its_storage(t: torch.Tensor) -> bool:

@@ -56,16 +56,17 @@ int helexa_threads(void) { return threads > 0 ? threads : omp_get_max_threads();
 #define HX_VNNI 1 /* the avx512_vnni build (helexa.model.quant.isa): vpdpbusd on 512-bit registers */
 #endif
 
-/* x (M, K) -> xq (M, K) int8, d (M, K/32) scales, xs (M, K/32) = d * sum(xq) per block and qs the
+/* x (M, K), rows ldx floats apart -> xq (M, K) int8, d (M, K/32) scales, xs (M, K/32) = d * sum(xq) per block and qs the
  * same integer sums. Rounds x * (1 / d) to nearest, ties to even, as torch.round does (the reference,
  * quantize_activations). */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *d, float *xs, int32_t *qs) {
-    const int64_t n = M * (K / QK);
+static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *xq, float *d, float *xs,
+                          int32_t *qs) {
+    const int64_t n = M * (K / QK), blocks = K / QK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undo the packs' lane interleave */
 #pragma omp parallel for schedule(static) if (n > 512) num_threads(helexa_threads())
     for (int64_t i = 0; i < n; i++) {
-        const float *v = x + i * QK;
+        const float *v = x + (i / blocks) * ldx + (i % blocks) * QK;
         __m256 f[4];
         __m256 amax = _mm256_setzero_ps();
         for (int j = 0; j < 4; j++) {
@@ -220,15 +221,15 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
     for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
 }
 
-void helexa_wq_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, const int8_t *q8, const void *scales,
-                    const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
+void helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q4, const int8_t *q8,
+                    const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
     const size_t width = half ? 2 : 4; /* bytes per scale or zero term */
     const int64_t blocks = K / QK, groups = K / G;
     int8_t *xq = (int8_t *)malloc((size_t)(M * K));
     float *d = (float *)malloc(sizeof(float) * (size_t)(M * blocks));
     float *xs = (float *)malloc(sizeof(float) * (size_t)(M * blocks));
     int32_t *qs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * blocks));
-    quantize_rows(x, M, K, xq, d, xs, qs);
+    quantize_rows(x, M, K, ldx, xq, d, xs, qs);
 #pragma omp parallel for schedule(static) num_threads(helexa_threads())
     for (int64_t t = 0; t < N / NR; t++) {
         const uint8_t *w4 = q4 ? q4 + t * NR * (K / 2) : NULL;
@@ -252,10 +253,10 @@ void helexa_wq_gemm(const float *x, int64_t M, int64_t K, const uint8_t *q4, con
 
 void helexa_int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *tiled, const void *scales,
                       const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
-    helexa_wq_gemm(x, M, K, tiled, NULL, scales, zero_terms, half, N, G, y);
+    helexa_wq_gemm(x, M, K, K, tiled, NULL, scales, zero_terms, half, N, G, y);
 }
 
 void helexa_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *tiled, const void *scales, int64_t half,
                       int64_t N, int64_t G, float *y) {
-    helexa_wq_gemm(x, M, K, NULL, tiled, scales, NULL, half, N, G, y);
+    helexa_wq_gemm(x, M, K, K, NULL, tiled, scales, NULL, half, N, G, y);
 }
