@@ -12,9 +12,8 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import gguf
 import numpy as np
 import torch
 from safetensors.torch import save_file
@@ -23,6 +22,9 @@ from tqdm.auto import tqdm
 
 from helexa.model.text.tokenizer import bos_eos_processor
 from helexa.model.weights.gguf_quant import KEPT_QUANTIZED, read_quantized
+
+if TYPE_CHECKING:
+    import gguf
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_TENSOR_TYPES", "SUPPORTED_PRE_TOKENIZERS", "convert_gguf"]
 
@@ -127,6 +129,8 @@ def convert_gguf(
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise ValueError(f"GGUF file not found: {gguf_path}")
+    import gguf  # the reader (and the PyYAML it brings) loads only when a GGUF is converted, not in every engine
+
     try:
         reader = gguf.GGUFReader(gguf_path)
     except (ValueError, IndexError, EOFError) as exc:  # bad magic, truncated or malformed header
