@@ -21,10 +21,11 @@ pages back to the OS (12-15 MiB on the default model).
 that threshold to the block's size (up to 32 MiB): after the first long prefill, every later activation buffer
 of a step (a piece's hidden states, the MLP's activations, its embeddings) comes from the heap, and the heap
 keeps what fragmentation leaves behind. A fixed threshold of `LARGE_BLOCK_BYTES` (2 MiB) turns that adjustment
-off: larger blocks are mapped and returned at `free`. Measured on this project's CPU (bench/RESULTS.md): a 1B
-model's peak over its resident set after load, 83 -> 37 MiB across the peers benchmark's runs, with 16-stream
-decode unchanged; at 1 MiB the default model's 16-stream decode lost ~15% (its logits and the sampler's
-vocabulary-wide rows, 1.5-3 MiB a step, were mapped and unmapped every step), so 2 MiB it is.
+off: larger blocks are mapped and returned at `free`. Measured on a 2-vCPU EPYC (bench/RESULTS.md): with
+this and the fused step's per-piece embeddings, a 1B model's peak over its resident set after load through
+the peers benchmark went from 113 to 41 MiB, 16-stream decode unchanged within noise. At 1 MiB the default
+model's 16-stream decode lost ~15% (its logits and the sampler's vocabulary-wide rows, 1.5-3 MiB a step,
+were mapped and unmapped every step), so the threshold is 2 MiB.
 """
 
 from __future__ import annotations
