@@ -130,8 +130,9 @@ static void rms_norm_rows(const float *x, const float *w, int64_t T, int64_t n, 
 
 /* y (m, n) = x (m, k) @ W.T (+ bias), x's rows ldx floats apart. */
 static void linear(const hx_linear *l, const float *x, int64_t m, int64_t ldx, float *y) {
-    helexa_wq_gemm(x, m, l->k, ldx, l->int4 ? (const uint8_t *)l->weight : NULL, l->int4 ? NULL : (const int8_t *)l->weight,
-                   l->scales, l->zero_terms, l->half, l->n, l->group, y);
+    const uint8_t *q4 = l->int4 ? (const uint8_t *)l->weight : NULL;
+    const int8_t *q8 = l->int4 ? NULL : (const int8_t *)l->weight;
+    helexa_wq_gemm(x, m, l->k, ldx, q4, q8, l->scales, l->zero_terms, l->half, l->n, l->group, y);
     if (l->bias)
         for (int64_t r = 0; r < m; r++)
             for (int64_t i = 0; i < l->n; i++) y[r * l->n + i] += l->bias[i];
@@ -486,7 +487,8 @@ int helexa_step(const hx_model *m, int64_t T, float *x, const int64_t *positions
     if (query_start_loc[0] != 0 || query_start_loc[B] != T) return -2;
     float *h = scratch((size_t)(T * E)), *qkv = scratch((size_t)(T * QKV)), *att = scratch((size_t)(T * QS));
     const int64_t mlp_rows = T < MLP_ROWS ? T : MLP_ROWS;
-    float *proj = scratch((size_t)(T * E)), *gu = scratch((size_t)(mlp_rows * 2 * I)); /* gate | up, then act | up */
+    float *proj = scratch((size_t)(T * E));
+    float *gu = scratch((size_t)(mlp_rows * 2 * I)); /* per row: gate | up, then activations | up */
     float *cos_t = scratch((size_t)(T * D)), *ssin_t = scratch((size_t)(T * D));
     int rc = 0;
     if (!h || !qkv || !att || !proj || !gu || !cos_t || !ssin_t) {

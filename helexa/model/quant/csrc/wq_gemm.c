@@ -56,9 +56,9 @@ int helexa_threads(void) { return threads > 0 ? threads : omp_get_max_threads();
 #define HX_VNNI 1 /* the avx512_vnni build (helexa.model.quant.isa): vpdpbusd on 512-bit registers */
 #endif
 
-/* x (M, K), rows ldx floats apart -> xq (M, K) int8, d (M, K/32) scales, xs (M, K/32) = d * sum(xq) per block and qs the
- * same integer sums. Rounds x * (1 / d) to nearest, ties to even, as torch.round does (the reference,
- * quantize_activations). */
+/* x (M, K), rows ldx floats apart -> xq (M, K) int8, d (M, K/32) scales, xs (M, K/32) = d * sum(xq) per
+ * block and qs the same integer sums. Rounds x * (1 / d) to nearest, ties to even, as torch.round does
+ * (the reference, quantize_activations). */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int8_t *xq, float *d, float *xs,
                           int32_t *qs) {
     const int64_t n = M * (K / QK), blocks = K / QK;
