@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 
-from helexa.heap import freeze_heap, resident_bytes, thaw_heap, trim_heap
+from helexa.heap import HeapLevel, freeze_heap, resident_bytes, thaw_heap, trim_heap
 from helexa.model.sampling import SamplingParams
 from tests.support.engines import drive, make_engine, random_prompts
 
@@ -108,3 +108,51 @@ def test_a_freed_large_block_leaves_the_resident_set(threshold: str) -> None:
         assert released >= 15 * 2**20
     else:
         assert released < 2**20
+
+
+def _fragmented(mib: int) -> list[bytearray]:
+    """`mib` MiB of 4 KiB C-heap buffers (resident: zeroed), all but every 64th freed again: the freed pages
+    stay in the heap, fragmented by the kept ones. Returns the kept ones."""
+    held = [bytearray(4096) for _ in range(mib * 256)]
+    return held[::64]
+
+
+def test_heap_level_trims_once_the_resident_set_grew_by_its_slack():
+    """`HeapLevel.check` leaves growth under its slack alone and hands the heap's free pages back once the
+    resident set has grown by the slack: a check that never trims, or trims at every call, fails this."""
+    if resident_bytes() == 0 or sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("needs glibc's allocator and /proc")
+    trim_heap("before the test")
+    level = HeapLevel(slack=16 * 2**20, interval=0.0)
+    assert not level.check()  # nothing grew
+    kept = _fragmented(6)  # ~6 MiB resident, all but 1/64 of it free heap: under the slack
+    assert not level.check() and level.trims == 0
+    kept += _fragmented(40)  # now well over it
+    assert level.check()
+    assert level.trims == 1 and level.released > 16 * 2**20
+    assert not level.check()  # the level is set again after the trim
+    assert len(kept) == 6 * 4 + 40 * 4
+
+
+def test_the_engine_checks_its_heap_after_every_step(tiny_model_dir):
+    """Every step that ran the model ends with one `HeapLevel.check`."""
+    engine = make_engine(tiny_model_dir)
+    checks: list[int] = []
+    engine.heap.check = lambda: checks.append(engine._step_no) or False  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    drive(engine, [engine.submit(p, params) for p in random_prompts(2, seed=5)])
+    assert checks and checks == list(range(1, len(checks) + 1))
+
+
+def test_heap_level_trims_at_most_once_per_interval():
+    """However fast the heap grows, `HeapLevel.check` trims at most once per `interval` seconds (a step whose
+    working set exceeds the slack must not trim, and fault its pages back, at every step)."""
+    if resident_bytes() == 0 or sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("needs glibc's allocator and /proc")
+    trim_heap("before the test")
+    level = HeapLevel(slack=4 * 2**20, interval=3600.0)
+    kept = _fragmented(24)
+    assert level.check() and level.trims == 1
+    kept += _fragmented(24)  # grown past the slack again, within the interval
+    assert not level.check() and level.trims == 1
+    assert len(kept) == 2 * 24 * 4
