@@ -35,7 +35,7 @@ from helexa.engine.speculative import Drafter, SpecStats
 from helexa.engine.step_budget import MeasuredStepCost, StepBudget
 from helexa.engine.stream import RequestStream, TokenEvent
 from helexa.engine.view import EngineView
-from helexa.heap import return_large_blocks, trim_heap
+from helexa.heap import HeapLevel, release_free_pages, return_large_blocks, trim_heap
 from helexa.kvcache import BlockPool, KVBudget, KVManager
 from helexa.kvcache.tiers import KVTiers
 from helexa.model.config import ModelConfig
@@ -126,12 +126,13 @@ class Engine:
         self.max_model_len = _max_model_len(config, self.model_config)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.tokenizer.probe_chat_templates()  # a template that fails on every conversation refuses to start
+        release_free_pages()  # building the tokenizer freed ~14 MiB (default model): not carried into the load
         # Defaults for the sampling fields a request omits (`--generation-config`); read once, before the weights.
         self.sampling_defaults: SamplingDefaults = resolve_sampling_defaults(config.generation_config, self.model_dir)
         logger.info(f"engine: {self.sampling_defaults.describe()}")
         self.grammar_tokenizer = GrammarTokenizer(
-            self.tokenizer.backend.to_str(), tuple(sorted(self.tokenizer.eos_token_ids))
-        )
+            self.tokenizer.backend.to_str, tuple(sorted(self.tokenizer.eos_token_ids))
+        )  # the vocabulary's JSON is made on the first grammar
         # Checked before any worker process starts: which rank a test's injected faults happen on.
         fault_rank = fault_injection(config.tensor_parallel_size)[0]
         self.runner: ModelRunner | None = self._load_runner()
@@ -209,6 +210,7 @@ class Engine:
             )  # fmt: skip
             self.kv_events.start(self.kv.prefix_cache, self.kv.tiers)
         trim_heap("engine: loaded")  # what loading and calibration freed leaves the resident set
+        self.heap = HeapLevel()  # and what the steps free is handed back whenever it has piled up
         self.load_seconds = time.perf_counter() - load_start
         logger.info(
             f"engine: loaded {self.model_name} on {self.device} {_dtype_name(self.dtype)} in {self.load_seconds:.2f}s; "
@@ -417,6 +419,7 @@ class Engine:
         # (back to back under load) to the end of this one, so the loop's own overhead and the threads
         # it shares the interpreter with are in it, as they are in every real wait.
         self._record(inputs, t3 - begin - load_seconds, t3 - t0, t2 - t1, _decode_yield(inputs, sampled))
+        self.heap.check()  # outside the step's timing: a trim, when one runs, is the loop's overhead
         self._last_end = t3
         return True
 
@@ -834,6 +837,7 @@ class Engine:
             self._give_up(outcome.cause)
             return
         self.runner = outcome.runner
+        self.heap.reset()  # the reload trimmed: its resident set is the new level
         self.kv.reset(self.runner.pool)
         if self.kv_events is not None:
             self.kv_events.attach(self.kv.prefix_cache)
