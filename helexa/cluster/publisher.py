@@ -23,10 +23,12 @@ import logging
 import queue
 import threading
 from collections import deque
-
-import zmq
+from typing import TYPE_CHECKING
 
 from helexa.cluster.events import KVEventBatch, encode_batch
+
+if TYPE_CHECKING:  # imported by the publisher that opens sockets: an engine without KV events never loads it
+    import zmq
 
 __all__ = ["END_OF_REPLAY", "KVEventPublisher", "binds"]
 
@@ -86,6 +88,8 @@ class KVEventPublisher:
         self._progress = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
+        import zmq
+
         ctx = context or zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
@@ -210,6 +214,8 @@ class KVEventPublisher:
 
 
 def _open(sock: zmq.Socket, endpoint: str, bind: bool) -> None:
+    import zmq
+
     try:
         if bind:
             sock.bind(endpoint)
@@ -221,6 +227,8 @@ def _open(sock: zmq.Socket, endpoint: str, bind: bool) -> None:
 
 def _last_endpoint(sock: zmq.Socket, configured: str) -> str:
     """The address a bound socket listens on (a `*` port resolved), else the configured one."""
+    import zmq
+
     last = sock.getsockopt(zmq.LAST_ENDPOINT)
     text = last.decode() if isinstance(last, bytes) else str(last)
     return text if binds(configured) and text else configured

@@ -206,8 +206,8 @@ class EngineClient:
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.sampling_defaults: SamplingDefaults = resolve_sampling_defaults(config.generation_config, self.model_dir)
         self.grammar_tokenizer = GrammarTokenizer(
-            self.tokenizer.backend.to_str(), tuple(sorted(self.tokenizer.eos_token_ids))
-        )
+            self.tokenizer.backend.to_str, tuple(sorted(self.tokenizer.eos_token_ids))
+        )  # the vocabulary's JSON is made on the first grammar
         self._lock = threading.Lock()  # guards _inflight, each core's `alive` and `calls`, and _serving's clearing
         self._inflight: OrderedDict[str, _Remote] = OrderedDict()  # in submit order
         self._call_ids = itertools.count(1)

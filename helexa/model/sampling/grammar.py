@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -110,9 +110,11 @@ class GrammarTokenizer:
     for the bound is built for its request and not kept."""
 
     def __init__(
-        self, tokenizer_json: str, eos_token_ids: tuple[int, ...], max_matchers: int = 64,
+        self, tokenizer_json: str | Callable[[], str], eos_token_ids: tuple[int, ...], max_matchers: int = 64,
         max_matcher_bytes: int = MATCHER_CACHE_BYTES,
     ) -> None:  # fmt: skip
+        # The JSON text, or what makes it on first use: a serving process that never sees a grammar does not
+        # keep the vocabulary's text (3 MiB on the default model) resident beside its tokenizer.
         self._json, self._eos = tokenizer_json, eos_token_ids
         self._tokenizer: Any = None
         self._lock = threading.Lock()
@@ -125,7 +127,8 @@ class GrammarTokenizer:
             if self._tokenizer is None:
                 llg = _llguidance()
                 eos = self._eos[0] if self._eos else None
-                self._tokenizer = llg.LLTokenizer(self._json, eos_token=eos)
+                text = self._json if isinstance(self._json, str) else self._json()
+                self._tokenizer = llg.LLTokenizer(text, eos_token=eos)
             return self._tokenizer
 
     @property
