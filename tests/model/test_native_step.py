@@ -131,9 +131,12 @@ def test_paged_attention_checks_its_inputs() -> None:
 
 @pytest.fixture(scope="module", params=[("llama", "int4"), ("qwen2", "int8"), ("qwen3", "int4")], ids=str)
 def quantized(request, tmp_path_factory):
-    """A tiny quantized model with the fused step: plain Llama, Qwen2 (q|k|v bias), Qwen3 (q/k norms)."""
+    """A tiny quantized model with the fused step: plain Llama, Qwen2 (q|k|v bias), Qwen3 (q/k norms; as
+    Qwen3's models, its heads are wider than the hidden size: 4 x 32 over 64, so the step's buffers that hold
+    a row's attention and its hidden state in turn are sized for the wider)."""
     arch, method = request.param
-    path = make_tiny_model(tmp_path_factory.mktemp(arch), arch, intermediate_size=128, num_hidden_layers=2)
+    wide = {"head_dim": 32} if arch == "qwen3" else {}
+    path = make_tiny_model(tmp_path_factory.mktemp(arch), arch, intermediate_size=128, num_hidden_layers=2, **wide)
     model = load_model(path, dtype="float32", attention_backend="torch", quantization=method)
     assert model.native_step is not None
     return model
@@ -224,7 +227,7 @@ def test_each_kernel_path_computes_every_position_the_same_however_it_is_schedul
 def test_a_step_longer_than_the_mlps_row_chunk_computes_every_row_alike(
     quantized, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """step.c runs the MLP 256 rows at a time: a 600-token prompt in one native call (three MLP chunks,
+    """step.c runs the MLP 64 rows at a time: a 600-token prompt in one native call (ten MLP chunks,
     the last one short; `STEP_ROWS` raised so the step is not cut into calls first), in steps of 100
     and in one mixed step beside another sequence give the same logits and K/V, bit for bit."""
     monkeypatch.setattr(native_step, "STEP_ROWS", 10**9)
