@@ -205,6 +205,32 @@ def test_native_kernel_is_exact_on_integer_activations(path: str, monkeypatch: p
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+def test_the_tiled_layout_gives_back_the_weight_and_any_of_its_rows() -> None:
+    """`native.untile` rebuilds the canonical weight from the kernel's tiled bytes (the only resident copy of
+    a quantized table: the embedding looks its rows up there): the whole weight dequantizes to the same
+    numbers, and rows asked for in any order, repeated, in every one of a tile's 8 columns, come back as
+    those rows of it, bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    int4 = quantize_int4(torch.randn(48, 256, generator=g), group_size=32)
+    int8 = QuantizedWeight.of(
+        torch.randint(-128, 128, (48, 256), generator=g, dtype=torch.int8), torch.rand(48, 1, generator=g) + 0.5
+    )
+    rows = torch.tensor([47, 0, 5, 5, 12, 3, 44, 9, 30, 7, 1, 38, 6, 2, 4, 21])  # every column of a tile, twice
+    for weight, tiled in (
+        (int4, native.tile_int4(int4.qweight, int4.scales, int4.zeros)),
+        (int8, native.tile_int8(int8.qweight, int8.scales)),
+    ):
+        whole = native.untile(tiled)
+        assert torch.equal(whole.dequantize(torch.float64), weight.dequantize(torch.float64))
+        some = native.untile(tiled, rows)
+        assert torch.equal(some.qweight, whole.qweight[rows])
+        assert torch.equal(some.scales, whole.scales[rows])
+        assert (some.zeros is None) == (whole.zeros is None)
+        if some.zeros is not None:
+            assert torch.equal(some.zeros, whole.zeros[rows])
+        assert torch.equal(some.dequantize(), weight.dequantize()[rows])
+
+
 def test_native_kernel_checks_its_inputs() -> None:
     if not native.available():
         pytest.skip(f"helexa's CPU kernel is unavailable here: {native.unavailable_reason()}")

@@ -214,10 +214,15 @@ def untile(tiled: tuple[torch.Tensor, ...], rows: torch.Tensor | None = None) ->
     n = tiles * _COLUMNS
     ids = torch.arange(n) if rows is None else rows.long()
     t, c = ids // _COLUMNS, ids % _COLUMNS
-    q = qt[t]  # (R, K/4, 16 or 32)
+    r = len(ids)
+    # A chunk's bytes hold 4 values of each of the tile's 8 columns: column c's at bytes 4c..4c+3 (int8), or
+    # in the low nibbles of bytes 4c..4c+3 for c < 4 and the high nibbles of bytes 4(c-4).. for c >= 4
+    # (int4). Only those bytes are gathered and unpacked (a 256-row lookup held ~5 MiB of whole tiles).
+    first = 4 * (c % 4 if int4 else c)  # (R,)
+    q = torch.gather(qt[t], 2, (first[:, None, None] + torch.arange(4)).expand(r, chunks, 4))  # (R, K/4, 4)
     if int4:
-        q = torch.cat((q & 0xF, q >> 4), dim=-1)  # (R, K/4, 32): value j of each chunk
-    q = q.view(len(ids), chunks, _COLUMNS, 4)[torch.arange(len(ids)), :, c].reshape(len(ids), chunks * 4)  # (R, K)
+        q = (q >> (4 * (c >= 4)).to(torch.uint8)[:, None, None]) & 0xF
+    q = q.reshape(r, chunks * 4)  # (R, K)
     s = scales[t, :, c]  # (R, groups)
     if not int4:
         return QuantizedWeight.of(q.contiguous(), s.contiguous())
