@@ -14,13 +14,12 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from helexa.admission import AdmissionController, Capacity, Ticket, TicketState
 from helexa.admission.estimator import RequestSizes
-from helexa.cluster import KVEventRecorder, pool_medium
 from helexa.config import EngineConfig
 from helexa.engine.faults import FaultInjector, ModelHealth
 from helexa.engine.kv_tiers import open_tiers
@@ -47,6 +46,9 @@ from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.text.stopping import StopChecker
 from helexa.model.text.tokenizer import Tokenizer
 from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model
+
+if TYPE_CHECKING:  # the KV-event stack (msgspec, the publisher) loads with `--kv-events-endpoint` only
+    from helexa.cluster import KVEventRecorder
 
 logger = logging.getLogger("helexa.engine")
 
@@ -202,6 +204,8 @@ class Engine:
         self.request_sizes = RequestSizes()  # recent admitted sizes: what a median one would wait is a metric
         self.kv_events: KVEventRecorder | None = None  # `--kv-events-endpoint`: what the prefix cache stores, evicts
         if config.kv_events_endpoint is not None:
+            from helexa.cluster import KVEventRecorder, pool_medium
+
             self.kv_events = KVEventRecorder.open(
                 config.kv_events_endpoint, replay_endpoint=config.kv_events_replay_endpoint,
                 topic=config.kv_events_topic or "", block_size=config.block_size,

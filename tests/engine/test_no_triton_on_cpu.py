@@ -49,3 +49,28 @@ def test_the_triton_kernels_load_on_first_use():
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == "True"
+
+
+_LEAN_SCRIPT = """
+import json, sys
+import helexa.llm
+from helexa.model.sampling import SamplingParams
+from tests.support.engines import drive, make_engine, random_prompts
+engine = make_engine(sys.argv[1])
+params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+done = drive(engine, [engine.submit(p, params) for p in random_prompts(2, seed=5)])
+loaded = sorted(m for m in ("zmq", "msgspec", "helexa.cluster") if m in sys.modules)
+print(json.dumps({"finished": len(done), "loaded": loaded}))
+"""
+
+
+def test_an_engine_without_kv_events_loads_no_event_stack(tiny_model_dir):
+    """`LLM`'s engine without `--kv-events-endpoint` never imports the KV-event publisher's stack (zmq,
+    msgspec, helexa.cluster: ~2 MiB resident in every process that imports them)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run(
+        [sys.executable, "-c", _LEAN_SCRIPT, str(tiny_model_dir)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"finished": 2, "loaded": []}
