@@ -89,12 +89,25 @@ def thaw_heap() -> int:
     return frozen
 
 
+_statm: tuple[int, int | None] = (-1, None)  # (pid, its /proc/self/statm descriptor): opened once per process
+
+
 def resident_bytes() -> int:
-    """This process's resident set now, in bytes (0 where /proc is not available)."""
+    """This process's resident set now, in bytes (0 where /proc is not available): one `pread` of
+    /proc/self/statm (~1.5 us), the file opened once per process (after a fork the child opens its own)."""
+    global _statm
+    pid, fd = _statm
+    if pid != os.getpid():
+        try:
+            fd = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            fd = None
+        _statm = (os.getpid(), fd)
+    if fd is None:
+        return 0
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _page_size()
-    except OSError:
+        return int(os.pread(fd, 128, 0).split()[1]) * _page_size()
+    except (OSError, IndexError, ValueError):
         return 0
 
 
@@ -149,7 +162,7 @@ class HeapLevel:
     prefill piece's projections, requests' own objects); glibc reuses them, but what fragmentation leaves
     between live blocks stays resident. Measured on the default model through the peers benchmark's runs,
     that grew the resident set 20 MiB over its level after load, all of it free heap. `check`, called once
-    per step, reads the resident set (one `pread` of /proc/self/statm, ~1.5 us) and when it has grown
+    per step, reads the resident set (`resident_bytes`, ~1.5 us) and when it has grown
     `slack` bytes over its lowest level since the last trim, runs `release_free_pages` (milliseconds), so
     free heap never holds more than about `slack` resident for long. At most one trim runs per `interval`
     seconds: a step whose own working set in the heap is larger than `slack` would otherwise trim, and
@@ -162,34 +175,16 @@ class HeapLevel:
         self._last_trim = -float("inf")  # time.monotonic() of the last trim
         self.trims = 0  # how many times `check` handed pages back
         self.released = 0  # bytes those trims took off the resident set
-        self._fd: int | None = None
-        self._pid = -1
-        self._level = self._resident()
-
-    def _resident(self) -> int:
-        """The resident set in bytes (0 without /proc). The file is opened once per process: after a fork
-        the child opens its own, not its parent's."""
-        if self._pid != os.getpid():
-            self._fd, self._pid = None, os.getpid()
-            try:
-                self._fd = os.open("/proc/self/statm", os.O_RDONLY)
-            except OSError:
-                return 0
-        if self._fd is None:
-            return 0
-        try:
-            return int(os.pread(self._fd, 128, 0).split()[1]) * _page_size()
-        except (OSError, IndexError, ValueError):
-            return 0
+        self._level = resident_bytes()
 
     def reset(self) -> None:
         """Take the resident set now as the level (after a load or reload, which trims on its own)."""
-        self._level = self._resident()
+        self._level = resident_bytes()
 
     def check(self) -> bool:
         """Hand the heap's free pages back if the resident set grew `slack` bytes over its level; True when
         it did. The level follows the resident set down, and is set again after each trim."""
-        now = self._resident()
+        now = resident_bytes()
         if now <= self._level or now == 0:
             self._level = now
             return False
@@ -198,7 +193,7 @@ class HeapLevel:
         if not release_free_pages():
             return False
         self._last_trim = time.monotonic()
-        after = self._resident()
+        after = resident_bytes()
         self.trims += 1
         self.released += max(0, now - after)
         self._level = after
