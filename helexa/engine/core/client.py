@@ -423,14 +423,17 @@ class EngineClient:
 
     def shutdown(self, grace_seconds: float = 0.0) -> None:
         """As `Engine.shutdown` in the core (running requests get `grace_seconds`, the rest are aborted), then
-        the core process exits and is reaped; every stream has its final event when this returns."""
+        the core process exits and is reaped; every stream has its final event when this returns. A second
+        call (the server's drain shuts the engine down, then its exit does) finds the core's channel ended and
+        only reaps it."""
         self._closing = True
         core = self._core
         if core is not None:
-            try:
-                self._call("shutdown", grace_seconds, timeout=grace_seconds + 60)
-            except (EngineError, OSError, TimeoutError) as exc:
-                logger.warning("engine core: shutdown call failed (%s); killing it", exc)
+            if core.alive:  # else its channel has ended: nothing to ask, only a process to reap
+                try:
+                    self._call("shutdown", grace_seconds, timeout=grace_seconds + 60)
+                except (EngineError, OSError, TimeoutError) as exc:
+                    logger.warning("engine core: shutdown call failed (%s); killing it", exc)
             core.close(graceful=True)
         self._died.set()
         self._supervisor.join(timeout=30)
