@@ -57,15 +57,20 @@ def test_a_reload_frees_the_old_model_and_freezes_again(tiny_model_dir, monkeypa
     assert gc.get_freeze_count() > 0  # and frozen again after it
 
 
+def _fragmented(mib: int) -> list[bytearray]:
+    """`mib` MiB of 4 KiB buffers (above pymalloc's 512 B: the C heap's; zeroed: resident), all but every 64th
+    freed again: the freed pages stay in the heap, fragmented by the kept ones. Returns the kept ones."""
+    held = [bytearray(4096) for _ in range(mib * 256)]
+    return held[::64]
+
+
 def test_trim_hands_freed_heap_back_to_the_os():
     """Freed C-heap memory below a live allocation stays resident until `trim_heap`: 64 MiB of 4 KiB buffers,
     all but every 64th freed, come back (a no-op trim, or one that measured nothing, fails this)."""
     if resident_bytes() == 0:
         pytest.skip("no /proc here to measure the resident set")
     trim_heap("before the test")
-    held = [bytearray(4096) for _ in range(16384)]  # above pymalloc's 512 B: the C heap's, zeroed: resident
-    kept = held[::64]
-    del held  # the others freed: their pages stay in the heap, fragmented by `kept`
+    kept = _fragmented(64)
     released = trim_heap("test")
     assert len(kept) == 256
     assert released > 32 * 2**20
@@ -108,13 +113,6 @@ def test_a_freed_large_block_leaves_the_resident_set(threshold: str) -> None:
         assert released >= 15 * 2**20
     else:
         assert released < 2**20
-
-
-def _fragmented(mib: int) -> list[bytearray]:
-    """`mib` MiB of 4 KiB C-heap buffers (resident: zeroed), all but every 64th freed again: the freed pages
-    stay in the heap, fragmented by the kept ones. Returns the kept ones."""
-    held = [bytearray(4096) for _ in range(mib * 256)]
-    return held[::64]
 
 
 def test_heap_level_trims_once_the_resident_set_grew_by_its_slack():
