@@ -231,6 +231,39 @@ def test_the_tiled_layout_gives_back_the_weight_and_any_of_its_rows() -> None:
         assert torch.equal(some.dequantize(), weight.dequantize()[rows])
 
 
+@pytest.mark.parametrize("path", kernel_paths())
+def test_looked_up_rows_are_the_dequantized_weight_s_rows(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`native.dequantize_rows` (the embedding lookup over the tiled bytes) gives, bit for bit, the rows of
+    the canonical weight dequantized by torch: int4 with float32 scales and with GGUF Q4_1's float16 scale
+    and minimum, int8 per channel and per group of 32 (float16 scales, -128 included); rows in every
+    column of a tile, in any order, repeated. An id outside the table is an IndexError."""
+    use_kernel_path(path, monkeypatch)
+    g = torch.Generator().manual_seed(12)
+    d = (torch.randn(48, 8, generator=g) * 0.02).half().float()
+    m = torch.randn(48, 8, generator=g).half().float()
+    nibbles = torch.randint(0, 256, (48, 128), generator=g, dtype=torch.uint8)
+    int8 = torch.randint(-128, 128, (48, 256), generator=g, dtype=torch.int8)
+    int8[0, 0] = -128
+    weights = {
+        "int4": quantize_int4(torch.randn(48, 256, generator=g), group_size=64),
+        "int4-gguf": QuantizedWeight.of(nibbles, d, m + 8 * d),
+        "int8-channel": QuantizedWeight.of(int8, torch.rand(48, generator=g) + 0.5),
+        "int8-group": QuantizedWeight.of(int8, (torch.rand(48, 8, generator=g) * 0.02 + 0.001).half().float()),
+    }
+    rows = torch.tensor([47, 0, 5, 5, 12, 3, 44, 9, 30, 7, 1, 38, 6, 2, 4, 21])  # every column of a tile, twice
+    for name, weight in weights.items():
+        run = CpuQuantMatmul(weight, kernel="native")
+        assert run.tiled is not None
+        assert run.tiled[1].dtype == (torch.float16 if name in ("int4-gguf", "int8-group") else torch.float32), name
+        want = weight.dequantize(torch.float32)[rows]
+        got = native.dequantize_rows(run.tiled, rows)
+        assert got.dtype == torch.float32 and torch.equal(got, want), name
+        assert torch.equal(native.dequantize_rows(run.tiled, rows[3:4]), want[3:4]), name
+        for bad in (48, -1):
+            with pytest.raises(IndexError, match=f"row {bad} is out of range"):
+                native.dequantize_rows(run.tiled, torch.tensor([2, bad]))
+
+
 def test_native_kernel_checks_its_inputs() -> None:
     if not native.available():
         pytest.skip(f"helexa's CPU kernel is unavailable here: {native.unavailable_reason()}")

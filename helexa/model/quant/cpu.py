@@ -96,6 +96,13 @@ class CpuQuantMatmul:
             return w
         return QuantizedWeight(w.qweight[rows], w.scales[rows], None if w.zeros is None else w.zeros[rows])
 
+    def dense_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """`weight(rows).dequantize(torch.float32)`: the rows (R,) int64 of W the kernel computes with,
+        (R, K) float32 (an embedding lookup; native: one call over the tiled bytes)."""
+        if self.tiled is not None:
+            return native.dequantize_rows(self.tiled, rows)
+        return self.weight(rows).dequantize(torch.float32)
+
     def _native_run(self, w: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
         scales = (w.scales if w.scales.dim() == 2 else w.scales[:, None]).float()  # (N, groups)
         if w.zeros is None:

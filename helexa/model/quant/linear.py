@@ -47,13 +47,14 @@ class QuantLinear(nn.Module):
         assert self.scales is not None  # loaded with the weight, released with it
         return QuantizedWeight(self.qweight, self.scales, self.zeros)
 
-    def rows(self, ids: torch.Tensor) -> QuantizedWeight:
-        """The weight's rows `ids` (R,) int64 alone, in the canonical layout (an embedding lookup)."""
+    def dense_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows `ids` (R,) int64 of `weight_q`, dequantised: (R, K) float32 (an embedding lookup)."""
         if self.qweight is None:
             assert self._cpu is not None
-            return self._cpu.weight(ids)
+            return self._cpu.dense_rows(ids)
         assert self.scales is not None  # loaded with the weight, released with it
-        return QuantizedWeight(self.qweight[ids], self.scales[ids], None if self.zeros is None else self.zeros[ids])
+        zeros = None if self.zeros is None else self.zeros[ids]
+        return QuantizedWeight(self.qweight[ids], self.scales[ids], zeros).dequantize(torch.float32)
 
     @property
     def cpu_matmul(self) -> CpuQuantMatmul | None:  # the prepared CPU execution (None on CUDA or before prepare)
@@ -125,7 +126,7 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (T,) int64 -> (T, E) in the model dtype."""
-        return self.head.rows(ids).dequantize(torch.float32).to(self.dtype)
+        return self.head.dense_rows(ids).to(self.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x (S, E) -> (S, V) float32."""

@@ -39,6 +39,7 @@ __all__ = [
     "available",
     "build",
     "dense_head",
+    "dequantize_rows",
     "int4_gemm",
     "int8_gemm",
     "kernel_path",
@@ -118,6 +119,8 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
     lib.helexa_step.restype = ctypes.c_int
     lib.helexa_dense_head.argtypes = [p, i64, i64, p, i64, p]
     lib.helexa_dense_head.restype = None
+    lib.helexa_dequantize_rows.argtypes = [p, p, p, p, i64, i64, i64, i64, p, i64, p]
+    lib.helexa_dequantize_rows.restype = ctypes.c_int
     return lib, ""
 
 
@@ -229,6 +232,26 @@ def untile(tiled: tuple[torch.Tensor, ...], rows: torch.Tensor | None = None) ->
     packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # even k in the low nibble
     zeros = tiled[2][t, :, c].float() + 8 * s.float()
     return QuantizedWeight.of(packed, s.contiguous(), zeros.contiguous())
+
+
+def dequantize_rows(tiled: tuple[torch.Tensor, ...], ids: torch.Tensor) -> torch.Tensor:
+    """The rows `ids` (R,) of a weight tiled by `tile_int4` or `tile_int8`, dequantised: (R, K) float32,
+    bit for bit `untile(tiled, ids).dequantize(torch.float32)` (an embedding lookup), in one native call
+    that reads only those rows' bytes. `IndexError` for an id outside [0, N)."""
+    qt, scales = tiled[0], tiled[1]
+    n, k = qt.shape[0] * _COLUMNS, qt.shape[1] * 4
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.shape[0], k, dtype=torch.float32)
+    zero_terms = tiled[2] if len(tiled) == 3 else None
+    rc = library().helexa_dequantize_rows(
+        qt.data_ptr() if zero_terms is not None else None, qt.data_ptr() if zero_terms is None else None,
+        scales.data_ptr(), None if zero_terms is None else zero_terms.data_ptr(), scales.dtype == torch.float16,
+        n, k, k // scales.shape[1], ids.data_ptr(), ids.shape[0], out.data_ptr(),
+    )  # fmt: skip
+    if rc == -3:
+        bad = ids[(ids < 0) | (ids >= n)][0].item()
+        raise IndexError(f"row {bad} is out of range for a weight of {n} rows")
+    return out
 
 
 def supports(n: int, k: int, group: int) -> bool:

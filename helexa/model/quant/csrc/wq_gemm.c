@@ -225,10 +225,15 @@ void helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uin
                     const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
     const size_t width = half ? 2 : 4; /* bytes per scale or zero term */
     const int64_t blocks = K / QK, groups = K / G;
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
-    float *d = (float *)malloc(sizeof(float) * (size_t)(M * blocks));
-    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * blocks));
-    int32_t *qs = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * blocks));
+    /* The quantized activations: M * (K + 12 K / 32) bytes, on the stack up to 32 KiB (a decode step's
+     * rows: no allocator call in its dozens of projections per layer), else on the heap. */
+    enum { STACK_BYTES = 32768 };
+    _Alignas(64) unsigned char stack[STACK_BYTES];
+    const size_t need = (size_t)(M * K) + 3 * sizeof(float) * (size_t)(M * blocks);
+    unsigned char *mem = need <= STACK_BYTES ? stack : (unsigned char *)malloc(need);
+    float *d = (float *)mem, *xs = d + M * blocks;
+    int32_t *qs = (int32_t *)(xs + M * blocks);
+    int8_t *xq = (int8_t *)(qs + M * blocks);
     quantize_rows(x, M, K, ldx, xq, d, xs, qs);
 #pragma omp parallel for schedule(static) num_threads(helexa_threads())
     for (int64_t t = 0; t < N / NR; t++) {
@@ -245,10 +250,7 @@ void helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uin
             }
         }
     }
-    free(xq);
-    free(d);
-    free(xs);
-    free(qs);
+    if (mem != stack) free(mem);
 }
 
 void helexa_int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *tiled, const void *scales,
@@ -259,4 +261,38 @@ void helexa_int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *tiled
 void helexa_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *tiled, const void *scales, int64_t half,
                       int64_t N, int64_t G, float *y) {
     helexa_wq_gemm(x, M, K, K, NULL, tiled, scales, NULL, half, N, G, y);
+}
+
+/* Rows `ids` (R,) of a tiled weight, dequantised into x (R, K) float32 (an embedding lookup): int4
+ * (q - 8) * s + (z - 8 s + 8 s), int8 q * s, each product and sum a float32 operation in that order, as
+ * QuantizedWeight.dequantize computes them on the canonical layout `untile` gives back (scales and zero
+ * terms widened exactly from float16 when `half`). Reads only the rows' bytes. Returns 0, or -3 (x left
+ * as it was) when an id is outside [0, N). */
+int helexa_dequantize_rows(const uint8_t *q4, const int8_t *q8, const void *scales, const void *zero_terms,
+                           int64_t half, int64_t N, int64_t K, int64_t G, const int64_t *ids, int64_t R, float *x) {
+    for (int64_t r = 0; r < R; r++)
+        if (ids[r] < 0 || ids[r] >= N) return -3;
+    const int64_t groups = K / G;
+#pragma omp parallel for schedule(static) if (R * K >= 65536) num_threads(helexa_threads())
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t t = ids[r] / NR, c = ids[r] % NR;
+        float *y = x + r * K;
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t at = (t * groups + g) * NR + c; /* scales and zero terms: [tile][group][8] */
+            const float s = half ? _cvtsh_ss(((const uint16_t *)scales)[at]) : ((const float *)scales)[at];
+            if (q4) {
+                const float zt = half ? _cvtsh_ss(((const uint16_t *)zero_terms)[at]) : ((const float *)zero_terms)[at];
+                const float z = zt + 8.0f * s;
+                /* chunk j of 4 k: 16 bytes; column c's 4 values in the low (c < 4) or high nibbles of bytes 4 (c % 4).. */
+                for (int64_t k = g * G; k < (g + 1) * G; k++) {
+                    const uint8_t byte = q4[(t * (K / 4) + k / 4) * 16 + 4 * (c % 4) + k % 4];
+                    const int q = c < 4 ? byte & 0xF : byte >> 4;
+                    y[k] = (float)(q - 8) * s + z;
+                }
+            } else {
+                for (int64_t k = g * G; k < (g + 1) * G; k++) y[k] = (float)q8[(t * (K / 4) + k / 4) * 32 + 4 * c + k % 4] * s;
+            }
+        }
+    }
+    return 0;
 }
