@@ -5,6 +5,8 @@ documents (helexa's: int8 activation blocks; torch's: bfloat16 activations, scal
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -262,6 +264,36 @@ def test_looked_up_rows_are_the_dequantized_weight_s_rows(path: str, monkeypatch
         for bad in (48, -1):
             with pytest.raises(IndexError, match=f"row {bad} is out of range"):
                 native.dequantize_rows(run.tiled, torch.tensor([2, bad]))
+
+
+_OUT_OF_MEMORY = """
+import resource, sys, torch
+from helexa.model.quant import native, quantize_int4
+torch.set_num_threads(2)
+w = quantize_int4(torch.randn(8, 1024), group_size=32)
+tiled = native.tile_int4(w.qweight, w.scales, w.zeros)
+native.int4_gemm(torch.randn(4, 1024), tiled)  # the library and its threads, before the limit
+x = torch.empty(100_000, 1024)  # 400 MB of address space; the kernel's int8 copy of it needs 140 MB more
+vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (64 << 20), resource.RLIM_INFINITY))
+try:
+    native.int4_gemm(x, tiled)
+except MemoryError as exc:
+    print("MemoryError:", exc)
+    sys.exit(0)
+sys.exit("no MemoryError")
+"""
+
+
+def test_the_kernel_says_when_it_cannot_allocate_its_activations() -> None:
+    """A matmul whose int8 activation buffer cannot be allocated raises MemoryError (never a crash or a
+    result it did not compute): run in a process whose address space leaves no room for it."""
+    if not native.available():
+        pytest.skip(f"helexa's CPU kernel is unavailable here: {native.unavailable_reason()}")
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _OUT_OF_MEMORY], capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "could not allocate its activation buffer (100000 x 1024)" in done.stdout
 
 
 def test_native_kernel_checks_its_inputs() -> None:

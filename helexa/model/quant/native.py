@@ -109,7 +109,7 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.helexa_int4_gemm.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, p]
     lib.helexa_int8_gemm.argtypes = [p, i64, i64, p, p, i64, i64, i64, p]
-    lib.helexa_int4_gemm.restype = lib.helexa_int8_gemm.restype = None
+    lib.helexa_int4_gemm.restype = lib.helexa_int8_gemm.restype = ctypes.c_int
     lib.helexa_set_threads.argtypes = [i64]
     lib.helexa_set_threads.restype = None
     lib.helexa_threads.restype = ctypes.c_int
@@ -303,7 +303,8 @@ def _run(
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     pointers = [t.data_ptr() for t in (tiled, scales, *extra)]
     half = scales.dtype == torch.float16
-    getattr(library(), name)(x.data_ptr(), x.shape[0], k, *pointers, half, n, k // groups, y.data_ptr())
+    if getattr(library(), name)(x.data_ptr(), x.shape[0], k, *pointers, half, n, k // groups, y.data_ptr()):
+        raise MemoryError(f"the quantized matmul could not allocate its activation buffer ({x.shape[0]} x {k})")
     return y
 
 

@@ -129,14 +129,15 @@ static void rms_norm_rows(const float *x, const float *w, int64_t T, int64_t n, 
     for (int64_t t = 0; t < T; t++) rms_norm(x + t * n, w, n, eps, y + t * n);
 }
 
-/* y (m, n) = x (m, k) @ W.T (+ bias), x's rows ldx floats apart. */
-static void linear(const hx_linear *l, const float *x, int64_t m, int64_t ldx, float *y) {
+/* y (m, n) = x (m, k) @ W.T (+ bias), x's rows ldx floats apart. Returns helexa_wq_gemm's 0 or -1. */
+static int linear(const hx_linear *l, const float *x, int64_t m, int64_t ldx, float *y) {
     const uint8_t *q4 = l->int4 ? (const uint8_t *)l->weight : NULL;
     const int8_t *q8 = l->int4 ? NULL : (const int8_t *)l->weight;
-    helexa_wq_gemm(x, m, l->k, ldx, q4, q8, l->scales, l->zero_terms, l->half, l->n, l->group, y);
+    if (helexa_wq_gemm(x, m, l->k, ldx, q4, q8, l->scales, l->zero_terms, l->half, l->n, l->group, y)) return -1;
     if (l->bias)
         for (int64_t r = 0; r < m; r++)
             for (int64_t i = 0; i < l->n; i++) y[r * l->n + i] += l->bias[i];
+    return 0;
 }
 
 /* cos and signed sin (T, D) of each row's position: angle i = float(pos) * inv_freq[i mod D/2] in
@@ -503,7 +504,7 @@ int helexa_step(const hx_model *m, int64_t T, float *x, const int64_t *positions
     for (int64_t li = 0; li < m->num_layers; li++) {
         const hx_layer *L = m->layers + li;
         rms_norm_rows(x, L->input_norm, T, E, m->eps, h);
-        linear(&L->qkv, h, T, E, qkv);
+        if ((rc = linear(&L->qkv, h, T, E, qkv))) goto done;
 #pragma omp parallel for schedule(static) if (T >= ROWS_PAR) num_threads(helexa_threads())
         for (int64_t t = 0; t < T; t++) {
             float *row = qkv + t * QKV;
@@ -514,16 +515,16 @@ int helexa_step(const hx_model *m, int64_t T, float *x, const int64_t *positions
         }
         rc = attend(qkv, QKV, L, query_start_loc, block_tables, table_stride, seq_lens, B, H, KVH, D, BS, scale, h, QS);
         if (rc) goto done;
-        linear(&L->o, h, T, QS, qkv);
+        if ((rc = linear(&L->o, h, T, QS, qkv))) goto done;
         for (int64_t i = 0; i < T * E; i++) x[i] += qkv[i];
         rms_norm_rows(x, L->post_norm, T, E, m->eps, h);
         for (int64_t t0 = 0; t0 < T; t0 += MLP_ROWS) { /* the MLP, MLP_ROWS rows at a time (see there) */
             const int64_t n = T - t0 < MLP_ROWS ? T - t0 : MLP_ROWS;
-            linear(&L->gate_up, h + t0 * E, n, E, gu);
+            if ((rc = linear(&L->gate_up, h + t0 * E, n, E, gu))) goto done;
 #pragma omp parallel for schedule(static) if (n >= ROWS_PAR) num_threads(helexa_threads())
             for (int64_t t = 0; t < n; t++) /* in place: each row's activations over its gate half */
                 silu_mul(gu + t * 2 * I, gu + t * 2 * I + I, I, gu + t * 2 * I);
-            linear(&L->down, gu, n, 2 * I, down);
+            if ((rc = linear(&L->down, gu, n, 2 * I, down))) goto done;
             for (int64_t i = 0; i < n * E; i++) x[t0 * E + i] += down[i]; /* its rows' residual: no other piece reads x */
         }
     }

@@ -221,8 +221,8 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
     for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
 }
 
-void helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q4, const int8_t *q8,
-                    const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
+int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q4, const int8_t *q8,
+                   const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
     const size_t width = half ? 2 : 4; /* bytes per scale or zero term */
     const int64_t blocks = K / QK, groups = K / G;
     /* The quantized activations: M * (K + 12 K / 32) bytes, on the stack up to 32 KiB (a decode step's
@@ -231,6 +231,7 @@ void helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uin
     _Alignas(64) unsigned char stack[STACK_BYTES];
     const size_t need = (size_t)(M * K) + 3 * sizeof(float) * (size_t)(M * blocks);
     unsigned char *mem = need <= STACK_BYTES ? stack : (unsigned char *)malloc(need);
+    if (!mem) return -1;
     float *d = (float *)mem, *xs = d + M * blocks;
     int32_t *qs = (int32_t *)(xs + M * blocks);
     int8_t *xq = (int8_t *)(qs + M * blocks);
@@ -251,20 +252,21 @@ void helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uin
         }
     }
     if (mem != stack) free(mem);
+    return 0;
 }
 
-void helexa_int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *tiled, const void *scales,
-                      const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
-    helexa_wq_gemm(x, M, K, K, tiled, NULL, scales, zero_terms, half, N, G, y);
+int helexa_int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *tiled, const void *scales,
+                     const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
+    return helexa_wq_gemm(x, M, K, K, tiled, NULL, scales, zero_terms, half, N, G, y);
 }
 
-void helexa_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *tiled, const void *scales, int64_t half,
-                      int64_t N, int64_t G, float *y) {
-    helexa_wq_gemm(x, M, K, K, NULL, tiled, scales, NULL, half, N, G, y);
+int helexa_int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *tiled, const void *scales, int64_t half,
+                     int64_t N, int64_t G, float *y) {
+    return helexa_wq_gemm(x, M, K, K, NULL, tiled, scales, NULL, half, N, G, y);
 }
 
 /* Rows `ids` (R,) of a tiled weight, dequantised into x (R, K) float32 (an embedding lookup): int4
- * (q - 8) * s + (z - 8 s + 8 s), int8 q * s, each product and sum a float32 operation in that order, as
+ * (q - 8) * s + z with z = zero term + 8 s, int8 q * s, each product and sum a float32 operation in that order, as
  * QuantizedWeight.dequantize computes them on the canonical layout `untile` gives back (scales and zero
  * terms widened exactly from float16 when `half`). Reads only the rows' bytes. Returns 0, or -3 (x left
  * as it was) when an id is outside [0, N). */
@@ -283,14 +285,16 @@ int helexa_dequantize_rows(const uint8_t *q4, const int8_t *q8, const void *scal
             if (q4) {
                 const float zt = half ? _cvtsh_ss(((const uint16_t *)zero_terms)[at]) : ((const float *)zero_terms)[at];
                 const float z = zt + 8.0f * s;
-                /* chunk j of 4 k: 16 bytes; column c's 4 values in the low (c < 4) or high nibbles of bytes 4 (c % 4).. */
+                /* a chunk of 4 k is 16 bytes: column c's 4 values in the low (c < 4) or high nibbles of its
+                 * bytes 4 (c % 4) .. 4 (c % 4) + 3 */
                 for (int64_t k = g * G; k < (g + 1) * G; k++) {
                     const uint8_t byte = q4[(t * (K / 4) + k / 4) * 16 + 4 * (c % 4) + k % 4];
                     const int q = c < 4 ? byte & 0xF : byte >> 4;
                     y[k] = (float)(q - 8) * s + z;
                 }
             } else {
-                for (int64_t k = g * G; k < (g + 1) * G; k++) y[k] = (float)q8[(t * (K / 4) + k / 4) * 32 + 4 * c + k % 4] * s;
+                for (int64_t k = g * G; k < (g + 1) * G; k++) /* a chunk is 32 bytes: column c's at 4 c .. 4 c + 3 */
+                    y[k] = (float)q8[(t * (K / 4) + k / 4) * 32 + 4 * c + k % 4] * s;
             }
         }
     }

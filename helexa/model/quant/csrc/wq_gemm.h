@@ -6,8 +6,9 @@
 
 /* y (M, N) = quantize_activations(x (M, K), rows ldx floats apart) @ W.T for a tiled weight: int4 (`q4`,
  * `zero_terms`) or int8 (`q8`, zero_terms NULL), its scales and zero terms float32 (half = 0) or float16
- * (half = 1). See wq_gemm.c for the layout and the requirements. */
-void helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q4, const int8_t *q8,
+ * (half = 1). Returns 0, or -1 (y not written) when its activation buffer could not be allocated. See
+ * wq_gemm.c for the layout and the requirements. */
+int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q4, const int8_t *q8,
                     const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y);
 
 /* 8 floats from float32 (half = 0) or float16 (half = 1) values at index i (F16C's exact widening). */
