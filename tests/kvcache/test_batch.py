@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import pytest
 import torch
 
@@ -60,6 +63,54 @@ def test_decode_steps_allocate_only_at_block_boundaries(backend: str) -> None:
     attn = builder.build([(t, 1)])  # position 4: a new block
     assert pool.num_free_blocks == free - 1 and t.block_ids == (0, 1) and attn.slot_mapping.tolist() == [4]
     builder.check_integrity()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", range(3))
+def test_steps_that_need_no_block_skip_the_allocator(backend: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU pool a step whose tables need no new block (most decode steps) is built from the tables'
+    host block lists, without the allocator; every step, allocating or not, gives exactly the tables
+    (zero-padded), slots, lengths and offsets its tables' blocks define. Random mixes of decodes and
+    longer chunks, with tables released and started again (their rows keep stale ids past their blocks)."""
+    pool, builder = _builder(backend, num_blocks=64, block_size=4, max_num_seqs=4, max_model_len=48)
+    calls = 0
+    extend = pool.allocator.extend_tables
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return extend(*args, **kwargs)
+
+    monkeypatch.setattr(pool.allocator, "extend_tables", counted)
+    g = torch.Generator().manual_seed(seed)
+    tables = [builder.new_table() for _ in range(4)]
+    allocating_steps = free_steps = 0
+    for step in range(40):
+        if step % 10 == 9:  # end the longest sequence and start a new one in its row
+            longest = max(tables, key=lambda t: t.num_tokens)
+            pool.decref(builder.release(longest))
+            tables[tables.index(longest)] = builder.new_table()
+        picked = [t for t in tables if bool(torch.rand(1, generator=g) < 0.7)] or tables[:1]
+        batch = [(t, 1 if bool(torch.rand(1, generator=g) < 0.8) else int(torch.randint(2, 7, (1,), generator=g)))
+                 for t in picked]  # fmt: skip
+        before, needed = [t.num_tokens for t, _ in batch], sum(t.blocks_needed(n) for t, n in batch)
+        seen = calls
+        attn = builder.build(batch)
+        assert calls == seen + (needed > 0)
+        allocating_steps, free_steps = allocating_steps + (needed > 0), free_steps + (needed == 0)
+        ids = [list(t.block_ids) for t, _ in batch]
+        width = max(map(len, ids))
+        bs = pool.block_size
+        assert attn.block_tables.dtype == torch.int32 and attn.slot_mapping.dtype == torch.int64
+        assert attn.block_tables.tolist() == [row + [0] * (width - len(row)) for row in ids]
+        assert attn.slot_mapping.tolist() == [
+            row[p // bs] * bs + p % bs for (t, n), row, p0 in zip(batch, ids, before) for p in range(p0, p0 + n)
+        ]
+        assert attn.seq_lens.tolist() == [p0 + n for (_, n), p0 in zip(batch, before)]
+        assert attn.query_start_loc.tolist() == [0, *itertools.accumulate(n for _, n in batch)]
+        assert (attn.max_query_len, attn.max_seq_len) == (max(n for _, n in batch), max(attn.seq_lens.tolist()))
+        builder.check_integrity()
+    assert allocating_steps >= 5 and free_steps >= 5  # both paths ran
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
