@@ -225,12 +225,8 @@ int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
                    const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
     const size_t width = half ? 2 : 4; /* bytes per scale or zero term */
     const int64_t blocks = K / QK, groups = K / G;
-    /* The quantized activations: M * (K + 12 K / 32) bytes, on the stack up to 32 KiB (a decode step's
-     * rows: no allocator call in its dozens of projections per layer), else on the heap. */
-    enum { STACK_BYTES = 32768 };
-    _Alignas(64) unsigned char stack[STACK_BYTES];
-    const size_t need = (size_t)(M * K) + 3 * sizeof(float) * (size_t)(M * blocks);
-    unsigned char *mem = need <= STACK_BYTES ? stack : (unsigned char *)malloc(need);
+    /* The quantized activations, one allocation: d, xs and qs (M * K / 32 each), then xq (M * K). */
+    unsigned char *mem = (unsigned char *)malloc((size_t)(M * K) + 3 * sizeof(float) * (size_t)(M * blocks));
     if (!mem) return -1;
     float *d = (float *)mem, *xs = d + M * blocks;
     int32_t *qs = (int32_t *)(xs + M * blocks);
@@ -251,7 +247,7 @@ int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
             }
         }
     }
-    if (mem != stack) free(mem);
+    free(mem);
     return 0;
 }
 
