@@ -266,6 +266,19 @@ def test_looked_up_rows_are_the_dequantized_weight_s_rows(path: str, monkeypatch
                 native.dequantize_rows(run.tiled, torch.tensor([2, bad]))
 
 
+def test_a_quantized_embedding_looks_up_ids_of_any_shape() -> None:
+    """QuantEmbedding gives ids.shape + (E,) for ids of any shape, each row the dequantized row of the
+    table its CPU execution holds."""
+    weight = quantize_int4(torch.randn(64, 128, generator=torch.Generator().manual_seed(5)), group_size=32)
+    ids = torch.tensor([[1, 5, 9], [63, 0, 2]])
+    embedding = QuantEmbedding(weight, torch.float32)
+    embedding.head.prepare()
+    got = embedding(ids)
+    assert got.shape == (2, 3, 128)
+    assert torch.equal(got, embedding.head.cpu_matmul.weight().dequantize()[ids])  # type: ignore[union-attr]
+    assert torch.equal(embedding(ids[1]), got[1])
+
+
 _OUT_OF_MEMORY = """
 import resource, sys, torch
 from helexa.model.quant import native, quantize_int4

@@ -125,8 +125,8 @@ class QuantEmbedding(nn.Module):
         self.head = QuantLinear(weight)  # shares the buffers; named `head.*` in the state dict
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (T,) int64 -> (T, E) in the model dtype."""
-        return self.head.dense_rows(ids).to(self.dtype)
+        """ids (T,) int64 -> (T, E) in the model dtype (any shape of ids: its shape + (E,))."""
+        return self.head.dense_rows(ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim).to(self.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x (S, E) -> (S, V) float32."""
