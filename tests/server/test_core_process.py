@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -173,9 +174,37 @@ def test_no_core_outlives_its_server(tiny_model_dir: Path, sig: signal.Signals) 
         code = proc.wait(timeout=60)
         assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0), lines[-20:]
         if sig != signal.SIGKILL:  # the drain shut the core down; the exit's second shutdown has nothing to do
-            assert not any("shutdown call failed" in x for x in lines), lines[-20:]
+            assert not any("shutdown call failed" in x or "the server is gone" in x for x in lines), lines[-20:]
         assert wait_for(lambda: not _alive(core), 15), f"core {core} outlived its server after {sig.name}"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("answered", [True, False])
+def test_the_channel_s_end_is_news_only_before_shutdown_is_answered(
+    answered: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server closes the channel once the core has answered `shutdown`, while the core is still exiting:
+    that end of stream is expected (no warning). Before the answer it means the server is gone: a
+    warning. Either way the core goes on to exit."""
+    from unittest import mock
+
+    from helexa.engine.core import process
+
+    exits: list[object] = []
+    monkeypatch.setattr(process, "_exit_soon", exits.append)
+    ours, theirs = socket.socketpair()
+    core = process.CoreServer(mock.MagicMock(), ours)
+    try:
+        core._replied_shutdown = answered
+        theirs.close()
+        with caplog.at_level("DEBUG", logger=process.logger.name):
+            core._read()  # the end of stream, on this thread
+    finally:
+        core._loop.close()
+        ours.close()
+    assert exits == [core.engine]
+    warned = [r for r in caplog.records if r.levelname == "WARNING" and "the server is gone" in r.getMessage()]
+    assert len(warned) == (0 if answered else 1)

@@ -55,6 +55,7 @@ class CoreServer:
         self._outbox: list[tuple[str, Any, float | None]] = []
         self._pumps: set[asyncio.Task[None]] = set()
         self._health: tuple[str, str | None, float | None] | None = None
+        self._replied_shutdown = False  # set before shutdown's reply: the channel's end is then no news
         self._calls: dict[str, Callable[..., Any]] = {
             "submit": self._submit,
             "abort": engine.abort,
@@ -89,7 +90,10 @@ class CoreServer:
                 else:
                     self._answer(call_id, method, args)
         except (ChannelClosed, OSError) as exc:
-            logger.warning("engine core: the server is gone (%s); stopping", exc)
+            if self._replied_shutdown:  # the server closes the channel once shutdown is answered: expected
+                logger.debug("engine core: the channel closed after shutdown (%s)", exc)
+            else:
+                logger.warning("engine core: the server is gone (%s); stopping", exc)
             _exit_soon(self.engine)
 
     def _answer(self, call_id: int, method: str, args: list[Any]) -> None:
@@ -190,6 +194,7 @@ class CoreServer:
             await asyncio.wait(set(self._pumps), timeout=10)
         self._flush()
         self._health_task.cancel()
+        self._replied_shutdown = True
         self._send(("reply", call_id, True, None))
         self._loop.stop()
 
