@@ -20,10 +20,20 @@ import torch
 from helexa.kernels import block_alloc
 from helexa.values import check_int, debug_enabled
 
-__all__ = ["AllocatorBackend", "BlockAllocator", "BlockIds", "OutOfBlocks"]
+__all__ = ["AllocatorBackend", "BlockAllocator", "BlockIds", "OutOfBlocks", "resolve_device"]
 
 AllocatorBackend = Literal["auto", "triton", "torch"]
 BlockIds = Iterable[int] | torch.Tensor
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """`device` as the tensors made on it report theirs: "cuda" becomes "cuda:N" (the current device), so
+    a pool's device compares equal to its caches' (torch.device("cuda") != torch.device("cuda:0")). Other
+    devices are returned as given; resolving "cuda" initialises CUDA."""
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 class OutOfBlocks(RuntimeError):
@@ -67,7 +77,7 @@ class BlockAllocator:
         check_int(num_blocks, "num_blocks")
         if num_blocks >= 2**31:
             raise ValueError(f"num_blocks must be < 2**31 (block ids are int32), got {num_blocks}")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         if self.device.type == "meta":
             raise ValueError("the allocator needs a real device; put only the K/V tensors on 'meta'")
         self.use_triton = _use_triton(backend, self.device)

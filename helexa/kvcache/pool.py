@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from helexa.kernels import FP8_KV_DTYPE, FP8_KV_MAX
-from helexa.kvcache.allocator import AllocatorBackend, BlockAllocator, BlockIds
+from helexa.kvcache.allocator import AllocatorBackend, BlockAllocator, BlockIds, resolve_device
 from helexa.kvcache.budget import kv_bytes_per_block
 
 __all__ = ["FP8_SCALE_MARGIN", "BlockPool", "LayerKV", "fp8_scales"]
@@ -77,7 +77,7 @@ class BlockPool:
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.allocator = BlockAllocator(num_blocks, device, backend)
         self.device = self.allocator.device
-        self.kv_device = torch.device(kv_device) if kv_device is not None else self.device
+        self.kv_device = resolve_device(kv_device) if kv_device is not None else self.device
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         caches = (torch.zeros(shape, dtype=dtype, device=self.kv_device) for _ in range(2 * num_layers))
         self._caches = list(zip(caches, caches))  # per layer (k_cache, v_cache), each (NB, BS, KVH, D)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helexa.kvcache import BlockAllocator, BlockPool, OutOfBlocks
+from helexa.kvcache.allocator import resolve_device
 
 BACKENDS = ["torch", "triton"]
 
@@ -191,3 +192,14 @@ def test_meta_kv_device_has_shapes_but_no_storage() -> None:
     assert pool.bytes_per_block == 2 * 32 * 16 * 8 * 128 * 2
     assert pool.allocate(2).tolist() == [0, 1]
     pool.check_integrity()
+
+
+def test_a_cuda_device_without_an_index_resolves_to_the_current_one(monkeypatch) -> None:
+    """A pool made on "cuda" compares its caches' device ("cuda:N") with its own: both must carry the index
+    (the first CUDA run's integrity check failed on exactly this). Other devices pass through unchanged."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert resolve_device("cuda") == torch.device("cuda", 3) != torch.device("cuda")
+    assert resolve_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("meta") == torch.device("meta")
