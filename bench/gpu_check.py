@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import random
 import sys
 import time
 import traceback
@@ -50,11 +51,16 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from kernel_problems import Problem, gathered_sdpa, make_problem  # noqa: E402
 
-from helexa.kernels import block_alloc, quant_reference, reference  # noqa: E402
+from helexa.kernels import (  # noqa: E402
+    FP8_KV_DTYPE,  # noqa: E402
+    block_alloc,
+    quant_reference,
+    reference,
+)
 from helexa.kernels.attention import SPLIT_KEYS, paged_attention_triton  # noqa: E402
 from helexa.kernels.kv_write import write_kv_triton  # noqa: E402
 from helexa.kernels.quant_matmul import QuantMatmulConfig, choose_config, int4_matmul_triton, int8_matmul_triton  # noqa: E402
-from helexa.kvcache import BlockAllocator  # noqa: E402
+from helexa.kvcache import BatchBuilder, BlockAllocator, BlockPool, OutOfBlocks, fp8_scales  # noqa: E402
 
 DRY = ARGS.dry_run
 if not DRY and not torch.cuda.is_available():
@@ -167,6 +173,119 @@ def check_write_kv(label: str, kv_heads, head_dim, block_size, dtype) -> None:
     )
 
 
+def check_fp8(label: str, seqs, heads, kv_heads, head_dim, block_size, dtype) -> None:
+    """An fp8 (e4m3) cache, one scale per KV head (heads of very different magnitudes): write_kv's bytes
+    equal torch's cast, and attention matches fp64 attention over the dequantized cache."""
+    p = make_problem(label, seqs, heads, kv_heads, head_dim, block_size, torch.float32, DEVICE, seed=head_dim + 3)
+    magnitude = 4.0 ** torch.arange(kv_heads, dtype=torch.float32, device=DEVICE)[:, None]  # (KVH, 1)
+    k_full, v_full = p.k_cache * magnitude, p.v_cache * (0.5 * magnitude)
+    k_scale = fp8_scales(k_full.abs().amax(dim=(0, 1, 3)))
+    v_scale = fp8_scales(v_full.abs().amax(dim=(0, 1, 3)))
+    # write_kv: every row of the cache rewritten through the kernel, against torch's cast
+    flat_k, flat_v = k_full.flatten(0, 1), v_full.flatten(0, 1)  # (NB*BS, KVH, D)
+    slots = torch.randperm(flat_k.shape[0], device=DEVICE)
+    k8 = torch.full(k_full.shape, float("nan"), device=DEVICE).to(FP8_KV_DTYPE)
+    v8 = k8.clone()
+    write_kv_triton(flat_k[slots].to(dtype), flat_v[slots].to(dtype), k8, v8, slots, k_scale=k_scale, v_scale=v_scale)
+    k_ref = reference.quantize_fp8(flat_k[slots].to(dtype).float(), k_scale)
+    v_ref = reference.quantize_fp8(flat_v[slots].to(dtype).float(), v_scale)
+    written = torch.equal(k8.flatten(0, 1)[slots].view(torch.uint8), k_ref.view(torch.uint8)) and torch.equal(
+        v8.flatten(0, 1)[slots].view(torch.uint8), v_ref.view(torch.uint8)
+    )
+    q = p.q.to(dtype)
+    index = (p.block_tables, p.seq_lens, p.query_start_loc)
+    out = torch.full_like(q, float("nan"))
+    paged_attention_triton(q, k8, v8, *index, out=out, k_scale=k_scale, v_scale=v_scale)
+    k64 = reference.dequantize_fp8(k8, k_scale, torch.float64)
+    v64 = reference.dequantize_fp8(v8, v_scale, torch.float64)
+    ref = reference.paged_attention(q.double(), k64, v64, *index)
+    err = rel_err(out, ref)
+    ok = written and err < TOLERANCE[dtype]
+    if not ok:
+        FAILURES.append(f"{label} {dtype}: write_kv bytes equal={written}, attention rel err {err:.2e}")
+    emit(f"| {label} | {str(dtype).removeprefix('torch.')} | {err:.2e}; write_kv {'exact' if written else 'DIFFERS'} "
+         f"| {'ok' if ok else 'FAIL'} |")  # fmt: skip
+
+
+def check_allocator_agreement(steps: int) -> None:
+    """Random allocate/free/incref/decref/new-table/build/release on a pool on this device (Triton allocator
+    kernels) and on a CPU pool (torch): every outcome, every table and slot, and the free stack and
+    reference counts equal after every operation (read back from the device: exact counts)."""
+    rng = random.Random(3)
+    num_blocks, block_size, max_seqs, max_len = 96, 4, 6, 64
+    pools = [BlockPool(num_blocks, block_size, 1, 1, 8, torch.float32, d, backend=b)
+             for d, b in ((DEVICE, "triton"), ("cpu", "torch"))]  # fmt: skip
+    builders = [BatchBuilder(pool, max_num_seqs=max_seqs, max_model_len=max_len) for pool in pools]
+    tables: list[list] = []  # [table on each pool, tokens]
+    loose: list[int] = []  # blocks the check holds outside tables, one reference each
+    mismatch = ""
+
+    def outcome(fn):
+        try:
+            value = fn()
+        except OutOfBlocks as e:
+            return ("OutOfBlocks", e.requested, e.free)
+        if isinstance(value, torch.Tensor):
+            return ("ok", value.tolist())
+        if value is not None and hasattr(value, "slot_mapping"):
+            return ("ok", value.slot_mapping.tolist(), value.block_tables.tolist())
+        return ("ok", value)
+
+    ops = 0
+    for ops in range(1, steps + 1):
+        op = rng.choice(["allocate", "free", "incref", "new_table", "build", "build", "release"])
+        if op == "allocate":
+            n = rng.randint(0, 6)
+            results = [outcome(lambda p=p, n=n: p.allocate(n)) for p in pools]
+            if results[0][0] == "ok":
+                loose += results[0][1]
+        elif op in ("free", "incref") and loose:
+            distinct = sorted(set(loose))  # one call takes each id once
+            ids = rng.sample(distinct, rng.randint(1, min(3, len(distinct))))
+            results = [
+                outcome(lambda p=p, op=op, ids=ids: getattr(p, "free" if op == "free" else "incref")(ids))
+                for p in pools
+            ]
+            for b in ids:
+                (loose.remove if op == "free" else loose.append)(b)
+        elif op == "new_table" and len(tables) < max_seqs:
+            tables.append([[b.new_table() for b in builders], 0])
+            results = [("ok",)] * 2
+        elif op == "release" and tables:
+            entry = tables.pop(rng.randrange(len(tables)))
+            results = [
+                outcome(lambda p=p, b=b, t=t: p.decref(b.release(t))) for p, b, t in zip(pools, builders, entry[0])
+            ]
+        elif op == "build" and tables:
+            chosen = rng.sample(tables, rng.randint(1, len(tables)))
+            counts = [rng.randint(1, min(9, max_len - e[1])) if e[1] < max_len else 0 for e in chosen]
+            pairs = [(e, n) for e, n in zip(chosen, counts) if n]
+            if not pairs:
+                continue
+            results = [
+                outcome(lambda i=i, b=b, pairs=pairs: b.build([(e[0][i], n) for e, n in pairs]))
+                for i, b in enumerate(builders)
+            ]
+            if results[0][0] == "ok":
+                for e, n in pairs:
+                    e[1] += n
+        else:
+            continue
+        a, c = pools[0].allocator, pools[1].allocator
+        top = int(a.top_counter.item())
+        states = [(int(x.top_counter.item()), x.stack[:top].tolist(), x.refcount.tolist()) for x in (a, c)]
+        if results[0] != results[1] or states[0] != states[1] or top != a.num_free_blocks:
+            mismatch = f"op {ops} ({op}): {results[0]!r:.80} vs {results[1]!r:.80}"
+            break
+        for b in builders:
+            b.check_integrity()
+    ok = not mismatch
+    if not ok:
+        FAILURES.append(f"allocator agreement: {mismatch}")
+    emit(f"| allocator kernels vs torch allocator, {ops} random operations ({num_blocks} blocks) | int32 | "
+         f"{'exact' if ok else mismatch} | {'ok' if ok else 'FAIL'} |")  # fmt: skip
+
+
 def check_large_pool() -> None:
     """write_kv + attention through blocks above element 2^31 of a real pool."""
     block_size, kv_heads, head_dim = 16, 2, 64
@@ -228,8 +347,15 @@ def run_checks() -> None:
     check_attention(
         "decode batch split every 32 keys", DECODE, heads, kv, main_dim, 16, torch.bfloat16, tile_n=16, split_keys=32
     )
+    for dtype in (torch.float16, torch.bfloat16):
+        for bs in (16, 32):
+            check_fp8(f"fp8 KV mixed batch block {bs} {heads}q/{kv}kv", MIXED, heads, kv, main_dim, bs, dtype)
+            check_fp8(f"fp8 KV decode batch (split) block {bs} {heads}q/{kv}kv", DECODE, heads, kv, main_dim, bs, dtype)
+    for h, k in [(8, 8), (8, 1)] if DRY else [(32, 32), (32, 4)]:  # GQA group 1 and 8 (4 above)
+        check_fp8(f"fp8 KV mixed batch {h}q/{k}kv", MIXED, h, k, main_dim, 16, torch.bfloat16)
     for dtype in (torch.float32, torch.bfloat16):
         check_batch_invariance(heads, kv, main_dim, dtype)
+    check_allocator_agreement(60 if DRY else 400)
     if not DRY:
         check_large_pool()
     emit()
