@@ -58,6 +58,7 @@ from helexa.kernels import (  # noqa: E402
     reference,
 )
 from helexa.kernels.attention import SPLIT_KEYS, paged_attention_triton  # noqa: E402
+from helexa.kernels.dense_matmul import dense_config, dense_matmul_triton  # noqa: E402
 from helexa.kernels.kv_write import write_kv_triton  # noqa: E402
 from helexa.kernels.quant_matmul import QuantMatmulConfig, choose_config, int4_matmul_triton, int8_matmul_triton  # noqa: E402
 from helexa.kvcache import BatchBuilder, BlockAllocator, BlockPool, OutOfBlocks, fp8_scales  # noqa: E402
@@ -549,7 +550,7 @@ class QuantWeight:
 def _quant_config(m: int, w: QuantWeight, dtype: torch.dtype = torch.bfloat16) -> QuantMatmulConfig:
     """The config the wrappers choose by default for this problem here (4 SMs assumed in a dry run)."""
     sms = 4 if DRY else torch.cuda.get_device_properties(0).multi_processor_count
-    return choose_config(m, w.n, w.k, w.group, sms, dtype)
+    return choose_config(w.n, w.k, w.group, sms, dtype)  # the same for every M (batch invariant)
 
 
 def _cfg_text(cfg: QuantMatmulConfig) -> str:
@@ -585,6 +586,49 @@ def run_quant_checks() -> None:
             del w, w64
             if not DRY:
                 torch.cuda.empty_cache()
+    emit()
+
+
+def dense_section(copy_bw: float) -> None:
+    """The batch-invariant dense matmul of the linear layers (`helexa.kernels.dense_matmul`): against fp64
+    (NaN-poisoned output), the first rows of every M bitwise equal to the same rows alone, then its time
+    next to torch.matmul (cuBLAS) on the same operands, as weight GB/s and TFLOP/s."""
+    emit("## dense matmul of the linear layers (bf16; one tiling for every M; vs torch.matmul = cuBLAS)")
+    emit()
+    emit("| N x K | M | config | error | rows = alone | helexa µs | weight GB/s | of copy BW | TFLOP/s "
+         "| torch µs | torch TFLOP/s | speed-up |")  # fmt: skip
+    emit("|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    sms = 4 if DRY else torch.cuda.get_device_properties(0).multi_processor_count
+    for n, k in QUANT_NK + ([] if DRY else [(2048, 8192), (32000, 2048)]):
+        gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+        w = (torch.randn((n, k), generator=gen, device=DEVICE) / k**0.5).to(torch.bfloat16)
+        x_all = torch.randn((max(QUANT_MS), k), generator=gen, device=DEVICE).to(torch.bfloat16)
+        alone = torch.cat([dense_matmul_triton(x_all[i : i + 1], w) for i in range(3)])
+        cfg = _cfg_text(dense_config(n, k, sms, torch.bfloat16))
+        for m in QUANT_MS:
+            x = x_all[:m]
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+            dense_matmul_triton(x, w, out=out)
+            err = rel_err(out, x.double() @ w.double().T)
+            same = m < 3 or torch.equal(out[:3], alone)
+            ok = err < TOLERANCE[torch.bfloat16] and same
+            if not ok:
+                FAILURES.append(f"dense {n}x{k} M{m}: rel err {err:.2e}, rows equal alone: {same}")
+            timing = "| skipped: over the budget | | | | | |"
+            if elapsed() <= ARGS.budget_s:
+                t_ours = median_seconds(lambda x=x, w=w: dense_matmul_triton(x, w))
+                t_torch = median_seconds(lambda x=x, w=w: torch.matmul(x, w.T))
+                flops, weight_bytes = 2 * m * n * k, 2 * n * k
+                timing = (
+                    f"| {t_ours * 1e6:9.1f} | {weight_bytes / t_ours / 1e9:8.1f} "
+                    f"| {weight_bytes / t_ours / copy_bw:6.1%} "
+                    f"| {flops / t_ours / 1e12:6.1f} | {t_torch * 1e6:9.1f} | {flops / t_torch / 1e12:6.1f} "
+                    f"| {t_torch / t_ours:5.2f}x |"
+                )
+            emit(f"| {n} x {k} | {m} | {cfg} | {err:.2e} | {'yes' if same else 'NO'} {'ok' if ok else 'FAIL'} {timing}")
+        del w, x_all
+        if not DRY:
+            torch.cuda.empty_cache()
     emit()
 
 
@@ -722,7 +766,7 @@ def main() -> int:
     if attention:
         time_attention_sections(copy_bw)
     if quant:
-        for quant_section in (time_quant, sweep_quant_decode):
+        for quant_section in (dense_section, time_quant, sweep_quant_decode):
             try:
                 quant_section(copy_bw)
             except Exception as exc:

@@ -2,7 +2,9 @@
 whatever the number of rows computed with it.
 
 The engine's end-to-end check (`bench/gpu_engine.py`) found greedy outputs that depend on the batch on
-CUDA while the attention kernel is bitwise invariant (`bench/gpu_check.py`). This script runs each other
+CUDA while the attention kernel is bitwise invariant (`bench/gpu_check.py`): cuBLAS and the quantized
+matmuls' M-dependent tiling were the cause, and the layers now take `helexa.kernels.linear` (one tiling
+for every M) and M-independent quantized configs. This script runs each other
 operation of a Llama step at the shapes of that check's model (hidden 2048, 32 query / 8 KV heads of 64,
 MLP 8192, vocabulary 32000) on M = 1, 3, 16, 64, 200 and 512 rows, and compares the first rows of each
 with the same rows computed alone (M = 1). Prints a markdown table (and writes it to `--out`).
@@ -26,7 +28,8 @@ if "--dry-run" in sys.argv:  # before the first triton import: the quantized mat
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from helexa.kernels import quant_reference  # noqa: E402
+from helexa.kernels import linear, quant_reference  # noqa: E402
+from helexa.kernels.dense_matmul import dense_matmul_triton  # noqa: E402
 from helexa.kernels.quant_matmul import int4_matmul, int8_matmul  # noqa: E402
 
 LINES: list[str] = []
@@ -79,6 +82,15 @@ def main() -> int:
         w = rand(n, k, scale=k**-0.5)
         cases.append(
             (f"F.linear {str(dtype).removeprefix('torch.')} ({label})", f"{k} -> {n}", lambda a, w=w: F.linear(a, w), x)
+        )
+        layer = "helexa.kernels.linear (the layers' dense matmul)"
+        cases.append(
+            (
+                f"{layer} ({label})",
+                f"{k} -> {n}",
+                lambda a, w=w: linear(a, w) if a.is_cuda else dense_matmul_triton(a, w),
+                x,
+            )
         )
         cases.append((f"F.linear, then .float() ({label})", f"{k} -> {n}", lambda a, w=w: F.linear(a, w).float(), x))
         group = min(k, 128)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from helexa.kernels import reference
 from helexa.kernels._checks import FP8_KV_DTYPE, FP8_KV_MAX
@@ -29,6 +30,7 @@ __all__ = [
     "FP8_KV_MAX",
     "AttentionBackend",
     "get_attention_backend",
+    "linear",
     "paged_attention",
     "paged_attention_triton",
     "reference",
@@ -36,7 +38,7 @@ __all__ = [
     "write_kv_triton",
 ]
 
-_TRITON_KERNELS = ("paged_attention_triton", "write_kv_triton")
+_TRITON_KERNELS = ("paged_attention_triton", "write_kv_triton", "dense_matmul_triton")
 
 
 @functools.cache
@@ -49,6 +51,10 @@ def _triton_kernel(name: str) -> Callable[..., Any]:
             from helexa.kernels.kv_write import write_kv_triton
 
             return write_kv_triton
+        if name == "dense_matmul_triton":
+            from helexa.kernels.dense_matmul import dense_matmul_triton
+
+            return dense_matmul_triton
         from helexa.kernels.attention import paged_attention_triton
 
         return paged_attention_triton
@@ -64,10 +70,22 @@ def _triton_kernel(name: str) -> Callable[..., Any]:
 
 
 def __getattr__(name: str) -> Any:
-    """`helexa.kernels.paged_attention_triton` and `.write_kv_triton`, imported when first asked for."""
+    """`helexa.kernels.paged_attention_triton`, `.write_kv_triton` and `.dense_matmul_triton`, imported when
+    first asked for."""
     if name in _TRITON_KERNELS:
         return _triton_kernel(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for x (..., K), weight (N, K). On CUDA through the batch-invariant Triton
+    matmul (`dense_matmul_triton`: a row's result never depends on how many rows share the product; the
+    bias added after, in x's dtype); elsewhere `F.linear` itself, bit for bit."""
+    if not x.is_cuda:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    y = _triton_kernel("dense_matmul_triton")(rows, weight).reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
 
 
 def _use_triton(t: torch.Tensor) -> bool:

@@ -26,8 +26,8 @@ masked on the store; K needs no mask (BLOCK_K | K).
 
 Split-K (decode): with SPLIT_K > 1 the K steps are shared among SPLIT_K programs per tile; each
 writes an fp32 partial (SPLIT_K, M, N) and `_sum_splits_kernel` adds them in a fixed order
-(deterministic) into y. `choose_config` picks tiles by M (decode <= 16, mid <= 64, prefill) and
-splits K until the grid covers the SMs about twice. Offsets of weight rows and of y rows are
+(deterministic) into y. `choose_config` picks one tiling per weight, whatever M (batch invariant),
+and splits K until the grid covers the SMs about twice. Offsets of weight rows and of y rows are
 64-bit, so weights over 2^31 bytes work.
 
 Dispatch: `int8_matmul` / `int4_matmul` run the Triton kernel for CUDA tensors or when
@@ -316,36 +316,30 @@ def _block_k(k: int, group: int, cap: int) -> int:
     return bk
 
 
-def choose_config(
-    m: int, n: int, k: int, group: int, num_sms: int, dtype: torch.dtype = torch.bfloat16
-) -> QuantMatmulConfig:
-    """The launch config `int8_matmul_triton` / `int4_matmul_triton` use by default for an (M, N, K)
-    problem with group size `group` (0 for int8 per-channel) and activations of `dtype` on a device
-    with `num_sms` SMs.
+def choose_config(n: int, k: int, group: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> QuantMatmulConfig:
+    """The launch config `int8_matmul_triton` / `int4_matmul_triton` use by default for an (N, K) weight
+    with group size `group` (0 for int8 per-channel) and activations of `dtype` on a device with
+    `num_sms` SMs. It does not depend on M: every row is computed by the same tile program over the same
+    K steps and splits whatever the number of rows, so the matmul is batch invariant (a token's result
+    never depends on what else shares its step; the first GPU run found rows changing from M = 64 on
+    when the tiles followed M).
 
-    fp16/bf16 (tensor cores): decode (M <= 16) 16 x 64 tiles, BLOCK_K up to 128 (long contiguous
-    weight rows per step), 4 warps, 4 stages; mid (M <= 64) 32/64 x 64 tiles; prefill 128 x 128 x 64
-    tiles, 8 warps, 3 stages. fp32 (exact "ieee" dot on the FMA units, whose operands live in
-    registers): 16 x 32 x 64 (decode) and 64 x 64 x 32 with 8 warps, the largest tiles that compile
-    for sm_90 without spilling. When the tiles alone do not give about two programs per SM, K is
-    split (at most 16 ways, each split non-empty): decode is bound by the weight read, so the aim is
-    enough loads in flight per SM."""
+    fp16/bf16 (tensor cores): 16 x 64 tiles, BLOCK_K up to 128 (long contiguous weight rows per step),
+    4 warps, 4 stages, the decode shape, which is bound by the weight read. fp32 (exact "ieee" dot on
+    the FMA units, whose operands live in registers): 16 x 32 x 64. K is split into a power of two of
+    parts (at most 16, each non-empty) until the column tiles times the splits give about two programs
+    per SM: enough loads in flight (uneven splits, 5 of 32 steps, measured 2.5x slower than 2 or 8 on
+    an H200)."""
     if dtype == torch.float32:
-        if m <= 16:
-            bm, bn, bk, warps, stages = 16, 32, _block_k(k, group, 64), 4, 3
-        else:
-            bm, bn, bk, warps, stages = min(64, triton.next_power_of_2(m)), 64, 32, 8, 3
-    elif m <= 16:
-        bm, bn, bk, warps, stages = 16, 64, _block_k(k, group, 128), 4, 4
-    elif m <= 64:
-        bm, bn, bk, warps, stages = max(32, triton.next_power_of_2(m)), 64, _block_k(k, group, 128), 4, 4
+        bm, bn, bk, warps, stages = 16, 32, _block_k(k, group, 64), 4, 3
     else:
-        bm, bn, bk, warps, stages = 128, 128, _block_k(k, group, 64), 8, 3
-    tiles = max(1, triton.cdiv(m, bm) * triton.cdiv(n, bn))
+        bm, bn, bk, warps, stages = 16, 64, _block_k(k, group, 128), 4, 4
+    col_tiles = max(1, triton.cdiv(n, bn))
     iters = k // bk
     split = 1
-    if tiles < num_sms:
-        split = max(1, min(_MAX_SPLIT_K, iters, math.ceil(2 * num_sms / tiles)))
+    if col_tiles < num_sms:
+        want = max(1, min(_MAX_SPLIT_K, iters, math.ceil(2 * num_sms / col_tiles)))
+        split = 1 << (want.bit_length() - 1)
         split = triton.cdiv(iters, triton.cdiv(iters, split))  # every split gets >= 1 step
     return QuantMatmulConfig(bm, bn, bk, split, warps, stages)
 
@@ -378,7 +372,7 @@ def _prepare(
         raise ValueError(f"out must be {want}, got {got}")
     if config is None:
         sms = _sm_count(x.device.index or 0) if x.is_cuda else _INTERPRETER_SMS
-        config = choose_config(m, n, k, group, sms, x.dtype)
+        config = choose_config(n, k, group, sms, x.dtype)
     _check_config(config, k, group)
     if config.split_k > 1 and m and n:
         part = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helexa.kernels import AttentionBackend, get_attention_backend
+from helexa.kernels import AttentionBackend, get_attention_backend, linear
 from helexa.kvcache.metadata import AttentionMetadata
 from helexa.model.config import ModelConfig, RopeScaling
 from helexa.model.parallel.comm import RowParallelLinear, TensorParallel, VocabParallelEmbedding
@@ -76,7 +76,15 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """`nn.Linear` whose matmul is batch invariant on CUDA (`helexa.kernels.linear`: one tiling for every
+    row count, where cuBLAS changes its summation with the batch); elsewhere `F.linear` itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """Linear layers of the same input stacked along the output dimension (q|k|v, gate|up), computed
     as one matmul. Checkpoint shard `i` fills `shard_sizes[i]` output rows, after those of shards < i."""
 
@@ -92,7 +100,7 @@ class MergedLinear(nn.Linear):
 def _row_linear(in_features: int, out_features: int, bias: bool, tp: TensorParallel | None) -> nn.Module:
     """o_proj / down_proj: a plain linear on one device, else row-parallel (one all-reduce)."""
     if tp is None:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, bias, tp)
 
 
@@ -231,7 +239,7 @@ class CausalLM(nn.Module):
         # (hidden, positions, attn, kv_caches, logits_indices) -> logits (S, V), or None to take the layers
         self.native_step: Callable[..., torch.Tensor | None] | None = None
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, self.plan.vocab_rows, bias=False)
+            None if config.tie_word_embeddings else Linear(config.hidden_size, self.plan.vocab_rows, bias=False)
         )
         self._rope_args = (config.head_dim, config.rope_theta, config.rope_scaling)
         self.register_buffer(
@@ -266,7 +274,7 @@ class CausalLM(nn.Module):
             return self.lm_head(rows).float()
         embed: Any = self.model.embed_tokens
         if isinstance(embed, nn.Embedding):
-            return F.linear(rows, embed.weight).float()
+            return linear(rows, embed.weight).float()
         return embed.logits(rows)  # a quantized table (QuantEmbedding)
 
     @torch.inference_mode()

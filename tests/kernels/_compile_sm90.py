@@ -16,7 +16,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from helexa.kernels import attention, kv_write
+from helexa.kernels import attention, dense_matmul, kv_write
 
 H200 = GPUTarget("cuda", 90, 32)
 
@@ -76,6 +76,14 @@ def main(names: list[str]) -> None:
             pointers = _ptrs("bf16", "k v k_cache v_cache") | _ptrs("i64", "slot")
             constants = dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128) | _unit("stride_kd stride_vd stride_kcd stride_vcd")
             compiled = _compile(kv_write._write_kv_kernel, pointers, constants, 4, 1)
+        elif name in ("dense-bf16", "dense-bf16-split"):  # the model's linear layers on CUDA, default tiles
+            cfg = dense_matmul.dense_config(2048 if name.endswith("split") else 16384, 2048, 132)
+            pointers = _ptrs("bf16", "x w out") | _ptrs("fp32", "part")
+            constants = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True)
+            constants |= dict(SPLIT=cfg.split_k > 1)
+            constants |= dict(UPCAST=False, DOT_PRECISION="tf32", INTERPRETED=False) | _unit("stride_xk stride_wk")
+            constants |= _unit("stride_on")
+            compiled = _compile(dense_matmul._dense_matmul_kernel, pointers, constants, cfg.num_warps, cfg.num_stages)
         else:
             raise SystemExit(f"unknown kernel case {name!r}")
         ttgir = compiled.asm["ttgir"]
@@ -85,4 +93,4 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or [*ATTENTION_CASES, "reduce", "write_kv"])
+    main(sys.argv[1:] or [*ATTENTION_CASES, "reduce", "write_kv", "dense-bf16", "dense-bf16-split"])

@@ -46,3 +46,12 @@ def test_attention_kernel_compiles_for_h200(compiled, name):
 def test_reduce_and_write_kv_compile_for_h200(compiled):
     assert compiled["reduce"]["shared"] <= SHARED_MEMORY_LIMIT
     assert compiled["write_kv"]["global_store"]
+
+
+@pytest.mark.parametrize("name", ["dense-bf16", "dense-bf16-split"])
+def test_the_dense_matmul_compiles_for_h200_on_wgmma(compiled, name):
+    """The batch-invariant matmul of the linear layers (one tiling for every M) at its default config."""
+    result = compiled[name]
+    assert result["shared"] <= SHARED_MEMORY_LIMIT
+    assert result["wgmma"], "64-row tiles should use Hopper wgmma"
+    assert result["async_copy"], "x and weight loads should be software-pipelined (cp.async)"
