@@ -9,7 +9,8 @@ For each weight format (bf16, and int4 weight-only through the Triton W4A16 matm
 2. **Device faults.** A second engine with injected faults (HELEXA_FAULT_INJECT) mid-prefill and
    mid-decode reloads the model and replays: the same tokens and logprobs, two reloads, the block
    count of the first load, and a budget computed from the device's totals identical across loads.
-3. **Decode speed, eager.** The median step time of pure-decode steps at 1, 16 and 64 streams, next
+3. **Decode speed, eager.** The median step time of pure-decode steps at 1, 16 and 64 streams, the host
+   time spent inside the model's forward (launching its kernels: what CUDA graphs would remove), next
    to the step's bytes roofline (weights + KV read once, at the copy bandwidth measured here).
 
 Prints one markdown table per section (also appended to `--out`) and exits non-zero on any failure.
@@ -226,12 +227,27 @@ def decode_speed(engine: Engine, dry: bool, quantization: str, copy_bw: float) -
             pump()
             if len(started) == streams:
                 break
-        times = []
-        for _ in range(steps):
+        times, launches = [], []
+        model = engine.runner.model
+        forward = model.forward
+
+        def timed_forward(
+            *args, forward=forward, launches=launches, **kwargs
+        ):  # host time inside the model's forward: launching its kernels
             begin = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - begin)
-            pump()
+            result = forward(*args, **kwargs)
+            launches.append(time.perf_counter() - begin)
+            return result
+
+        model.forward = timed_forward
+        try:
+            for _ in range(steps):
+                begin = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - begin)
+                pump()
+        finally:
+            del model.forward  # the class's forward again
         early = len(done)
         for h in handles:
             engine.abort(h.request_id)
@@ -243,12 +259,12 @@ def decode_speed(engine: Engine, dry: bool, quantization: str, copy_bw: float) -
         if early or len(done) != streams:
             raise RuntimeError(f"{streams} streams: {early} ended inside the timed steps, {len(done)} ended in all")
         assert_released(engine)
-        step = statistics.median(times[2:])
+        step, launch = statistics.median(times[2:]), statistics.median(launches[2:] or [float("nan")])
         kv_bytes = streams * (context + steps // 2) * engine.budget.bytes_per_block // engine.budget.block_size
         roof = (engine.budget.weight_bytes + kv_bytes) / copy_bw
         emit(
-            f"| {quantization} | {streams} | {step * 1e3:8.3f} | {streams / step:8.1f} | {roof * 1e3:7.3f} | "
-            f"{roof / step:6.1%} | {len(times) - 2} |"
+            f"| {quantization} | {streams} | {step * 1e3:8.3f} | {launch * 1e3:8.3f} | {streams / step:8.1f} | "
+            f"{roof * 1e3:7.3f} | {roof / step:6.1%} | {len(times) - 2} |"
         )
 
 
@@ -306,8 +322,9 @@ def main() -> int:
                 emit("```\n" + traceback.format_exc() + "```")
         emit(f"## decode steps, eager (copy bandwidth {copy_bw / 1e9:.0f} GB/s)")
         emit()
-        emit("| weights | streams | step ms | tokens/s | roofline ms | of roofline | steps |")
-        emit("|---|---:|---:|---:|---:|---:|---:|")
+        emit("| weights | streams | step ms | of it in the forward (host) ms | tokens/s | roofline ms | of roofline "
+             "| steps |")  # fmt: skip
+        emit("|---|---:|---:|---:|---:|---:|---:|---:|")
         for quantization, engine in engines:
             try:
                 decode_speed(engine, dry, quantization, copy_bw)
