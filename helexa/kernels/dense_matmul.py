@@ -14,9 +14,9 @@ added in one fixed order. So a row's result is the same bits whatever the number
 
 Kernel: a program computes a (BLOCK_M, BLOCK_N) tile over its share of K; rows past M and columns
 past N are clamped for loads and masked on the store; K needs no mask when BLOCK_K divides it, else
-the last step is masked (any K). With
-SPLIT_K > 1 each split writes an fp32 partial and `quant_matmul`'s split reduction adds them in
-split order (the same tiling and reduction as the weight-only quantized matmuls).
+the last step is masked (any K). With SPLIT_K > 1 each split writes an fp32 partial and
+`quant_matmul`'s split reduction adds them in split order (the same tiling and reduction as the
+weight-only quantized matmuls).
 
 Dispatch: `helexa.kernels.linear` runs it for CUDA tensors and `F.linear` elsewhere (CPU steps keep
 torch's matmul and never import Triton; the kernel itself is tested on the CPU under TRITON_INTERPRET=1).
