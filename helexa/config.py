@@ -201,6 +201,12 @@ class EngineConfig:
         "quantize the decoder's dense linear layers at load",
         Rule.one_of("auto", "none", "int8", "int4"),
     )
+    load_format: str = _placement(
+        "auto",
+        "where the weights come from: auto: the model directory's safetensors; dummy: seeded random values of "
+        "the shapes its config.json gives, made on the device (benchmarks and checks of a shape without its weights)",
+        Rule.one_of("auto", "dummy"),
+    )
     generation_config: str = _placement(
         "auto",
         "sampling defaults for the fields a request omits (temperature, top_p, top_k, min_p, repetition_penalty, "

@@ -203,6 +203,7 @@ def load_shard(
         attention_backend=config.attention_backend,
         quantization=config.quantization,
         tp=tp,
+        load_format=config.load_format,
     )
     plan = model.plan
     totals = rank_memory_totals(size) if size > 1 else None

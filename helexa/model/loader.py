@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -271,6 +272,7 @@ def load_model(
     attention_backend: str | AttentionBackend = "auto",
     quantization: str = "auto",
     tp: TensorParallel | None = None,
+    load_format: str = "auto",
 ) -> CausalLM:
     """The model in directory `path` on `device` in `dtype` (see `resolve_dtype`), in eval mode without
     gradients. Every parameter is filled exactly once from a safetensors tensor of its shape (a tied
@@ -281,14 +283,22 @@ def load_model(
     With `tp` (tensor parallelism) the model holds that rank's shard (`helexa.model.parallel.sharding`) and
     only the rows or columns of each tensor the rank keeps are read. Sharding is for dense weights:
     `ValueError` for int8/int4; weights a checkpoint stores quantized are dequantised at load under
-    "auto" as under "none" (those are read whole, then sliced)."""
+    "auto" as under "none" (those are read whole, then sliced).
+
+    `load_format="dummy"` reads no weights: every parameter gets seeded random values of its shape on
+    `device` (`dummy_weights`), so only config.json is needed; "int8"/"int4" then quantize them as they
+    would a checkpoint's dense weights."""
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"unknown quantization {quantization!r}; expected one of {list(QUANTIZATION_CHOICES)}")
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"unknown load_format {load_format!r}; expected 'auto' or 'dummy'")
     start = time.perf_counter()
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device, config.dtype)
+    if load_format == "dummy":
+        return _dummy_model(config, path, dtype, device, attention_backend, quantization, tp, start)
     files = safetensors_files(path)
     shapes = _tensor_shapes(files)
 
@@ -365,6 +375,54 @@ def load_model(
         raise ValueError(f"checkpoint in {path} is missing {len(missing)} tensor(s): {shown}")
     model.load_state_dict(state, strict=True, assign=True)
     state.clear()  # the model holds the tensors now: preparing a quantized module can free its canonical copy
+    _finish(model, device, quantization, mixed, f"{path} files={len(files)} read={num_bytes / 2**20:.1f}MiB", start)
+    return model
+
+
+def dummy_weights(model: CausalLM, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Seeded random values for every state entry of `model` (built on meta), made on `device`: the same
+    name and shape give the same values on every call. Embeddings ~ N(0, 1); norm weights 1 + N(0, 0.01);
+    biases N(0, 0.01); other matrices N(0, 1/fan_in), so each layer's outputs keep unit variance and the
+    logits span a few units (a random model that still prefers some tokens)."""
+    state = {}
+    for name, meta in model.state_dict(keep_vars=True).items():
+        generator = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+        noise = torch.randn(meta.shape, generator=generator, device=device, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            noise = 1.0 + 0.1 * noise
+        elif name.endswith("bias"):
+            noise = 0.1 * noise
+        elif "embed_tokens" not in name and noise.dim() > 1:
+            noise = noise / meta.shape[-1] ** 0.5
+        state[name] = noise.to(dtype)
+        del noise
+    return state
+
+
+def _dummy_model(
+    config: ModelConfig,
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str | AttentionBackend,
+    quantization: str,
+    tp: TensorParallel | None,
+    start: float,
+) -> CausalLM:
+    """`load_model` with `load_format="dummy"`: the model of `config` with `dummy_weights`."""
+    with torch.device("meta"):
+        model = CausalLM(config, attention_backend, tp)
+    model.load_state_dict(dummy_weights(model, dtype, device), strict=True, assign=True)
+    _finish(model, device, quantization, [], f"{path} (dummy weights, none read)", start)
+    return model
+
+
+def _finish(model: CausalLM, device: torch.device, quantization: str, mixed: list[str], source: str,
+            start: float) -> None:  # fmt: skip
+    """What every load ends with: buffers on the device, eval mode, quantization at load, prepared
+    quantized modules, the CPU's fused step, and the log line saying what was loaded."""
+    config, plan = model.config, model.plan
+    dtype = model.dtype
     model.reset_buffers(device)
     model.requires_grad_(False).eval()
     skipped = quantize_decoder(model, quantization) if quantization in ("int8", "int4") else []
@@ -381,14 +439,13 @@ def load_model(
         log.info(f"model: left dense (mixed quantized layouts, or K not divisible by 32): {', '.join(mixed + skipped)}")
     kinds = sorted({f"{w.kind}/g{w.group_size}" for w in quantized.values()})
     log.info(
-        f"model: loaded {path} arch={config.architecture} params={config.num_parameters} "
-        f"dtype={str(dtype).removeprefix('torch.')} device={device} files={len(files)} "
-        f"{f'tensor_parallel={plan.rank}/{plan.size} ' if sharded else ''}"
-        f"read={num_bytes / 2**20:.1f}MiB quantization={quantization} "
+        f"model: loaded {source} arch={config.architecture} params={config.num_parameters} "
+        f"dtype={str(dtype).removeprefix('torch.')} device={device} "
+        f"{f'tensor_parallel={plan.rank}/{plan.size} ' if plan.size > 1 else ''}"
+        f"quantization={quantization} "
         f"quantized_modules={len(quantized)}{' ' + ','.join(kinds) if kinds else ''} "
         f"in {time.perf_counter() - start:.2f}s"
     )
-    return model
 
 
 def _is_quant_part(state_name: str) -> bool:

@@ -14,11 +14,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
-    "script, args",
-    [("gpu_engine.py", ["--formats", "int4"]), ("gpu_invariance.py", [])],
-    ids=["engine end to end", "invariance survey"],
+    "script, args, marker",
+    [
+        ("gpu_engine.py", ["--formats", "int4"], "| ok |"),
+        ("gpu_invariance.py", [], "bitwise"),
+        ("gpu_serve.py", ["--formats", "int4"], "| int4 | 4 |"),
+    ],
+    ids=["engine end to end", "invariance survey", "serving an 8B shape"],
 )
-def test_a_device_script_runs_through_on_the_cpu(script: str, args: list[str], tmp_path: Path) -> None:
+def test_a_device_script_runs_through_on_the_cpu(script: str, args: list[str], marker: str, tmp_path: Path) -> None:
     out = tmp_path / "table.md"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # each script sets what it needs
     done = subprocess.run(
@@ -27,5 +31,5 @@ def test_a_device_script_runs_through_on_the_cpu(script: str, args: list[str], t
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     table = out.read_text()
-    assert "| ok |" in table or "bitwise" in table
+    assert marker in table
     assert "FAIL" not in table and "ERROR" not in table
