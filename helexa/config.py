@@ -201,6 +201,12 @@ class EngineConfig:
         "quantize the decoder's dense linear layers at load",
         Rule.one_of("auto", "none", "int8", "int4"),
     )
+    enforce_eager: bool = _placement(
+        False,
+        "run every step eagerly (on CUDA, decode steps otherwise replay a CUDA graph captured per batch-size "
+        "bucket; prefill and mixed steps always run eagerly)",
+        SWITCH,
+    )
     load_format: str = _placement(
         "auto",
         "where the weights come from: auto: the model directory's safetensors; dummy: seeded random values of "

@@ -246,7 +246,10 @@ class Engine:
             # `--kv-cache-dtype fp8`: the fp8 scales are calibrated on this text at every load
             calibration_ids=kv_calibration_ids(self.tokenizer) if self.config.kv_cache_dtype != "auto" else None,
         )
-        return ModelRunner(loaded)
+        runner = ModelRunner(loaded)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            runner.use_cuda_graphs(self.config.admission.max_num_seqs, self.max_model_len)
+        return runner
 
     @property
     def budget(self) -> KVBudget:

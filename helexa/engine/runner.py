@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from helexa.engine.cuda_graphs import Capture, DecodeGraphs, cuda_capture
 from helexa.engine.loading import LoadedModel, to_device
 from helexa.engine.scheduler import ScheduledChunk
 from helexa.engine.sequence import Sequence
@@ -80,6 +81,17 @@ class ModelRunner:
         self.sample_vocab_size = loaded.sample_vocab_size
         self.sampler = Sampler()
         self._kv_caches = loaded.pool.kv_caches()
+        self.graphs: DecodeGraphs | None = None  # `use_cuda_graphs`: decode steps replayed from CUDA graphs
+
+    def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int, capture: Capture = cuda_capture) -> None:
+        """Replay decode-only steps from CUDA graphs (`helexa.engine.cuda_graphs`), captured per batch-size
+        bucket on first use, over tables as wide as `max_model_len`; other steps stay eager. Not under
+        tensor parallelism (the workers run the step too). `capture` is for tests off CUDA."""
+        if self.group is not None:
+            return
+        width = -(-max_model_len // self.pool.block_size)
+        self.graphs = DecodeGraphs(self._eager_forward, self.device, max_num_seqs, width, self.pool.block_size,
+                                   capture=capture)  # fmt: skip
 
     def close(self, graceful: bool = True) -> None:
         """Stop the tensor-parallel workers, if any (idempotent); `graceful=False` after a fault. The
@@ -96,13 +108,23 @@ class ModelRunner:
         step_no: int = 0,
     ) -> torch.Tensor:
         """The model over one step's inputs on the pool: (S, V) float32 logits. Tensor-parallel: the
-        inputs go to the workers in one broadcast first, and every rank runs its shard."""
+        inputs go to the workers in one broadcast first, and every rank runs its shard. A decode step
+        replays its bucket's CUDA graph when `use_cuda_graphs` is on (the same bits as eagerly)."""
+        if self.graphs is not None:
+            logits = self.graphs.run(input_ids, positions, attn, logits_indices)
+            if logits is not None:
+                return logits
         if self.group is None:
-            return self.model(input_ids, positions, attn, self._kv_caches, logits_indices)
+            return self._eager_forward(input_ids, positions, attn, logits_indices)
         return self.group.run(
             lambda: self.model(input_ids, positions, attn, self._kv_caches, logits_indices),
             input_ids, positions, attn, logits_indices, step_no,
         )  # fmt: skip
+
+    def _eager_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn, self._kv_caches, logits_indices)
 
     @torch.inference_mode()
     def calibrate(self, prefill_tokens: int, decode_seqs: int, max_model_len: int) -> tuple[float, float] | None:
@@ -116,13 +138,16 @@ class ModelRunner:
         """
         pool = self.pool
         builder = BatchBuilder(pool, max(1, decode_seqs), max_model_len)
-        per_table = -(-3 // pool.block_size)  # a warm-up table ends with 3 tokens
+        last = 4 if self.graphs is not None else 3  # a warm-up table ends with 3 tokens (4: a capture step too)
+        per_table = -(-last // pool.block_size)
         k = min(decode_seqs, builder.max_num_seqs, pool.num_free_blocks // per_table)
-        if k < 1 or builder.max_model_len < 3:
+        if k < 1 or builder.max_model_len < last:
             return None
         tables = [builder.new_table() for _ in range(k)]
         try:
             self._time_forward(builder, [(tables[0], 2)] + [(t, 1) for t in tables[1:]])  # warm-up, prefill too
+            if self.graphs is not None:  # the decode bucket's graph is captured here, not in the timed step
+                self._time_forward(builder, [(t, 1) for t in tables])
             decode = self._time_forward(builder, [(t, 1) for t in tables])
         finally:
             for table in tables:
