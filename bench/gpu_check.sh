@@ -11,6 +11,9 @@
 # Usage: bench/gpu_check.sh [--dry-run] [--budget-s S]      (PYTHON=... to choose the interpreter)
 # Hard limits of the parts, seconds (environment): ENGINE_SECONDS 120, INVARIANCE_SECONDS 60,
 # CHECK_SECONDS 240, SERVE_SECONDS 150: 570 in all, inside the device tool's 600 s per call.
+# On the lent H200 (its python3 has torch and triton, no network), helexa's dependencies missing there
+# travel as wheels for CPython 3.12: gguf, llguidance, msgspec, pyzmq, starlette, uvicorn (downloaded
+# here into an ignored .whl/, carried, and installed with --target /tmp/site onto PYTHONPATH first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
