@@ -24,20 +24,23 @@ torch's matmul and never import Triton; the kernel itself is tested on the CPU u
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from helexa.kernels.quant_matmul import QuantMatmulConfig, _store_tile, _sum_splits
+from helexa.kernels.quant_matmul import (
+    _INTERPRETER_SMS,
+    QuantMatmulConfig,
+    _sm_count,
+    _store_tile,
+    _sum_splits,
+    _tile,
+    split_k,
+)
 
 __all__ = ["dense_config", "dense_matmul_triton"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_SPLIT_K = 16
-_INTERPRETER_SMS = 4  # where there is no device: small, so the tests split K
 
 
 @triton.jit
@@ -74,13 +77,8 @@ def _dense_matmul_kernel(
 ):  # fmt: skip
     """Program (pid_m, pid_n, pid_k): y tile rows [pid_m*BM, +BM) x cols [pid_n*BN, +BN) over K steps
     [pid_k * iters_per_split, min(+iters_per_split, num_iters))."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
-    rows_ld = (rows % M).to(tl.int64)  # clamped: loads need no row or column mask
-    cols_ld = (cols % N).to(tl.int64)
+    rows, cols, rows_ld, cols_ld = _tile(M, N, BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)  # (BK,)
     x_tile_ptrs = x_ptr + rows_ld[:, None] * stride_xm + ks[None, :] * stride_xk  # (BM, BK)
     w_tile_ptrs = w_ptr + cols_ld[None, :] * stride_wn + ks[:, None] * stride_wk  # (BK, BN)
@@ -100,31 +98,19 @@ def _dense_matmul_kernel(
     _store_tile(acc, out_ptr, part_ptr, rows, cols, M, N, pid_k, stride_om, stride_on, stride_ps, stride_pm, SPLIT)
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def dense_config(n: int, k: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> QuantMatmulConfig:
     """The launch config of `dense_matmul_triton` for an (N, K) weight of `dtype` on a device with
     `num_sms` SMs. It does not depend on M, which is what makes the matmul batch invariant.
 
     fp16/bf16: 64 x 128 x 64 tiles, 4 warps, 4 stages (tensor cores; a decode row pads to 64 rows,
     compute the weight read hides). fp32 (exact "ieee" dot on the FMA units): 16 x 32 x 64, 4 warps,
-    3 stages. K is split into a power of two of parts (at most 16, none empty) until the column tiles
-    times the splits cover the SMs, so that a decode step keeps enough of the weight read in flight."""
+    3 stages. K is split (`quant_matmul.split_k`) until the column tiles times the splits cover the
+    SMs once, so that a decode step keeps enough of the weight read in flight."""
     if dtype == torch.float32:
         bm, bn, bk, warps, stages = 16, 32, 64, 4, 3
     else:
         bm, bn, bk, warps, stages = 64, 128, 64, 4, 4
-    col_tiles = triton.cdiv(max(n, 1), bn)
-    iters = max(1, triton.cdiv(k, bk))
-    split = 1
-    if col_tiles < num_sms:
-        want = min(_MAX_SPLIT_K, iters, math.ceil(num_sms / col_tiles))
-        split = 1 << (want.bit_length() - 1)  # a power of two: uneven splits measured slower on an H200
-        split = triton.cdiv(iters, triton.cdiv(iters, split))  # every split gets >= 1 step
-    return QuantMatmulConfig(bm, bn, bk, split, warps, stages)
+    return QuantMatmulConfig(bm, bn, bk, split_k(triton.cdiv(n, bn), triton.cdiv(k, bk), num_sms, 1), warps, stages)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> None:

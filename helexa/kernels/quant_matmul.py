@@ -54,6 +54,7 @@ from helexa.kernels.quant_reference import check_int4_matmul, check_int8_matmul
 __all__ = [
     "QuantMatmulConfig",
     "choose_config",
+    "split_k",
     "int4_matmul",
     "int4_matmul_triton",
     "int8_matmul",
@@ -117,6 +118,15 @@ def _load_groups(
 
 
 @triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (pid_m, pid_n, pid_k)'s output rows and columns, and the same clamped into y for loads
+    (`% M`, `% N`: loads need no row or column mask; the store masks instead)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+    return rows, cols, (rows % M).to(tl.int64), (cols % N).to(tl.int64)
+
+
+@triton.jit
 def _store_tile(
     acc,  # (BLOCK_M, BLOCK_N) fp32
     out_ptr, part_ptr, rows, cols, M, N, pid_k,
@@ -176,13 +186,8 @@ def _int8_matmul_kernel(
 ):  # fmt: skip
     """Program (pid_m, pid_n, pid_k): y tile rows [pid_m*BM, +BM) x cols [pid_n*BN, +BN) over K steps
     [pid_k * iters_per_split, min(+iters_per_split, num_iters))."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
-    rows_ld = (rows % M).to(tl.int64)  # clamped: loads need no mask
-    cols_ld = (cols % N).to(tl.int64)
+    rows, cols, rows_ld, cols_ld = _tile(M, N, BLOCK_M, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)  # (BK,)
     x_tile_ptrs = x_ptr + rows_ld[:, None] * stride_xm + ks[None, :] * stride_xk  # (BM, BK)
     w_tile_ptrs = w_ptr + cols_ld[None, :] * stride_wn + ks[:, None] * stride_wk  # (BK, BN)
@@ -251,13 +256,8 @@ def _int4_matmul_kernel(
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):  # fmt: skip
     """As `_int8_matmul_kernel`, for the packed int4 layout with zeros."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
-    rows_ld = (rows % M).to(tl.int64)
-    cols_ld = (cols % N).to(tl.int64)
+    rows, cols, rows_ld, cols_ld = _tile(M, N, BLOCK_M, BLOCK_N)
     js = tl.arange(0, BLOCK_K // 2)  # (BK/2,) byte columns of a step
     x_even_ptrs = x_ptr + rows_ld[:, None] * stride_xm + (2 * js)[None, :] * stride_xk  # (BM, BK/2)
     w_tile_ptrs = w_ptr + cols_ld[None, :] * stride_wn + js[:, None] * stride_wk  # (BK/2, BN)
@@ -327,21 +327,26 @@ def choose_config(n: int, k: int, group: int, num_sms: int, dtype: torch.dtype =
     fp16/bf16 (tensor cores): 16 x 64 tiles, BLOCK_K up to 128 (long contiguous weight rows per step),
     4 warps, 4 stages, the decode shape, which is bound by the weight read. fp32 (exact "ieee" dot on
     the FMA units, whose operands live in registers): 16 x 32 x 64. K is split into a power of two of
-    parts (at most 16, each non-empty) until the column tiles times the splits give about two programs
-    per SM: enough loads in flight (uneven splits, 5 of 32 steps, measured 2.5x slower than 2 or 8 on
-    an H200)."""
+    parts (`split_k`) until the column tiles times the splits give about two programs per SM: enough
+    loads in flight."""
     if dtype == torch.float32:
         bm, bn, bk, warps, stages = 16, 32, _block_k(k, group, 64), 4, 3
     else:
         bm, bn, bk, warps, stages = 16, 64, _block_k(k, group, 128), 4, 4
-    col_tiles = max(1, triton.cdiv(n, bn))
-    iters = k // bk
-    split = 1
-    if col_tiles < num_sms:
-        want = max(1, min(_MAX_SPLIT_K, iters, math.ceil(2 * num_sms / col_tiles)))
-        split = 1 << (want.bit_length() - 1)
-        split = triton.cdiv(iters, triton.cdiv(iters, split))  # every split gets >= 1 step
-    return QuantMatmulConfig(bm, bn, bk, split, warps, stages)
+    return QuantMatmulConfig(bm, bn, bk, split_k(triton.cdiv(n, bn), k // bk, num_sms, 2), warps, stages)
+
+
+def split_k(col_tiles: int, iters: int, num_sms: int, per_sm: int) -> int:
+    """How many parts to split K's `iters` steps into when `col_tiles` column tiles give fewer programs
+    than SMs: about `per_sm` programs per SM, a power of two (uneven splits, 5 of 32 steps, measured
+    2.5x slower than 2 or 8 on an H200), at most 16, each part non-empty; else 1. It never depends on M,
+    which keeps the matmuls batch invariant."""
+    col_tiles, iters = max(1, col_tiles), max(1, iters)
+    if col_tiles >= num_sms:
+        return 1
+    want = max(1, min(_MAX_SPLIT_K, iters, math.ceil(per_sm * num_sms / col_tiles)))
+    split = 1 << (want.bit_length() - 1)
+    return triton.cdiv(iters, triton.cdiv(iters, split))  # every split gets >= 1 step
 
 
 def _check_config(cfg: QuantMatmulConfig, k: int, group: int) -> None:

@@ -9,20 +9,14 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 import helexa.model.transformer as transformer
 from helexa.engine.cuda_graphs import DecodeGraphs, buckets_for
-from helexa.kernels.dense_matmul import dense_matmul_triton
 from helexa.model.sampling import SamplingParams
 from tests.support.engines import assert_released, drive, make_engine, random_prompts
+from tests.support.kernels import triton_linear
 
 PARAMS = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, logprobs=0)
-
-
-def _triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = dense_matmul_triton(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
 
 
 def _replaying(run):
@@ -41,7 +35,7 @@ def _failing(run):
 
 @pytest.fixture
 def cuda_step(monkeypatch):
-    monkeypatch.setattr(transformer, "linear", _triton_linear)
+    monkeypatch.setattr(transformer, "linear", triton_linear)
 
 
 def _engine(model_dir, capture=None):

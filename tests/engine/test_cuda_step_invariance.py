@@ -7,19 +7,12 @@ greedy tokens (bench/RESULTS.md)."""
 
 from __future__ import annotations
 
-import torch
-
 import helexa.model.transformer as transformer
-from helexa.kernels.dense_matmul import dense_matmul_triton
 from helexa.model.sampling import SamplingParams
 from tests.support.engines import drive, make_engine, random_prompts
+from tests.support.kernels import triton_linear
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
-
-
-def _triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = dense_matmul_triton(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
-    return y if bias is None else y + bias
 
 
 def _outputs(engine, prompts, stagger: int = 0) -> list[tuple[list[int], list[float]]]:
@@ -45,7 +38,7 @@ def _compositions(model_dir) -> list[list[tuple[list[int], list[float]]]]:
 
 
 def test_with_the_cuda_matmul_every_composition_gives_the_same_bits(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(transformer, "linear", _triton_linear)
+    monkeypatch.setattr(transformer, "linear", triton_linear)
     alone, *others = _compositions(tiny_model_dir)
     assert all(len(tokens) == PARAMS.max_tokens for tokens, _ in alone)
     for other in others:

@@ -78,3 +78,12 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max |out - ref| / max |ref|, NaN-propagating (NaN compares as failure)."""
     err = (out.double() - ref.double()).abs().max()
     return float(err / ref.double().abs().max())
+
+
+def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`helexa.kernels.linear` as it runs on CUDA (the Triton dense matmul), for a CPU tensor in the
+    interpreter: what a test monkeypatches into the model's layers to run the CUDA step's arithmetic."""
+    from helexa.kernels.dense_matmul import dense_matmul_triton
+
+    y = dense_matmul_triton(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
