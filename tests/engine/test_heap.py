@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 
-from helexa.heap import HeapLevel, freeze_heap, resident_bytes, thaw_heap, trim_heap
+from helexa.heap import HeapLevel, freeze_heap, resident_bytes, trim_heap
 from helexa.model.sampling import SamplingParams
 from tests.support.engines import drive, make_engine, random_prompts
 
@@ -28,17 +28,33 @@ def thawed_after():
     gc.unfreeze()
 
 
-def test_frozen_cyclic_garbage_waits_for_the_thaw(thawed_after):
-    node = _Node()
-    gone = weakref.ref(node)
-    assert freeze_heap("test") == gc.get_freeze_count() > 0
-    del node  # cyclic garbage among the frozen objects
-    gc.collect()
-    assert gone() is not None  # the collector no longer walks it
-    frozen = gc.get_freeze_count()
-    assert thaw_heap() == frozen
-    assert gone() is None and gc.get_freeze_count() == 0
-    assert thaw_heap() == 0  # nothing frozen: a second thaw says so
+_THAW_PROBE = """
+import gc, weakref
+from helexa.heap import freeze_heap, thaw_heap
+class Node:
+    def __init__(self):
+        self.me = self  # a cycle: only the collector frees it
+node = Node()
+gone = weakref.ref(node)
+assert freeze_heap("test") == gc.get_freeze_count() > 0
+del node  # cyclic garbage among the frozen objects
+gc.collect()
+assert gone() is not None  # the collector no longer walks it
+frozen = gc.get_freeze_count()
+assert thaw_heap() == frozen
+assert gone() is None and gc.get_freeze_count() == 0
+assert thaw_heap() == 0  # nothing frozen: a second thaw says so
+print("ok")
+"""
+
+
+def test_frozen_cyclic_garbage_waits_for_the_thaw():
+    """Frozen cyclic garbage outlives a collection and goes at the thaw, which returns the frozen count. In a
+    fresh interpreter: in this one other tests' threads may free frozen objects (a frozen object whose count
+    drops to zero leaves the frozen set) between reading the count and the thaw."""
+    probe = subprocess.run([sys.executable, "-c", _THAW_PROBE], capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["ok"]
 
 
 def test_a_reload_frees_the_old_model_and_freezes_again(tiny_model_dir, monkeypatch, thawed_after):
