@@ -97,3 +97,20 @@ def test_quantized_default_agrees_with_the_float_reference(quantized_llm: LLM, l
     assert agree >= 0.9, agree
     (out,) = quantized_llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)
     assert out.token_ids[:4] == ids[0, len(prompt) : len(prompt) + 4].tolist()  # the answer starts the same
+
+
+def test_the_default_tokenizer_streams_by_bytes(default_model_dir: Path) -> None:
+    """The default model's tokenizer (GPT-2 byte level, converted from the GGUF) gets a proven byte table, and a
+    stream of random ids detokenised through it gives exactly the tokenizer's own decode."""
+    import random
+
+    from helexa.model.text.detokenizer import IncrementalDetokenizer
+    from helexa.model.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(default_model_dir)
+    assert tok.byte_pieces(True) is not None and tok.byte_pieces(False) is not None
+    rng = random.Random(5)
+    ids = [rng.randrange(tok.vocab_size) for _ in range(3000)]
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        assert "".join(detok.push(i) for i in ids) + detok.flush() == tok.decode(ids, skip_special_tokens=skip)

@@ -1,19 +1,36 @@
-"""Incremental detokenisation on a tiny byte-level BPE whose tokens split multibyte characters."""
+"""Incremental detokenisation on a tiny byte-level BPE whose tokens split multibyte characters, both ways: by
+each token's bytes (what a byte-level tokenizer gets) and by decoding windows (every other tokenizer)."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
+import tokenizers
+from tokenizers import decoders
 
+from helexa.model.text import byte_pieces as byte_pieces_module
+from helexa.model.text.byte_pieces import byte_pieces
 from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.text.tokenizer import Tokenizer
 from tests.support.models import build_tiny_tokenizer_dir, corpus
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    return Tokenizer.from_pretrained(build_tiny_tokenizer_dir(tmp_path_factory.mktemp("detok")))
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_tokenizer_dir(tmp_path_factory.mktemp("detok"))
+
+
+@pytest.fixture(scope="module", params=["bytes", "windows"])
+def tok(request: pytest.FixtureRequest, tokenizer_dir: Path) -> Tokenizer:
+    """The tiny byte-level tokenizer; for "windows" told it has no byte table, as a SentencePiece one has not."""
+    tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
+    if request.param == "windows":
+        tokenizer.byte_pieces = lambda skip_special_tokens=True: None  # type: ignore[method-assign]
+    else:
+        assert tokenizer.byte_pieces(True) is not None and tokenizer.byte_pieces(False) is not None
+    return tokenizer
 
 
 def _stream(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
@@ -74,7 +91,7 @@ def test_incomplete_character_held_then_flushed(tok: Tokenizer) -> None:
 
 
 class _CountingTokenizer:
-    """Duck-typed Tokenizer recording how many ids each decode call sees."""
+    """Duck-typed Tokenizer recording how many ids each decode call sees; its byte table is `tok`'s."""
 
     def __init__(self, tok: Tokenizer) -> None:
         self._tok = tok
@@ -82,19 +99,43 @@ class _CountingTokenizer:
         self.backend = self
         self.sizes: list[int] = []
 
+    def byte_pieces(self, skip_special_tokens: bool = True) -> tuple[bytes, ...] | None:
+        return self._tok.byte_pieces(skip_special_tokens)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         self.sizes.append(len(ids))
         return self._tok.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def test_cost_per_token_is_bounded_by_the_window(tok: Tokenizer) -> None:
+def test_cost_per_token_is_bounded(tok: Tokenizer) -> None:
+    """Windows: a few tokens per decode, never the whole sequence. Bytes: no decode at all."""
     ids = tok.encode(" ".join(corpus(40, seed=3)), add_special_tokens=False)
     assert len(ids) > 500
     counting = _CountingTokenizer(tok)
     detok = IncrementalDetokenizer(counting, prompt_ids=list(range(50)))  # type: ignore[arg-type]
     text = "".join(_stream(detok, ids))
     assert text == tok.decode(ids)
-    assert max(counting.sizes) <= 8  # a few tokens per decode, not the whole sequence
+    if tok.byte_pieces() is None:
+        assert 0 < max(counting.sizes) <= 8
+    else:
+        assert counting.sizes == []
+
+
+def test_byte_pieces_only_for_a_byte_level_decoder(tokenizer_dir: Path) -> None:
+    """Another decoder (SentencePiece's Metaspace here) gets no table: its tokens are decoded in windows."""
+    backend = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    assert byte_pieces(backend, True) is not None
+    backend.decoder = decoders.Metaspace()
+    assert byte_pieces(backend, True) is None
+
+
+def test_byte_pieces_are_proven_against_the_tokenizer(tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table that disagrees with the tokenizer's own decode on one token is not used."""
+    backend = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    real = byte_pieces_module._piece
+    wrong = backend.id_to_token(backend.get_vocab_size() // 2)
+    monkeypatch.setattr(byte_pieces_module, "_piece", lambda token: b"?" if token == wrong else real(token))
+    assert byte_pieces(backend, True) is None
 
 
 def test_rejects_out_of_range_ids(tok: Tokenizer) -> None:

