@@ -37,7 +37,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -49,7 +49,7 @@ from helexa.admission.rejections import REJECTION_REASONS, AdmissionIntegrityErr
 from helexa.admission.ticket import PollResult, Ticket, TicketState
 from helexa.config import AdmissionConfig
 from helexa.kvprotocol import BlockStates, KVHoldings, Share
-from helexa.values import check_int, debug_enabled
+from helexa.values import check_int, debug_enabled, is_int
 
 logger = logging.getLogger("helexa.admission")
 
@@ -293,18 +293,7 @@ class AdmissionController:
         owner's to count.)
         """
         with self._critical:
-            self._check_owned(ticket)
-            if ticket.state is not TicketState.GRANTED:
-                raise ValueError(f"progress() for ticket {ticket.id} in state {ticket.state.value}; it must be granted")
-            for name, value, limit, what in (
-                ("tokens_generated", tokens_generated, ticket.max_tokens, "its max_tokens"),
-                ("prompt_prefilled", prompt_prefilled, ticket.prompt_tokens, "the tokens of its prompt"),
-                ("prompt_loadable", prompt_loadable, ticket.prompt_tokens, "the tokens of its prompt"),
-            ):
-                if value is not None:
-                    check_int(value, name, 0)
-                    if value > limit:
-                        raise ValueError(f"ticket {ticket.id}: {name}={value} exceeds {what} ({limit})")
+            self._check_progress(ticket, tokens_generated, prompt_prefilled, prompt_loadable)
             if tokens_generated is not None:
                 ticket.tokens_generated = tokens_generated
             if prompt_prefilled is not None:
@@ -312,6 +301,45 @@ class AdmissionController:
             if prompt_loadable is not None:
                 ticket.prompt_loadable = prompt_loadable
             self._plan_drifted = True
+
+    def progress_all(self, updates: Iterable[tuple[Ticket, int, int]]) -> None:
+        """One engine step's progress of many running tickets, `(ticket, prompt_prefilled, tokens_generated)` each:
+        what `progress(ticket, prompt_prefilled=..., tokens_generated=...)` records for each, under one lock. Every
+        update is checked before any is recorded: a bad one raises `ValueError` and nothing changes."""
+        updates = list(updates)
+        granted, running = TicketState.GRANTED, self._running
+        with self._critical:
+            for ticket, prefilled, generated in updates:
+                if not (  # the common case, checked inline; otherwise `_check_progress` says what is wrong
+                    isinstance(ticket, Ticket)
+                    and running.get(ticket.id) is ticket
+                    and ticket.state is granted
+                    and type(prefilled) is int
+                    and type(generated) is int
+                    and 0 <= prefilled <= ticket.prompt_tokens
+                    and 0 <= generated <= ticket.max_tokens
+                ):
+                    self._check_progress(ticket, generated, prefilled, None)
+            for ticket, prefilled, generated in updates:
+                ticket.prompt_prefilled, ticket.tokens_generated = prefilled, generated
+            if updates:
+                self._plan_drifted = True
+
+    def _check_progress(
+        self, ticket: Ticket, tokens_generated: int | None, prompt_prefilled: int | None, prompt_loadable: int | None
+    ) -> None:
+        """`progress`'s checks: an owned, granted ticket; each value given an int within its bounds."""
+        self._check_owned(ticket)
+        if ticket.state is not TicketState.GRANTED:
+            raise ValueError(f"progress() for ticket {ticket.id} in state {ticket.state.value}; it must be granted")
+        for name, value, limit, what in (
+            ("tokens_generated", tokens_generated, ticket.max_tokens, "its max_tokens"),
+            ("prompt_prefilled", prompt_prefilled, ticket.prompt_tokens, "the tokens of its prompt"),
+            ("prompt_loadable", prompt_loadable, ticket.prompt_tokens, "the tokens of its prompt"),
+        ):
+            if value is not None and not (is_int(value) and 0 <= value <= limit):
+                check_int(value, name, 0)
+                raise ValueError(f"ticket {ticket.id}: {name}={value} exceeds {what} ({limit})")
 
     def release(self, ticket: Ticket, *, finish_reason: str | None = None, output_tokens: int | None = None) -> bool:
         """End a granted ticket's reservation (finish, error, abort): every block returns, the queue is served.
@@ -986,6 +1014,8 @@ class AdmissionController:
     def _check_owned(self, ticket: Ticket) -> None:
         if not isinstance(ticket, Ticket):
             raise ValueError(f"expected a Ticket, got {type(ticket).__name__}")
+        if self._running.get(ticket.id) is ticket:  # (a running ticket: every step's progress asks)
+            return
         owned = any(d.get(ticket.id) is ticket for d in (self._queue, self._resume, self._running))
         if not owned and not ticket.state.ended:
             raise ValueError(f"ticket {ticket.id} does not belong to this controller")

@@ -128,6 +128,7 @@ class Engine:
         self.max_model_len = _max_model_len(config, self.model_config)
         self.tokenizer = Tokenizer.from_pretrained(self.model_dir)
         self.tokenizer.probe_chat_templates()  # a template that fails on every conversation refuses to start
+        self.tokenizer.byte_pieces()  # streaming's byte table, made at load (~0.1 s), not in the first request
         release_free_pages()  # building the tokenizer freed ~14 MiB (default model): not carried into the load
         # Defaults for the sampling fields a request omits (`--generation-config`); read once, before the weights.
         self.sampling_defaults: SamplingDefaults = resolve_sampling_defaults(config.generation_config, self.model_dir)
@@ -669,6 +670,8 @@ class Engine:
         released, so its wait estimates never see half a step.
         """
         finished: list[tuple[Sequence, TokenEvent]] = []
+        eos, token_ids = self.tokenizer.eos_token_ids, sampled.samples.token_ids if sampled is not None else []
+        generated = 0
         for gi, group in enumerate(inputs.groups if sampled is not None else []):
             assert sampled is not None
             seq = group.seq
@@ -682,23 +685,24 @@ class Engine:
             emitted = sampled.emitted[gi]
             if group.draft:
                 self._settle_draft(seq, len(group.draft), emitted - 1)
+            constraint, stream = seq.constraint, seq.stream
             for row in range(group.row, group.row + emitted):
-                token = sampled.samples.token_ids[row]
-                if seq.constraint is not None:  # the mask allowed it: the grammar moves on
-                    seq.constraint.accept(token)
-                event = append_token(seq, sampled.samples, row, self.tokenizer.eos_token_ids)
-                self.counters.generation_tokens += 1
+                if constraint is not None:  # the mask allowed it: the grammar moves on
+                    constraint.accept(token_ids[row])
+                event = append_token(seq, sampled.samples, row, eos)
+                generated += 1
                 if event.finished:
                     finished.append((seq, event))
                     seq.num_computed = min(seq.num_computed, seq.num_tokens)  # only the tokens it kept
                     break
-                seq.stream.put(event)
+                stream.put(event)
+        self.counters.generation_tokens += generated
         ending = {id(seq) for seq, _ in finished}
-        for seq in self._running:
-            if id(seq) not in ending:
-                self.admission.progress(
-                    seq.ticket, prompt_prefilled=min(seq.num_computed, seq.prompt_len), tokens_generated=seq.num_output
-                )
+        self.admission.progress_all(
+            (seq.ticket, min(seq.num_computed, seq.prompt_len), seq.num_output)
+            for seq in self._running
+            if id(seq) not in ending
+        )
         return finished
 
     def _propose_drafts(self) -> dict[Sequence, tuple[int, ...]]:

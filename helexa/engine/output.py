@@ -31,7 +31,8 @@ def append_token(seq: Sequence, samples: SampleResult, row: int, eos_token_ids: 
     """
     token = samples.token_ids[row]
     seq.token_ids.append(token)
-    reason = finish_reason(token, seq.num_output, seq.granted_max_tokens, seq.params, eos_token_ids)
+    num_output, params = seq.num_output, seq.params
+    reason = finish_reason(token, num_output, seq.granted_max_tokens, params, eos_token_ids)
     text = ""
     if reason != "stop":
         result = seq.stop_checker.feed(seq.detokenizer.push(token))
@@ -43,7 +44,7 @@ def append_token(seq: Sequence, samples: SampleResult, row: int, eos_token_ids: 
             if not seq.stop_checker.stopped:
                 text += seq.stop_checker.flush()
     logprobs: tuple[TokenLogprob, ...] = ()
-    if seq.params.logprobs is not None:
+    if params.logprobs is not None:
         logprob = samples.logprobs[row]
         assert logprob is not None  # the sampler returns a logprob for every row that asked
         logprobs = (TokenLogprob(token, float(logprob), tuple(samples.top_logprobs[row] or ())),)
@@ -54,5 +55,5 @@ def append_token(seq: Sequence, samples: SampleResult, row: int, eos_token_ids: 
         finish_reason=reason,
         num_prompt_tokens=seq.prompt_len,
         num_cached_tokens=seq.cached_tokens,
-        num_output_tokens=seq.num_output,
+        num_output_tokens=num_output,
     )

@@ -20,7 +20,7 @@ class Schedulable(Protocol):
 S = TypeVar("S", bound=Schedulable)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per sequence per step: not frozen (a frozen __init__ costs ~3x)
 class ScheduledChunk(Generic[S]):
     """`num_new` tokens of `seq` (from position `seq.num_computed`) run this step; `samples` says
     whether the step ends at the sequence's last known token and so samples its next one. A decode

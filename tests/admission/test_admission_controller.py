@@ -334,6 +334,24 @@ def test_cancel_while_queued_and_while_granted() -> None:
         c.release(waiting)
 
 
+def test_progress_all_records_a_step_at_once_or_nothing() -> None:
+    """`progress_all` records what `progress` records for each ticket; one bad update (over its bounds, a
+    negative or non-int value, another controller's ticket) raises and leaves every ticket as it was."""
+    kv = FixedKV(16, 100)
+    c = make(kv=kv)
+    a, b = (c.submit(100, 10, request_id=kv.request(100)) for _ in range(2))
+    c.progress_all([(a, 100, 3), (b, 40, 0)])
+    assert (a.prompt_prefilled, a.tokens_generated, b.prompt_prefilled, b.tokens_generated) == (100, 3, 40, 0)
+    stranger = make().submit(100, 10)
+    for bad, match in (((b, 100, 11), "max_tokens"), ((b, 101, 1), "prompt"), ((b, -1, 1), "non-negative"),
+                       ((b, 50, True), "int"), ((stranger, 1, 1), "does not belong")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            c.progress_all([(a, 100, 4), bad])
+        assert (a.tokens_generated, b.prompt_prefilled, b.tokens_generated) == (3, 40, 0)
+    c.progress_all([])  # an empty step records nothing
+    c.check_integrity()
+
+
 def test_progress_bounds_and_integrity() -> None:
     kv = FixedKV(16, 100)
     c = make(kv=kv)
