@@ -1,0 +1,233 @@
+"""Host work per engine step: everything a step does besides the model's forward (admission, scheduling,
+speculative drafts, the KV tables, packing the inputs, sampling the rows to the host, detokenising, stop
+strings, streaming the events), by part, at 1, 16 and 64 decoding sequences, with speculative decoding off
+and on (the default).
+
+On a GPU this is the time the device waits for the host between two CUDA-graph replays; the issue's bar is
+under 1 ms a step at 64 sequences. The forward is timed and subtracted, so the model only sets the sampled
+vocabulary and the tokenizer: the default model (SmolLM2-135M-Instruct, vocabulary 49,152).
+
+    python bench/host_step.py                        # the default model, this tree
+    python bench/host_step.py --baseline HEAD~3      # and another commit's tree, in alternation, same run
+    python bench/host_step.py --quick                # the tiny test model, fewer steps (a smoke run)
+
+Writes `bench/out/host_step.md` and `bench/out/host_step.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
+SEQS = (1, 16, 64)
+MODES = ("off", "default")
+# The parts timed inside a step; "other" is the rest of the step's host work (admission, scheduling, the
+# prefix cache's offers, the step's bookkeeping).
+PARTS = {
+    "drafts": ("engine", "_propose_drafts"),
+    "kv tables": ("kv", "build_step"),
+    "pack inputs": ("runner", "prepare"),
+    "sample to host": ("runner", "_sample_rows"),
+    "events": ("engine", "_postprocess"),
+}
+
+
+def _measure(model: str, seqs: int, mode: str, steps: int, quick: bool) -> dict[str, float]:
+    """Medians over `steps` decode steps of `seqs` sequences (after a warm-up), in ms: of the whole step, of the
+    forward, of each part, and of the host work (step minus forward). (Medians: the machine's other tenants
+    add outliers.)"""
+    import torch
+
+    from helexa.config import EngineConfig
+    from helexa.engine.engine import Engine
+    from helexa.model.sampling import SamplingParams
+
+    torch.set_num_threads(1)  # the host's own thread; the forward's threads do not matter here
+    overrides = {} if mode == "default" else {"speculative": mode}
+    config = EngineConfig.of(model=model, device="cpu", max_num_seqs=64, block_size=16,
+                             num_blocks=2048 if quick else 4096, max_num_batched_tokens=4096, **overrides)  # fmt: skip
+    engine = Engine(config)
+    try:
+        seconds: dict[str, float] = defaultdict(float)
+        timing = [False]
+
+        def timed(name: str, fn: Callable) -> Callable:
+            def run(*args, **kwargs):
+                if not timing[0]:
+                    return fn(*args, **kwargs)
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    seconds[name] += time.perf_counter() - start
+
+            return run
+
+        owners = {"engine": engine, "kv": engine.kv, "runner": engine.runner}
+        for name, (owner, attr) in {**PARTS, "forward": ("runner", "_forward")}.items():
+            setattr(owners[owner], attr, timed(name, getattr(owners[owner], attr)))
+        rng = random.Random(seqs)
+        # Prompts that repeat a phrase: the drafter finds drafts in them, as in agent traffic that quotes.
+        vocab = engine.runner.sample_vocab_size or 400
+        phrase = [rng.randrange(3, min(vocab, 4000)) for _ in range(12)]
+        params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
+        for i in range(seqs):
+            prompt = [rng.randrange(3, min(vocab, 4000)) for _ in range(20)] + phrase * 3 + [i + 3]
+            engine.submit(prompt, params)
+        while any(s.in_prefill for s in engine._running) or len(engine._running) < seqs:
+            engine.step()
+        for _ in range(8):
+            engine.step()
+        timing[0] = True
+        per_step: dict[str, list[float]] = defaultdict(list)
+        for _ in range(steps):
+            seconds.clear()
+            start = time.perf_counter()
+            engine.step()
+            per_step["step"].append(time.perf_counter() - start)
+            per_step["host"].append(per_step["step"][-1] - seconds["forward"])
+            for name in [*PARTS, "forward"]:
+                per_step[name].append(seconds[name])
+            per_step["other"].append(per_step["host"][-1] - sum(seconds[name] for name in PARTS))
+        return {name: statistics.median(values) * 1e3 for name, values in per_step.items()}
+    finally:
+        engine.shutdown()
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One tree's measurements, as JSON on stdout (run in the tree's own interpreter path)."""
+    import helexa
+
+    results = {f"{mode}/{n}": _measure(args.model, n, mode, args.steps, args.quick) for mode in MODES for n in SEQS}
+    print("RESULT " + json.dumps({"helexa": helexa.__file__, "results": results}))
+
+
+def _run_tree(tree: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, str(ROOT / "bench" / "host_step.py"), "--worker", "--model", args.model,
+           "--steps", str(args.steps)] + (["--quick"] if args.quick else [])  # fmt: skip
+    done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"the run in {tree} failed:\n{done.stderr[-3000:]}")
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    out = json.loads(line[len("RESULT ") :])
+    if not Path(out["helexa"]).resolve().is_relative_to(tree.resolve()):  # the tree's own code, not the installed one
+        raise SystemExit(f"the run in {tree} imported helexa from {out['helexa']}")
+    return out["results"]
+
+
+def _tiny_model(root: Path) -> str:
+    sys.path.insert(0, str(ROOT))
+    from tests.support.models import tiny_llama_chat_model
+
+    return str(tiny_llama_chat_model(root))
+
+
+def _mean_runs(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    return {case: {k: statistics.median(r[case][k] for r in runs) for k in runs[0][case]} for case in runs[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--steps", type=int, help="timed decode steps per case (default 60; --quick 30)")
+    parser.add_argument("--rounds", type=int, help="runs per tree, alternating; the median (default 3; --quick 2)")
+    parser.add_argument("--baseline", help="a commit to measure in the same run (a temporary git worktree)")
+    parser.add_argument("--quick", action="store_true", help="the tiny test model (a smoke run)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.quick:
+            args.model = _tiny_model(Path(tmp) / "model")
+        args.steps = args.steps or (30 if args.quick else 60)
+        args.rounds = args.rounds or (2 if args.quick else 3)
+        trees = {"this tree": ROOT}
+        if args.baseline:
+            base = Path(tmp) / "baseline"
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
+                           check=True, capture_output=True)  # fmt: skip
+            trees = {f"baseline {args.baseline}": base, **trees}
+        runs: dict[str, list] = {name: [] for name in trees}
+        try:
+            for r in range(args.rounds):
+                for name, tree in trees.items():
+                    print(f"round {r + 1}/{args.rounds}: {name} ...", flush=True)
+                    runs[name].append(_run_tree(tree, args))
+        finally:
+            if args.baseline:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+    results = {name: _mean_runs(r) for name, r in runs.items()}
+    _report(results, args)
+
+
+def _report(results: dict[str, dict[str, dict[str, float]]], args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(ROOT))
+    from bench.machine import cpu_name
+
+    names = list(results)
+    mine = results[names[-1]]
+    model = "the tiny test model" if args.quick else args.model
+    alternation = ", trees run in alternation" if len(names) > 1 else ""
+    lines = [
+        "# Host work per engine step (step minus forward), ms",
+        "",
+        f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; model {model}; {args.steps} decode steps per case "
+        f"after prefill and 8 warm-up steps, greedy, 1 torch thread; each a median over the steps, then over "
+        f"{args.rounds} round(s) per tree{alternation}. The bar: < 1 ms at 64 sequences.",
+        "",
+        "| speculative | sequences | " + " | ".join(f"host ms ({n})" for n in names)
+        + (" | ratio |" if len(names) > 1 else " |") + " forward ms | " + " | ".join(PARTS) + " | other |",
+        "|---|---:|" + "---:|" * (len(names) + (len(names) > 1) + 1 + len(PARTS) + 1),
+    ]  # fmt: skip
+    for case, row in mine.items():
+        mode, n = case.split("/")
+        hosts = [results[name][case]["host"] for name in names]
+        ratio = f" {hosts[0] / hosts[-1]:.2f}x |" if len(names) > 1 else ""
+        parts = " | ".join(f"{row.get(p, 0.0):.3f}" for p in PARTS)
+        lines.append(f"| {mode} | {n} | " + " | ".join(f"{h:.3f}" for h in hosts) + f" |{ratio} "
+                     f"{row['forward']:.2f} | {parts} | {row['other']:.3f} |")  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    print(text)
+    OUT.mkdir(exist_ok=True)
+    (OUT / "host_step.md").write_text(text)
+    _plot(results, OUT / "host_step.png")
+
+
+def _plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(MODES), figsize=(10, 4), sharey=True)
+    for ax, mode in zip(axes, MODES):
+        for name, res in results.items():
+            ax.plot(SEQS, [res[f"{mode}/{n}"]["host"] for n in SEQS], marker="o", label=name)
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="1 ms")
+        ax.set_title(f"speculative {mode}")
+        ax.set_xlabel("decoding sequences")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("host ms per step")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
