@@ -18,7 +18,7 @@ def test_host_step_parts_add_up(tiny_model_dir: Path, mode: str, monkeypatch: py
     sys.modules.pop("host_step", None)
     import host_step
 
-    row = host_step._measure(str(tiny_model_dir), 4, mode, steps=6, quick=True)
+    row = host_step._measure(str(tiny_model_dir), 4, mode, steps=6)
     assert set(row) == {"step", "host", "forward", "other", *host_step.PARTS}
     assert 0 < row["forward"] < row["step"] and 0 < row["host"] < row["step"]
     assert row["events"] > 0 and row["kv tables"] > 0 and row["pack inputs"] > 0 and row["sample to host"] > 0
