@@ -139,10 +139,14 @@ def _run_tree(tree: Path, args: argparse.Namespace) -> dict[str, dict[str, float
 
 
 def _tiny_model(root: Path) -> str:
+    """The test suite's tiny Llama (vocabulary 512, a trained tokenizer), with a 2,048-token context: room for
+    every sequence's drafts through the timed steps."""
     sys.path.insert(0, str(ROOT))
-    from tests.support.models import tiny_llama_chat_model
+    from tests.support.models import build_tiny_tokenizer_dir, make_tiny_model
 
-    return str(tiny_llama_chat_model(root))
+    path = make_tiny_model(root, "llama", vocab_size=512, max_position_embeddings=2048, name="model")
+    build_tiny_tokenizer_dir(path)
+    return str(path)
 
 
 def _mean_runs(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
