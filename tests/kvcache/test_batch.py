@@ -11,6 +11,7 @@ import torch
 
 from helexa.kernels import reference
 from helexa.kvcache import AttentionMetadata, BatchBuilder, BlockPool, OutOfBlocks
+from helexa.kvcache import batch as batch_module
 
 BACKENDS = ["torch", "triton"]
 
@@ -67,12 +68,16 @@ def test_decode_steps_allocate_only_at_block_boundaries(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", range(3))
-def test_steps_that_need_no_block_skip_the_allocator(backend: str, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("gather_from", [512, 0], ids=["host lists", "gathered"])
+def test_steps_that_need_no_block_skip_the_allocator(
+    backend: str, seed: int, gather_from: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On a CPU pool a step whose tables need no new block (most decode steps) is built without the allocator
     (its slots from the tables' host block lists, its tables gathered from their rows); every step,
     allocating or not, gives exactly the tables
     (zero-padded), slots, lengths and offsets its tables' blocks define. Random mixes of decodes and
     longer chunks, with tables released and started again (their rows keep stale ids past their blocks)."""
+    monkeypatch.setattr(batch_module, "GATHER_TABLES_FROM", gather_from)
     pool, builder = _builder(backend, num_blocks=64, block_size=4, max_num_seqs=4, max_model_len=48)
     calls = 0
     extend = pool.allocator.extend_tables
