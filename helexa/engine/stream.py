@@ -59,6 +59,7 @@ class RequestStream:
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     _async_ready: asyncio.Event | None = field(default=None, repr=False)
     _closed: bool = False
+    _waiting: int = 0  # threads blocked in `get` (under `_cond`): `put` wakes only when there are any
 
     def put(self, event: TokenEvent) -> None:
         """Deliver `event`; events after the final one are dropped."""
@@ -68,7 +69,8 @@ class RequestStream:
             self._events.append(event)
             if event.finished:
                 self._closed = True
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
             loop, ready = self._loop, self._async_ready
         if loop is not None and ready is not None:
             try:
@@ -85,7 +87,11 @@ class RequestStream:
         """The next event, blocking up to `timeout` seconds; None on timeout."""
         with self._cond:
             if not self._events:
-                self._cond.wait(timeout)
+                self._waiting += 1
+                try:
+                    self._cond.wait(timeout)
+                finally:
+                    self._waiting -= 1
             return self._events.popleft() if self._events else None
 
     def __iter__(self) -> Iterator[TokenEvent]:

@@ -176,8 +176,10 @@ class BatchBuilder:
         new_blocks: list[int] = []
         total_new = 0
         seen_rows: set[int] = set()
+        live = self._live
         for table, n in entries:
-            self._check_live(table)
+            if not (isinstance(table, BlockTable) and live.get(table.row) is table):  # (live here: one lookup)
+                self._check_live(table)
             if not is_int(n) or n < 1:  # (checked here, not by check_int: its name would cost a repr per entry)
                 raise ValueError(f"num_new_tokens of {table!r} must be a positive int (>= 1), got {n!r}")
             if table.row in seen_rows:

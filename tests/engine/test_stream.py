@@ -43,3 +43,21 @@ def test_async_consumer_is_woken_from_another_thread():
 
 def test_get_times_out_when_nothing_arrives():
     assert RequestStream("r3").get(timeout=0.01) is None
+
+
+def test_a_blocked_get_is_woken_by_the_next_put():
+    """`put` wakes a consumer blocked in `get` at once (it skips the wake-up only when nobody waits)."""
+    import time
+
+    stream, got = RequestStream("r4"), []
+    consumer = threading.Thread(target=lambda: got.append(stream.get(timeout=30)))
+    consumer.start()
+    deadline = time.monotonic() + 10
+    while stream._waiting == 0 and time.monotonic() < deadline:  # the consumer is inside get's wait
+        time.sleep(0.001)
+    assert stream._waiting == 1
+    start = time.monotonic()
+    stream.put(TokenEvent(token_ids=(7,)))
+    consumer.join(timeout=10)
+    assert got and got[0].token_ids == (7,) and time.monotonic() - start < 5  # woken, not timed out
+    assert stream._waiting == 0
