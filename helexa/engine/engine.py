@@ -416,8 +416,8 @@ class Engine:
         self.recovery.succeeded()
         self.counters.prefix_cache_evictions = self.kv.evictions
         finished = self._postprocess(inputs, sampled)
-        for chunk in chunks:  # every block the step filled is now computed: offer it to the prefix cache
-            self.kv.offer(chunk.seq.request_id, chunk.seq.num_computed)
+        # every block the step filled is now computed: offer it to the prefix cache
+        self.kv.offer_all((chunk.seq.request_id, chunk.seq.num_computed) for chunk in chunks)
         for seq, event in finished:
             self._finish(seq, event)
         if self.kv_events is not None:  # this step's stored and evicted blocks, as one batch (never blocks)

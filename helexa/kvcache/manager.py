@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -359,6 +359,12 @@ class KVManager:
             self.offer(key, (start + n) * bs)
             return n * bs
 
+    def offer_all(self, offers: Iterable[tuple[str, int]]) -> None:
+        """`offer(key, num_computed)` for each pair, in order, under one hold of the lock (a step's offers)."""
+        with self._lock:
+            for key, num_computed in offers:
+                self.offer(key, num_computed)
+
     def offer(self, key: str, num_computed: int) -> None:
         """Index the request's full blocks among its first `num_computed` tokens that it has not offered yet,
         in order. A block whose content is new passes to the index (the request holds it through the index
@@ -367,8 +373,11 @@ class KVManager:
             h, cache = self._holdings[key], self._cache
             if cache is None or h.table is None or not h.offering:
                 return
-            bs, ids = cache.block_size, h.table.block_ids
+            bs = cache.block_size
             full = min(num_computed, h.table.num_tokens) // bs
+            if full <= h.offered:  # no new full block (most steps): no copy of the table's ids
+                return
+            ids = h.table.block_ids
             for i in range(h.offered, full):
                 node = cache.insert(ids[i], h.tokens[i * bs : (i + 1) * bs], h.parent, key, salt=h.salt)
                 if node is None:  # a hash collision with other content: it indexes nothing more
