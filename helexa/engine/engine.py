@@ -610,6 +610,8 @@ class Engine:
     def _release_deferred(self) -> None:
         """Start held-back requests whose source has offered the blocks they wait for (or stopped running);
         each measures its hit again first, so what it now shares is not reserved twice."""
+        if not self._deferred:  # (most steps: no set of the running ids to build)
+            return
         running = {s.request_id for s in self._running}
         for tid, (ticket, source, blocks) in list(self._deferred.items()):
             waiting = source in running and self.kv.offered_blocks(source) < blocks
