@@ -149,7 +149,7 @@ def _tiny_model(root: Path) -> str:
     return str(path)
 
 
-def _mean_runs(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+def _median_runs(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
     return {case: {k: statistics.median(r[case][k] for r in runs) for k in runs[0][case]} for case in runs[0]}
 
 
@@ -186,7 +186,7 @@ def main() -> None:
         finally:
             if args.baseline:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
-    results = {name: _mean_runs(r) for name, r in runs.items()}
+    results = {name: _median_runs(r) for name, r in runs.items()}
     args.model = label
     _report(results, args)
 

@@ -10,6 +10,7 @@ decoder, a library that renders added tokens differently) yields no table, and t
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 
 import tokenizers
 from tokenizers import decoders
@@ -42,15 +43,18 @@ def _piece(token: str) -> bytes:
         return token.encode("utf-8")
 
 
-def byte_pieces(backend: tokenizers.Tokenizer, skip_special_tokens: bool) -> tuple[bytes, ...] | None:
-    """For a byte-level tokenizer, the bytes of every token id (b"" for a special token when
-    `skip_special_tokens`), such that for any ids `b"".join(pieces[i] for i in ids).decode("utf-8", "replace")`
-    equals `backend.decode(ids, skip_special_tokens)`; None for any other tokenizer or when the proof fails.
+def byte_pieces(
+    backend: tokenizers.Tokenizer, skip_special_tokens: bool, special_ids: Collection[int]
+) -> tuple[bytes, ...] | None:
+    """For a byte-level tokenizer, the bytes of every token id (b"" for the `special_ids` when
+    `skip_special_tokens`: `Tokenizer.special_token_ids`), such that for any ids
+    `b"".join(pieces[i] for i in ids).decode("utf-8", "replace")` equals `backend.decode(ids,
+    skip_special_tokens)`; None for any other tokenizer or when the proof fails (wrong special ids included).
     Costs two decodes per vocabulary entry once (~0.1 s for 49k tokens)."""
     if not isinstance(backend.decoder, decoders.ByteLevel):
         return None
     size = backend.get_vocab_size(with_added_tokens=True)
-    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special} if skip_special_tokens else set()
+    special = set(special_ids) if skip_special_tokens else set()
     pieces = []
     for i in range(size):
         token = backend.id_to_token(i)

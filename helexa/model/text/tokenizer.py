@@ -153,7 +153,9 @@ class Tokenizer:
         49k vocabulary), then shared."""
         with self._pieces_lock:
             if skip_special_tokens not in self._pieces:
-                self._pieces[skip_special_tokens] = byte_pieces(self.backend, skip_special_tokens)
+                self._pieces[skip_special_tokens] = byte_pieces(
+                    self.backend, skip_special_tokens, self.special_token_ids
+                )
             return self._pieces[skip_special_tokens]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
