@@ -6,6 +6,9 @@ the last quarter, mean KL, perplexity), and greedy agreement on chat prompts. A 
 noise floor: the float32 cache through the model's torch layers instead of the fused step (the same
 math, float32 rounding differing in the last bits): each layer's int8 activation rounding turns any
 last-bit difference into a different int8 step now and then, so no change of rounding scores 100%.
+A fourth row holds the float16 cache against that third float32 computation: if it agrees with it
+as the fused step's float32 does, the float16 cache moves the predictions no more than float32
+rounding does.
 Two more rows isolate the KV's own precision on the same model's weights dequantised to dense
 float32 (`quantization="none"`: no int8 activation rounding), through the torch layers over a float16
 and a float32 cache (`tests.support.models.PagedCache`).
@@ -48,15 +51,18 @@ def main(context: int = 2048, max_tokens: int = 64) -> None:
     tok = full.tokenizer
     ids = tok.encode("\n\n".join(p.read_text() for p in DOCS))[:context]
     base = teacher_forced(full, ids)
+    half_forced = teacher_forced(half, ids)
     rows = [
         forced_row("float32 KV (baseline)", base, base, ids),
-        forced_row("float16 KV (auto)", teacher_forced(half, ids), base, ids),
+        forced_row("float16 KV (auto)", half_forced, base, ids),
     ]
     del half
     os.environ["HELEXA_CPU_STEP"] = "torch"
     layers = LLM(None, kv_cache_dtype="float32", **engine_args)
     assert layers.engine.runner.model.native_step is None
-    rows.append(forced_row("float32 KV, torch layers (noise floor)", teacher_forced(layers, ids), base, ids))
+    layers_forced = teacher_forced(layers, ids)
+    rows.append(forced_row("float32 KV, torch layers (noise floor)", layers_forced, base, ids))
+    rows.append(forced_row("float16 KV (auto) vs the torch layers' float32", half_forced, layers_forced, ids))
     del layers
     os.environ.pop("HELEXA_CPU_STEP")
     dense = load_model(resolve_model(DEFAULT_MODEL), dtype="float32", quantization="none")

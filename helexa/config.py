@@ -231,8 +231,9 @@ class EngineConfig:
     )
     kv_cache_dtype: str = _budget(
         "auto",
-        "KV cache dtype: auto: --dtype's; float16, float32: that dtype (float16: a float16 model, or a quantized "
-        "model on the CPU's fused C step, at half the bytes of float32); "
+        "KV cache dtype: auto: float16 for a quantized model on the CPU's fused C step (half the bytes of float32, "
+        "llama.cpp's KV footprint), else --dtype's; float16, float32: that dtype (float16: a float16 model, or a "
+        "quantized model on the fused step); "
         "fp8 (alias fp8_e4m3): float8 e4m3, one byte per element (4x the blocks "
         "of float32, 2x those of bfloat16 in the same memory), with per-layer, per-KV-head scales calibrated at load",
         Rule.one_of("auto", "fp8", "fp8_e4m3", "float16", "float32"),
