@@ -25,7 +25,8 @@ same ids go to both engines. Measured per model:
   `--prefill-repeats` different ones, one of those over 1,024 tokens, each starting elsewhere, so no
   prefix-cache hit) to their first token: prompt tokens / time to first token, the median.
 - long context (`--long`, 8128 tokens: 8k context with the new tokens): one stream prefills a prompt
-  of that length, then decodes `--long-new-tokens`; tok/s of the decode at that context.
+  of that length, then decodes `--long-new-tokens`; tok/s of the decode at that context, and the
+  share of its tokens that came from accepted speculative drafts.
 - memory: each process's peak RSS, and the KV memory each engine held for its largest need
   (helexa: the whole pool, sized to the largest need here; llama.cpp: its largest context's
   float16 K/V) — the issue's target is helexa's peak <= llama.cpp's + helexa's pool.
@@ -272,10 +273,14 @@ def measure_helexa(plan: dict[str, Any], model_dir: str, engine_args: dict[str, 
         print(f"  helexa prefill {length} tokens: {int(length) / ttft:.0f} tok/s", flush=True)
     if plan["long"]:
         prompt, new = plan["long"]["prompt"], plan["long"]["new_tokens"]
+        accepted = spec.accepted_tokens if spec is not None else 0
         (out,) = llm.generate(
             [prompt], SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), use_tqdm=False
         )
         result["long_decode"] = (len(out.token_ids) - 1) / (out.timings.total - out.timings.ttft)
+        result["long_accepted"] = ((spec.accepted_tokens if spec is not None else 0) - accepted) / max(
+            1, len(out.token_ids) - 1
+        )
         result["long_prefill"] = len(prompt) / out.timings.ttft
         print(f"  helexa decode at {len(prompt)} context: {result['long_decode']:.1f} tok/s", flush=True)
     budget = llm.engine.budget
@@ -384,9 +389,11 @@ class Column:
                 self.result.setdefault("decode_accepted", {})[k] = result.get("decode_accepted", {}).get(k, 0.0)
         for k, v in result["prefill"].items():
             self.result["prefill"][k] = max(v, self.result["prefill"].get(k, v))
-        for key in ("long_decode", "long_prefill"):
-            if key in result:
-                self.result[key] = max(result[key], self.result.get(key, result[key]))
+        if result.get("long_decode", 0.0) > self.result.get("long_decode", 0.0):  # with its round's drafts
+            self.result["long_decode"] = result["long_decode"]
+            self.result["long_accepted"] = result.get("long_accepted", 0.0)
+        if "long_prefill" in result:
+            self.result["long_prefill"] = max(result["long_prefill"], self.result.get("long_prefill", 0.0))
 
     def decode(self, n: int) -> float | None:
         return self.result.get("decode", {}).get(str(n))
@@ -459,6 +466,13 @@ def table(run: ModelRun, bandwidth: float) -> list[str]:
     if run.long:
         rows.append(
             (f"decode tok/s at {run.long}-token context (1 stream)", lambda c: c.result.get("long_decode"), True)
+        )
+        rows.append(
+            (
+                f"decode at {run.long}-token context: tokens from accepted speculative drafts, %",
+                lambda c: None if "long_decode" not in c.result else 100 * c.result.get("long_accepted", 0.0),
+                False,
+            )
         )
         rows.append((f"prefill tok/s, {run.long}-token prompt", lambda c: c.result.get("long_prefill"), True))
     rows.append(
