@@ -33,6 +33,7 @@ from helexa.model.config import ModelConfig
 from helexa.model.loader import load_model
 from helexa.model.parallel.comm import TensorParallel
 from helexa.model.parallel.sharding import ShardPlan
+from helexa.model.resident import resident_weight_bytes
 from helexa.model.text import Tokenizer
 from helexa.model.transformer import CausalLM
 from helexa.values import parse_size
@@ -215,7 +216,7 @@ def load_shard(
         head_dim=mc.head_dim,
         dtype=kv_cache_dtype(config.kv_cache_dtype, dtype, model.native_step is not None),
         device=device,
-        weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        weight_bytes=resident_weight_bytes(model),
         activation_reserve_bytes=estimate_activation_bytes(
             hidden_size=mc.hidden_size,
             intermediate_size=plan.intermediate_size,

@@ -76,6 +76,7 @@ class CpuQuantMatmul:
         if self.kernel not in ("native", "torch"):
             raise ValueError(f"unknown CPU quant kernel {self.kernel!r}; expected 'native' or 'torch'")
         self.tiled: tuple[torch.Tensor, ...] | None = None  # the native kernel's layout (`native.tile_*`)
+        self._held: tuple[torch.Tensor, ...] = ()  # every tensor the kernel keeps (`held_tensors`)
         if self.kernel == "native":
             self._run = self._native_run(weight)
             return
@@ -84,6 +85,11 @@ class CpuQuantMatmul:
         zeros = None if weight.zeros is None else weight.zeros.to(COMPUTE_DTYPE).float()
         self._weight = QuantizedWeight(weight.qweight, scales.to(COMPUTE_DTYPE).float().contiguous(), zeros)
         self._run = self._torch_run(weight)
+
+    def held_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor this kernel keeps resident: the native tiled layout, or torch's packed planes and
+        the weight it computes with (some may share storage with the weight it was given)."""
+        return self._held
 
     def weight(self, rows: torch.Tensor | None = None) -> QuantizedWeight:
         """The weight this kernel computes with, in the canonical layout (native: rebuilt from the
@@ -106,14 +112,15 @@ class CpuQuantMatmul:
     def _native_run(self, w: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
         scales = (w.scales if w.scales.dim() == 2 else w.scales[:, None]).float()  # (N, groups)
         if w.zeros is None:
-            tiled = self.tiled = native.tile_int8(w.qweight, scales)
+            tiled = self._held = self.tiled = native.tile_int8(w.qweight, scales)
             return lambda x: native.int8_gemm(x, tiled)
-        tiled = self.tiled = native.tile_int4(w.qweight, scales, w.zeros.float())
+        tiled = self._held = self.tiled = native.tile_int4(w.qweight, scales, w.zeros.float())
         return lambda x: native.int4_gemm(x, tiled)
 
     def _torch_run(self, w: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
         if w.kind == "int8" and w.scales.dim() == 1:
             int8 = (w.qweight.contiguous(), w.scales.to(COMPUTE_DTYPE))
+            self._held = (*self._weight.tensors(), *int8)
             return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(COMPUTE_DTYPE), *int8).float()
         if w.kind == "int8":
             u = w.qweight.to(torch.int32) + 128  # (N, K) in [0, 255]
@@ -122,6 +129,7 @@ class CpuQuantMatmul:
         else:
             assert w.zeros is not None
             planes = [_Int4Plane(unpack_int4(w.qweight), w.scales.float(), w.zeros.float())]
+        self._held = (*self._weight.tensors(), *(t for plane in planes for t in (plane.packed, plane.scales_zeros)))
 
         def run(x: torch.Tensor) -> torch.Tensor:
             xc = x.to(COMPUTE_DTYPE)
