@@ -14,6 +14,7 @@ import torch
 
 from helexa.engine.engine import Engine
 from helexa.engine.speculative import DraftState
+from helexa.engine.step_budget import StepEstimate
 from helexa.model.sampling import SamplingParams
 from helexa.model.sampling.grammar import json_schema_grammar
 from tests.support.engines import assert_released, cpu_config, drive
@@ -23,9 +24,17 @@ pytestmark = pytest.mark.default_model
 SOURCE = inspect.getsource(textwrap.dedent)[:1200]  # real code the model is asked to copy
 
 
+# What the engine predicts a step costs: a decode step 50 ms, a verified row or prompt token 0.5 ms of it.
+PINNED_COST = StepEstimate(decode_seconds=0.05, per_token=0.0005, full_rate=0.0005)
+
+
 def _engine(model_dir, speculative: str = "suffix", **overrides) -> Engine:
+    """The default model's engine, its step costs pinned: draft lengths follow the step times the engine
+    measures, which move with the machine's load, so what these tests draft and keep would too."""
     args = dict(num_blocks=160, block_size=16, max_num_batched_tokens=512, speculative=speculative)
-    return Engine(cpu_config(model_dir, **{**args, **overrides}))
+    engine = Engine(cpu_config(model_dir, **{**args, **overrides}))
+    engine.step_cost.estimate = lambda: PINNED_COST  # type: ignore[method-assign]
+    return engine
 
 
 def _chat(engine: Engine, text: str) -> list[int]:
