@@ -89,8 +89,8 @@ def kv_calibration_ids(tokenizer: Tokenizer) -> list[int]:
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, fused_cpu_step: bool = False) -> torch.dtype:
     """The pool's dtype for `--kv-cache-dtype NAME`: for "auto", float16 under the fused CPU step of a
     float32 model (llama.cpp's KV bytes; its teacher-forced agreement with float32 KV is that of any
-    change of float32 rounding on the quantized model, and 99.9% where int8 activations do not blur the
-    measure: bench/RESULTS.md), else the model's dtype; float8 e4m3 for "fp8"/"fp8_e4m3"; "float16" or
+    change of float32 rounding on the quantized model, and 99.9-100% where int8 activations do not blur
+    the measure: bench/RESULTS.md), else the model's dtype; float8 e4m3 for "fp8"/"fp8_e4m3"; "float16" or
     "float32" as named, where the model can use it (its own dtype, or float16 under the fused step)."""
     if name == "auto":
         return torch.float16 if fused_cpu_step and model_dtype == torch.float32 else model_dtype
