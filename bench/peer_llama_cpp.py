@@ -30,7 +30,7 @@ PEERS_DIR = ROOT / ".peers"
 BUILD_HINT = "build it with `bash bench/setup_llama_cpp.sh` (5-10 minutes on 2 cores; installs into .peers/)"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import memory_mib  # noqa: E402
+from machine import memory_mib, paired_segments  # noqa: E402
 
 
 def import_llama_cpp():
@@ -172,6 +172,19 @@ def measure(lib, plan: dict[str, Any]) -> dict[str, Any]:
                 outs, _, seconds = ctx.greedy(chat[:n], new_tokens)
                 result["decode"][str(n)] = sum(len(o) - 1 for o in outs) / seconds
                 print(f"  llama.cpp {n:>2} streams x {new_tokens}: {result['decode'][str(n)]:.1f} tok/s", flush=True)
+            finally:
+                ctx.close()
+        if plan.get("roofline_segments"):  # one-stream runs, each between two bandwidth samples (peers.py)
+            per_seq = _ctx_per_seq(max(len(p) for p in chat) + new_tokens)
+            ctx = model.context(n_seq_max=1, n_ctx_per_seq=per_seq)
+            largest = max(largest, per_seq)
+            try:
+
+                def one_stream(prompt: Sequence[int]) -> tuple[int, float, float]:
+                    outs, _, seconds = ctx.greedy([prompt], new_tokens)
+                    return len(outs[0]) - 1, seconds, 0.0
+
+                result["roofline"] = paired_segments(plan["roofline_segments"], chat, one_stream)
             finally:
                 ctx.close()
         for length, prompts in plan["prefill"].items():

@@ -30,15 +30,18 @@ same ids go to both engines. Measured per model:
 - memory: each process's peak RSS, and the KV memory each engine held for its largest need
   (helexa: the whole pool, sized to the largest need here; llama.cpp: its largest context's
   float16 K/V) — the issue's target is helexa's peak <= llama.cpp's + helexa's pool.
-- the roofline: the machine's read bandwidth measured here (`--threads` threads summing a 1 GiB
-  buffer, best of 5) over the bytes a decode step reads (every weight of the GGUF once: the tied
-  embedding is the head), so one stream's roofline is bandwidth / weight bytes steps/s; each engine's
-  one-stream decode steps as a percentage of it. The bandwidth is measured again right before each
-  engine's run and each engine is held against the best it saw (a shared VM's bandwidth swings by 2x
-  within minutes: a fraction against a sample taken at another moment says little); the header gives
-  the run's best. helexa's default speculative decoding emits a verified draft's accepted tokens beside each
-  step's own (greedy output unchanged): the table says what share of the decode tokens they were, and
-  counts steps (tokens less those) against the roofline; `--helexa-args "" speculative=off` shows both.
+- the roofline: the machine's read bandwidth (`--threads` threads summing a 1 GiB buffer) over the
+  bytes a decode step reads (every weight of the GGUF once: the tied embedding is the head), so one
+  stream's roofline is bandwidth / weight bytes steps/s. A shared VM's bandwidth swings by 2x within
+  minutes, so a fraction against a sample taken at another moment says little: each engine's process
+  also decodes one stream `--roofline-segments` times (a different chat prompt each), and before the
+  first and after each run it stops and this process samples the bandwidth (best of 3; the engine's
+  process sits idle meanwhile: `machine.paired_segments`). Each run is held against the mean of the
+  two samples around it; the table gives the median over runs and rounds, the lowest and highest, and
+  the samples' range. helexa's default speculative decoding emits a verified draft's accepted tokens
+  beside each step's own (greedy output unchanged): the table says what share of the decode tokens
+  they were, and counts steps (tokens less those) against the roofline; `--helexa-args ""
+  speculative=off` shows both. The header's bandwidth is the best sample taken before an engine's run.
 
     python bench/peers.py                                   # 135m and 1b, llama.cpp + helexa
     python bench/peers.py --models 8b --prefill 500 --long 0 --new-tokens 32
@@ -80,7 +83,7 @@ from helexa.model.quant import native  # noqa: E402
 from helexa.model.weights.pull import DEFAULT_MODEL, KNOWN_MODELS, helexa_home, pull  # noqa: E402
 
 sys.path.insert(0, str(BENCH))
-from machine import cpu_has_amx, cpu_name, memory_mib  # noqa: E402
+from machine import SAMPLE_FDS, cpu_has_amx, cpu_name, memory_mib, paired_segments  # noqa: E402
 from random_gguf import SHAPES, path_for  # noqa: E402
 
 RESULTS = BENCH / "results"
@@ -222,6 +225,7 @@ def child_plan(args: argparse.Namespace, tokenizer, gguf: Path) -> dict[str, Any
         "chat": stream_prompts(tokenizer, max(streams)),
         "prefill": {str(n): prompts[starts[i] : starts[i + 1]] for i, n in enumerate(lengths)},
         "long": {"prompt": prompts[-1], "new_tokens": args.long_new_tokens} if args.long > 0 else None,
+        "roofline_segments": args.roofline_segments,
     }
     return plan
 
@@ -263,6 +267,15 @@ def measure_helexa(plan: dict[str, Any], model_dir: str, engine_args: dict[str, 
         # its own token, so decode steps = tokens - these.
         result["decode_accepted"][str(n)] = ((spec.accepted_tokens if spec is not None else 0) - accepted) / tokens
         print(f"  helexa {n:>2} streams x {new_tokens}: {result['decode'][str(n)]:.1f} tok/s", flush=True)
+
+    def one_stream(prompt: Sequence[int]) -> tuple[int, float, float]:
+        accepted = spec.accepted_tokens if spec is not None else 0
+        (out,) = llm.generate([list(prompt)], greedy, use_tqdm=False)
+        tokens = len(out.token_ids) - 1
+        drafted = (spec.accepted_tokens if spec is not None else 0) - accepted
+        return tokens, out.timings.total - out.timings.ttft, drafted / max(1, tokens)
+
+    result["roofline"] = paired_segments(plan["roofline_segments"], chat, one_stream)
     for length, prompts in plan["prefill"].items():
         ttfts = []
         for p in prompts:
@@ -308,10 +321,25 @@ def run_child(command: list[str], plan: dict[str, Any], tmp: Path, name: str) ->
     plan_path, result_path = tmp / f"{name}.plan.json", tmp / f"{name}.result.json"
     plan_path.write_text(json.dumps(plan))
     result_path.unlink(missing_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(plan["threads"])}
-    proc = subprocess.run([*command, str(plan_path), str(result_path)], env=env, cwd=ROOT)
+    request_r, request_w = os.pipe()  # the child asks for a bandwidth sample (machine.sample_bandwidth) ...
+    reply_r, reply_w = os.pipe()  # ... and waits for the answer, idle, while this process measures
+    env = {**os.environ, "OMP_NUM_THREADS": str(plan["threads"]), SAMPLE_FDS: f"{request_w},{reply_r}"}
+    try:
+        proc = subprocess.Popen(
+            [*command, str(plan_path), str(result_path)], env=env, cwd=ROOT, pass_fds=(request_w, reply_r)
+        )
+    finally:
+        os.close(request_w)  # the child's ends: closed here, so a read sees EOF once the child exits
+        os.close(reply_r)
+    try:
+        while os.read(request_r, 1):
+            os.write(reply_w, f"{read_bandwidth(plan['threads'], repeats=3)!r}\n".encode())
+    finally:
+        os.close(request_r)
+        os.close(reply_w)
+        returncode = proc.wait()
     if not result_path.is_file():
-        return {"error": f"the process exited {proc.returncode} without a result"}
+        return {"error": f"the process exited {returncode} without a result"}
     return json.loads(result_path.read_text())
 
 
@@ -382,6 +410,7 @@ class Column:
             self.result = {**copy.deepcopy(result), "loads": [result["load"]]}  # the round's own dicts stay its own
             return
         self.result["loads"].append(result["load"])
+        self.result["roofline"] = self.result.get("roofline", []) + result.get("roofline", [])  # every round's
         self.result["read_bandwidth"] = max(result.get("read_bandwidth", 0.0), self.result.get("read_bandwidth", 0.0))
         for k, v in result["decode"].items():  # the best round's speed, and its share of accepted drafts
             if v > self.result["decode"].get(k, 0.0):
@@ -398,10 +427,6 @@ class Column:
     def decode(self, n: int) -> float | None:
         return self.result.get("decode", {}).get(str(n))
 
-    def bandwidth(self, default: float) -> float:
-        """The read bandwidth measured right before this engine's runs (the best of its rounds), else `default`."""
-        return self.result.get("read_bandwidth") or default
-
     def accepted(self, n: int) -> float:
         """The fraction of the `n`-stream decode's tokens that came from accepted speculative drafts
         (0 for an engine without them)."""
@@ -409,6 +434,19 @@ class Column:
 
     def prefill(self, n: int) -> float | None:
         return self.result.get("prefill", {}).get(str(n))
+
+    def roofline(self, weight_bytes: int) -> list[float]:
+        """Each paired one-stream run's fraction of the read roofline: its decode steps per second (tokens
+        less accepted drafts: a step reads every weight once) x `weight_bytes`, over the mean of the
+        bandwidth sampled right before and right after it (`machine.paired_segments`), every round's."""
+        return [
+            s["tokens"] * (1 - s["accepted"]) / s["seconds"] * weight_bytes / statistics.fmean(s["bandwidth"])
+            for s in self.result.get("roofline", [])
+        ]
+
+    def roofline_bandwidths(self) -> list[float]:
+        """Every bandwidth sample (bytes/s) taken around this engine's paired runs."""
+        return [b for s in self.result.get("roofline", []) for b in s["bandwidth"]]
 
     @property
     def peak_mib(self) -> float | None:
@@ -420,13 +458,14 @@ class Column:
         return None if v is None else v / 2**20
 
 
-def read_bandwidth(threads: int) -> float:
+def read_bandwidth(threads: int, repeats: int = 5) -> float:
     """Bytes per second this machine reads with `threads` threads: a sum over a 1 GiB float32 buffer
-    (larger than any cache), the best of 5."""
+    (larger than any cache), the best of `repeats`. (torch's sum reads as fast as a hand-written
+    AVX-512 loop over the same bytes here: 34-37 against 30-31 GB/s, measured side by side.)"""
     torch.set_num_threads(threads)
     buf = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
     best = float("inf")
-    for _ in range(5):
+    for _ in range(repeats):
         t0 = time.perf_counter()
         float(buf.sum())
         best = min(best, time.perf_counter() - t0)
@@ -458,7 +497,7 @@ def table(run: ModelRun, bandwidth: float) -> list[str]:
         header.append(c.name)
         if peer is not None and c.name != PEER:
             header.append(f"{c.name} / {PEER}")
-    rows: list[tuple[str, Callable[[Column], float | None], bool]] = [  # (row, value, show the ratio)
+    rows: list[tuple[str, Callable[[Column], float | str | None], bool]] = [  # (row, value, show the ratio)
         (f"decode tok/s, {n} stream{'s' if n > 1 else ''} (aggregate)", (lambda c, n=n: c.decode(n)), True)
         for n in run.streams
     ]
@@ -482,18 +521,27 @@ def table(run: ModelRun, bandwidth: float) -> list[str]:
             False,
         )
     )
+    spread = lambda xs, scale: (  # noqa: E731
+        None if not xs else f"{min(xs) * scale:.1f}-{max(xs) * scale:.1f}"
+    )
     rows.append(
         (
-            "1-stream decode, % of the read roofline (steps: each reads every weight once)",
-            lambda c: (
-                None
-                if c.decode(1) is None
-                else 100 * c.decode(1) * (1 - c.accepted(1)) * run.weight_bytes / c.bandwidth(bandwidth)
-            ),
+            "1-stream decode, % of the read roofline, median of the paired runs (each against the bandwidth "
+            "sampled right before and after it; steps: each reads every weight once)",
+            lambda c: 100 * statistics.median(c.roofline(run.weight_bytes)) if c.roofline(run.weight_bytes) else None,
             False,
         )
     )
-    rows.append(("read bandwidth right before the engine's run, GB/s", lambda c: c.bandwidth(bandwidth) / 1e9, False))
+    rows.append(
+        (
+            "the paired runs' % of the roofline, lowest-highest",
+            lambda c: spread(c.roofline(run.weight_bytes), 100),
+            False,
+        )
+    )
+    rows.append(
+        ("read bandwidth sampled around the paired runs, GB/s", lambda c: spread(c.roofline_bandwidths(), 1e-9), False)
+    )
     rows.append(("peak RSS, MiB (the engine's own process)", lambda c: c.peak_mib, False))
     rows.append(("KV held for the largest run, MiB", lambda c: c.kv_mib, False))
     rows.append(
@@ -509,7 +557,7 @@ def table(run: ModelRun, bandwidth: float) -> list[str]:
         base = get(peer) if peer is not None else None
         for c in run.cols:
             v = None if c.error else get(c)
-            row.append(fmt(v))
+            row.append(v if isinstance(v, str) else fmt(v))
             if peer is not None and c.name != PEER:
                 ratio = v / base if (with_ratio and v is not None and base) else None
                 row.append(fmt(ratio, 2) + ("x" if ratio is not None else ""))
@@ -634,6 +682,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long", type=int, default=8128, help="the long-context decode's prompt tokens (0: skip)")
     parser.add_argument("--long-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads")
+    parser.add_argument(
+        "--roofline-segments",
+        type=int,
+        default=4,
+        help="one-stream runs per engine and round, each between two bandwidth samples (0: none)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="runs of each engine, alternating; the best counts")
     parser.add_argument("--no-llama-cpp", action="store_true", help="measure helexa only")
     parser.add_argument("--out", type=Path, default=RESULTS)
