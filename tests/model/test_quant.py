@@ -198,9 +198,9 @@ def test_native_kernel_is_exact_on_integer_activations(path: str, monkeypatch: p
     x.view(9, 8, 32)[:, :, 0] = 127.0
     assert torch.equal(native.quantize_activations(x), x)
     for weight in (
-        quantize_int4(torch.randn(40, 256, generator=g), group_size=64),
-        quantize_int8(torch.randn(40, 256)),
-        QuantizedWeight.of(torch.randint(-128, 128, (40, 256), generator=g, dtype=torch.int8), torch.rand(40, 8) + 0.5),
+        quantize_int4(torch.randn(48, 256, generator=g), group_size=64),
+        quantize_int8(torch.randn(48, 256)),
+        QuantizedWeight.of(torch.randint(-128, 128, (48, 256), generator=g, dtype=torch.int8), torch.rand(48, 8) + 0.5),
     ):
         got = CpuQuantMatmul(weight, kernel="native")(x)
         want = F.linear(x.double(), weight.dequantize(torch.float64))
@@ -210,14 +210,15 @@ def test_native_kernel_is_exact_on_integer_activations(path: str, monkeypatch: p
 def test_the_tiled_layout_gives_back_the_weight_and_any_of_its_rows() -> None:
     """`native.untile` rebuilds the canonical weight from the kernel's tiled bytes (the only resident copy of
     a quantized table: the embedding looks its rows up there): the whole weight dequantizes to the same
-    numbers, and rows asked for in any order, repeated, in every one of a tile's 8 columns, come back as
+    numbers, and rows asked for in any order, repeated, in every one of a tile's 16 columns, come back as
     those rows of it, bit for bit."""
     g = torch.Generator().manual_seed(11)
     int4 = quantize_int4(torch.randn(48, 256, generator=g), group_size=32)
     int8 = QuantizedWeight.of(
         torch.randint(-128, 128, (48, 256), generator=g, dtype=torch.int8), torch.rand(48, 1, generator=g) + 0.5
     )
-    rows = torch.tensor([47, 0, 5, 5, 12, 3, 44, 9, 30, 7, 1, 38, 6, 2, 4, 21])  # every column of a tile, twice
+    # every column of a tile (the row mod 16), some twice, some in two tiles
+    rows = torch.tensor([47, 0, 5, 5, 12, 3, 44, 9, 30, 7, 1, 38, 6, 2, 4, 21, 8, 10, 11, 13, 14, 15, 31, 29])
     for weight, tiled in (
         (int4, native.tile_int4(int4.qweight, int4.scales, int4.zeros)),
         (int8, native.tile_int8(int8.qweight, int8.scales)),
@@ -252,7 +253,8 @@ def test_looked_up_rows_are_the_dequantized_weight_s_rows(path: str, monkeypatch
         "int8-channel": QuantizedWeight.of(int8, torch.rand(48, generator=g) + 0.5),
         "int8-group": QuantizedWeight.of(int8, (torch.rand(48, 8, generator=g) * 0.02 + 0.001).half().float()),
     }
-    rows = torch.tensor([47, 0, 5, 5, 12, 3, 44, 9, 30, 7, 1, 38, 6, 2, 4, 21])  # every column of a tile, twice
+    # every column of a tile (the row mod 16), some twice, some in two tiles
+    rows = torch.tensor([47, 0, 5, 5, 12, 3, 44, 9, 30, 7, 1, 38, 6, 2, 4, 21, 8, 10, 11, 13, 14, 15, 31, 29])
     for name, weight in weights.items():
         run = CpuQuantMatmul(weight, kernel="native")
         assert run.tiled is not None
@@ -283,7 +285,7 @@ _OUT_OF_MEMORY = """
 import resource, sys, torch
 from helexa.model.quant import native, quantize_int4
 torch.set_num_threads(2)
-w = quantize_int4(torch.randn(8, 1024), group_size=32)
+w = quantize_int4(torch.randn(16, 1024), group_size=32)
 tiled = native.tile_int4(w.qweight, w.scales, w.zeros)
 native.int4_gemm(torch.randn(4, 1024), tiled)  # the library and its threads, before the limit
 x = torch.empty(100_000, 1024)  # 400 MB of address space; the kernel's int8 copy of it needs 140 MB more
@@ -312,14 +314,15 @@ def test_the_kernel_says_when_it_cannot_allocate_its_activations() -> None:
 def test_native_kernel_checks_its_inputs() -> None:
     if not native.available():
         pytest.skip(f"helexa's CPU kernel is unavailable here: {native.unavailable_reason()}")
-    weight = quantize_int4(torch.randn(8, 64), group_size=32)
+    weight = quantize_int4(torch.randn(16, 64), group_size=32)
     tiled = native.tile_int4(weight.qweight, weight.scales, weight.zeros)
     with pytest.raises(ValueError, match="float32"):
         native.int4_gemm(torch.randn(2, 64, dtype=torch.float64), tiled)
     with pytest.raises(ValueError, match=r"\(M, 64\)"):
         native.int4_gemm(torch.randn(2, 32), tiled)
-    assert not native.supports(12, 64, 32) and not native.supports(8, 48, 16) and native.supports(8, 64, 32)
-    assert cpu_kernel(quantize_int4(torch.randn(12, 64), group_size=32)) == "torch"  # N % 8 != 0
+    assert not native.supports(8, 64, 32) and not native.supports(24, 64, 32) and not native.supports(16, 48, 16)
+    assert native.supports(16, 64, 32) and native.supports(48, 64, 32)
+    assert cpu_kernel(quantize_int4(torch.randn(8, 64), group_size=32)) == "torch"  # N % 16 != 0
     assert cpu_kernel(quantize_int4(torch.randn(16, 64), group_size=32)) == "native"
     with pytest.raises(ValueError, match="unknown CPU quant kernel"):
         CpuQuantMatmul(weight, kernel="avx9")

@@ -61,7 +61,7 @@ _SOURCES = [_CSRC / "wq_gemm.c", _CSRC / "step.c"]  # one library; wq_gemm.h is 
 _FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-Wl,-Bsymbolic"]
 _LIBS = ["-lm"]
 _BLOCK = 32  # activation values per int8 block; K and G must be multiples
-_COLUMNS = 8  # output columns per tile of the weight layout; N must be a multiple
+_COLUMNS = 16  # output columns per tile of the weight layout (csrc/wq_gemm.c's NR); N must be a multiple
 _TILE_ROWS = 1024  # rows tiled at a time (a multiple of _COLUMNS): bounds tiling's temporary memory
 
 
@@ -164,13 +164,13 @@ def unavailable_reason() -> str:
 
 
 def _tile_values(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) values -> (N/8, K/4, 32): per tile of 8 columns and chunk of 4 k, value 4 * column + k."""
+    """(N, K) values -> (N/16, K/4, 64): per tile of 16 columns and chunk of 4 k, value 4 * column + k."""
     n, k = q.shape
-    return q.view(n // _COLUMNS, _COLUMNS, k // 4, 4).permute(0, 2, 1, 3).reshape(n // _COLUMNS, k // 4, 32)
+    return q.view(n // _COLUMNS, _COLUMNS, k // 4, 4).permute(0, 2, 1, 3).reshape(n // _COLUMNS, k // 4, 4 * _COLUMNS)
 
 
 def _tile_groups(*ts: torch.Tensor) -> list[torch.Tensor]:
-    """(N, groups) float32 each -> (N/8, groups, 8): the kernel's layout of scales and zero terms, in
+    """(N, groups) float32 each -> (N/16, groups, 16): the kernel's layout of scales and zero terms, in
     float16 when every value of every tensor is exactly a float16 (GGUF scales are), else float32."""
     exact = all(torch.equal(t.float().half().float(), t.float()) for t in ts)
     dtype = torch.float16 if exact else torch.float32
@@ -180,26 +180,27 @@ def _tile_groups(*ts: torch.Tensor) -> list[torch.Tensor]:
 
 def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The canonical int4 weight (qweight (N, K/2) uint8, even k in the low nibble; scales, zeros
-    (N, K/G)) in the kernel's tiled layout: (tiled bytes, tiled scales, tiled zero terms z - 8 s), the
-    last two float16 when that is exact, else float32. Beside the result it allocates only what
-    `_TILE_ROWS` rows need at a time."""
+    (N, K/G)) in the kernel's tiled layout: (tiled bytes (N/16, K/8, 64), tiled scales, tiled zero
+    terms z - 8 s), the last two float16 when that is exact, else float32. Byte j of a tile's pair of
+    chunks holds value j (4 * column + k) of the first chunk in its low nibble and of the second in its
+    high nibble. Beside the result it allocates only what `_TILE_ROWS` rows need at a time."""
     n, half_k = qweight.shape
-    tiled = torch.empty(n // _COLUMNS, half_k // 2, 16, dtype=torch.uint8)
+    tiled = torch.empty(n // _COLUMNS, half_k // 4, 4 * _COLUMNS, dtype=torch.uint8)
     for r in range(0, n, _TILE_ROWS):
         part = qweight[r : r + _TILE_ROWS]
-        v = _tile_values(torch.stack((part & 0xF, part >> 4), dim=-1).flatten(1))  # (rows/8, K/4, 32) in [0, 15]
-        # value j of a chunk in the low nibble of byte j, value j + 16 in its high nibble
-        tiled[r // _COLUMNS : (r + len(part)) // _COLUMNS] = v[..., :16] | (v[..., 16:] << 4)
+        v = _tile_values(torch.stack((part & 0xF, part >> 4), dim=-1).flatten(1))  # (rows/16, K/4, 64) in [0, 15]
+        tiled[r // _COLUMNS : (r + len(part)) // _COLUMNS] = v[:, 0::2] | (v[:, 1::2] << 4)
     s = scales.float()
     return tiled, *_tile_groups(s, zeros.float() - 8 * s)
 
 
 def tile_int8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The canonical int8 weight (qweight (N, K) int8; scales (N, K/G), or (N,) per channel) in the
-    kernel's tiled layout: (tiled bytes, tiled scales), the scales float16 when that is exact."""
+    kernel's tiled layout: (tiled bytes (N/16, K/4, 64), tiled scales), the scales float16 when that
+    is exact. Byte j of a tile's chunk is its value j (4 * column + k)."""
     scales = scales if scales.dim() == 2 else scales[:, None]
     n, k = qweight.shape
-    tiled = torch.empty(n // _COLUMNS, k // 4, 32, dtype=torch.int8)
+    tiled = torch.empty(n // _COLUMNS, k // 4, 4 * _COLUMNS, dtype=torch.int8)
     for r in range(0, n, _TILE_ROWS):
         tiled[r // _COLUMNS : (r + _TILE_ROWS) // _COLUMNS] = _tile_values(qweight[r : r + _TILE_ROWS])
     return tiled, *_tile_groups(scales)
@@ -213,19 +214,18 @@ def untile(tiled: tuple[torch.Tensor, ...], rows: torch.Tensor | None = None) ->
     scales come back as one group of K. Reads only the requested rows' bytes."""
     int4 = len(tiled) == 3
     qt, scales = tiled[0], tiled[1]
-    tiles, chunks = qt.shape[0], qt.shape[1]
+    tiles, chunks = qt.shape[0], qt.shape[1]  # int4: pairs of chunks
     n = tiles * _COLUMNS
     ids = torch.arange(n) if rows is None else rows.long()
     t, c = ids // _COLUMNS, ids % _COLUMNS
     r = len(ids)
-    # A chunk's bytes hold 4 values of each of the tile's 8 columns: column c's at bytes 4c..4c+3 (int8), or
-    # in the low nibbles of bytes 4c..4c+3 for c < 4 and the high nibbles of bytes 4(c-4).. for c >= 4
-    # (int4). Only those bytes are gathered and unpacked (a 256-row lookup held ~5 MiB of whole tiles).
-    first = 4 * (c % 4 if int4 else c)  # (R,)
-    q = torch.gather(qt[t], 2, (first[:, None, None] + torch.arange(4)).expand(r, chunks, 4))  # (R, K/4, 4)
+    # Column c's 4 values of a chunk are bytes 4c..4c+3 of it (int4: of a pair of chunks, the first chunk's
+    # in the low nibbles, the second's in the high). Only those bytes are gathered and unpacked (a
+    # 256-row lookup held ~5 MiB of whole tiles).
+    q = torch.gather(qt[t], 2, (4 * c[:, None, None] + torch.arange(4)).expand(r, chunks, 4))  # (R, chunks, 4)
     if int4:
-        q = (q >> (4 * (c >= 4)).to(torch.uint8)[:, None, None]) & 0xF
-    q = q.reshape(r, chunks * 4)  # (R, K)
+        q = torch.stack((q & 0xF, q >> 4), dim=2)  # (R, K/8, 2, 4)
+    q = q.reshape(r, -1)  # (R, K)
     s = scales[t, :, c]  # (R, groups)
     if not int4:
         return QuantizedWeight.of(q.contiguous(), s.contiguous())
@@ -239,7 +239,7 @@ def dequantize_rows(tiled: tuple[torch.Tensor, ...], ids: torch.Tensor) -> torch
     bit for bit `untile(tiled, ids).dequantize(torch.float32)` (an embedding lookup), in one native call
     that reads only those rows' bytes. `IndexError` for an id outside [0, N)."""
     qt, scales = tiled[0], tiled[1]
-    n, k = qt.shape[0] * _COLUMNS, qt.shape[1] * 4
+    n, k = qt.shape[0] * _COLUMNS, qt.shape[1] * (8 if len(tiled) == 3 else 4)
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(ids.shape[0], k, dtype=torch.float32)
     zero_terms = tiled[2] if len(tiled) == 3 else None
@@ -255,7 +255,7 @@ def dequantize_rows(tiled: tuple[torch.Tensor, ...], ids: torch.Tensor) -> torch
 
 
 def supports(n: int, k: int, group: int) -> bool:
-    """True when the kernel takes a weight of this shape: N % 8 == 0, K and G multiples of 32."""
+    """True when the kernel takes a weight of this shape: N % 16 == 0, K and G multiples of 32."""
     return n % _COLUMNS == 0 and k % _BLOCK == 0 and group % _BLOCK == 0 and k % group == 0
 
 
@@ -314,7 +314,7 @@ def int4_gemm(x: torch.Tensor, tiled: tuple[torch.Tensor, ...]) -> torch.Tensor:
     qt, scales, zero_terms = tiled
     if qt.dtype != torch.uint8 or zero_terms.shape != scales.shape:
         raise ValueError("an int4 weight is (uint8 tiles, scales, zero terms of the scales' shape)")
-    n, k = qt.shape[0] * _COLUMNS, qt.shape[1] * 4
+    n, k = qt.shape[0] * _COLUMNS, qt.shape[1] * 8
     return _run("helexa_int4_gemm", x, n, k, qt, scales, zero_terms)
 
 

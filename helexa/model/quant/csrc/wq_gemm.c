@@ -2,14 +2,15 @@
  *
  * Activations are quantized on entry, per row and per block of 32 values, to int8 with one float32
  * scale (d = max|x| / 127, xq = round(x / d)): the scheme llama.cpp's CPU backend uses for its
- * activations. Products are integer dot products (AVX2 maddubs + madd), and the weight is laid out
- * so that one 256-bit register holds 4 consecutive k of 8 output columns: one broadcast of 4
- * activation bytes then yields 32 multiply-adds into 8 int32 lanes, one lane per output column,
- * summed over a block of 32 k before a single float conversion. Compiled for AVX-512 VNNI (the
- * `avx512_vnni` path of helexa.model.quant.isa, HX_VNNI), one vpdpbusd does what maddubs + madd + add
- * do; integer sums are exact, so both paths give the same int32 sums and the same float result. Each
- * weight chunk is decoded once per tile of rows, so a batch of decoding streams shares one pass over
- * the weight. Per column n, group g, block b:
+ * activations. Products are integer dot products, and the weight is laid out so that 64 bytes hold 4
+ * consecutive k of 16 output columns (int8; int4: two such chunks, in the low and high nibbles): one
+ * broadcast of 4 activation bytes then yields 64 multiply-adds into 16 int32 lanes, one lane per
+ * output column, summed over a block of 32 k before a single float conversion. The `avx512_vnni` path
+ * (helexa.model.quant.isa, HX_VNNI) takes a tile's 16 columns in one 512-bit register by vpdpbusd, with
+ * no reduction across lanes; the `avx2` path takes them 8 at a time (maddubs + madd + add on 256-bit
+ * registers). Integer sums are exact and the float operations per column the same, so both paths give
+ * the same result. Each weight chunk is decoded once per tile of rows, so a batch of decoding streams
+ * shares one pass over the weight. Per column n, group g, block b:
  *
  *   int4: W = (q - 8) * s + z  ->  y += s_g * d_b * sum(q * xq) + (z_g - 8 s_g) * d_b * sum(xq)
  *   int8: W = q * s            ->  y += s_g * d_b * sum(q * xq)
@@ -17,13 +18,13 @@
  * so y is exactly x_hat @ W.T, x_hat = d * xq (the activations' int8 round trip), up to the order of
  * the float32 sums.
  *
- * Weight layout ("tiled", made once by the caller), for each tile of 8 columns and each chunk of 4 k:
- * the 32 values v = 4 * column + k_in_chunk. int8: 32 bytes in that order. int4: 16 bytes, value v
- * in the low nibble of byte v (v < 16) or the high nibble of byte v - 16. Scales and zero terms
- * (z - 8 s) are laid out [tile][group][8], all float32 or all float16 (`half`: the caller stores them in
- * half precision only when that is exact, as for GGUF files, whose scales are float16; it halves the
- * bytes they add to each pass over the weight).
- * Requirements (checked by the caller): N % 8 == 0, K % G == 0, G % 32 == 0, arrays contiguous.
+ * Weight layout ("tiled", made once by the caller), for each tile of 16 columns: int8, for each chunk of
+ * 4 k, 64 bytes, byte v = value v = 4 * column + k_in_chunk; int4, for each pair of chunks (8 k), 64
+ * bytes, byte v holding value v of the first chunk in its low nibble and of the second in its high
+ * nibble. Scales and zero terms (z - 8 s) are laid out [tile][group][16], all float32 or all float16
+ * (`half`: the caller stores them in half precision only when that is exact, as for GGUF files, whose
+ * scales are float16; it halves the bytes they add to each pass over the weight).
+ * Requirements (checked by the caller): N % 16 == 0, K % G == 0, G % 32 == 0, arrays contiguous.
  * Threads: OpenMP over column tiles, in the runtime the process has loaded (torch's libgomp), as many
  * as the caller last set with helexa_set_threads (torch's intra-op count: a thread that is not the
  * one torch.set_num_threads ran on would otherwise get OpenMP's default, every core).
@@ -44,7 +45,7 @@ void helexa_set_threads(int64_t n) { threads = n > 0 ? (int)n : 0; }
 int helexa_threads(void) { return threads > 0 ? threads : omp_get_max_threads(); }
 
 #define QK 32 /* activation values per block */
-#define NR 8  /* output columns per tile (one int32 lane each) */
+#define NR 16 /* output columns per tile (one int32 lane each; AVX2 takes them 8 at a time) */
 #define MR 4  /* activation rows per register tile */
 /* int4 weights are read this many bytes ahead by software prefetch (into the next tiles: they are
  * contiguous). On a Zen 4 EPYC it took one-row int4 GEMMs over a 1B model's shapes from ~63% to ~94%
@@ -94,71 +95,68 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int
     }
 }
 
-/* The integer dot products of one block of 32 k for rows [0, R) of a tile of 8 columns: lane n of
- * isum[r] = sum over the block's k of q[n][k] * xq[r][k0 + k], exact in int32, where q is the tile's
- * int4 value in [0, 15] (`w4`: the block's 128 bytes) or its int8 value (`w8`: its 256 bytes). The
- * avx512_vnni build returns the int8 sums with q + 128 in place of q (the caller takes 128 * sum(xq)
- * back). Every variant sums the same products exactly, so all give the same int32 sums. */
+/* The integer dot products of one block of 32 k for rows [0, R) of a tile's 8 columns [8 h, 8 h + 8)
+ * (AVX2) or 16 columns (avx512_vnni): lane n of isum[r] = sum over the block's k of q[n][k] *
+ * xq[r][k0 + k], exact in int32, where q is the tile's int4 value in [0, 15] (`w4`: the block's 256
+ * bytes) or its int8 value (`w8`: its 512 bytes). The avx512_vnni build returns the int8 sums with
+ * q + 128 in place of q (the caller takes 128 * sum(xq) back). Every variant sums the same products
+ * exactly, so all give the same int32 sums. */
 #ifdef HX_VNNI
-/* 512-bit vpdpbusd. int4: 64 bytes are 4 chunks of 4 k; their low nibbles are columns 0-3 and high
- * nibbles columns 4-7 of each chunk (a 128-bit lane per chunk), so one permute of 16 activation bytes
- * (each chunk's 4 k broadcast over its lane) feeds 2 x 64 multiply-adds. int8: 64 bytes are 2 chunks
- * (a 256-bit half each), made unsigned by q ^ 0x80 = q + 128. */
+/* 512-bit vpdpbusd; a 32-bit lane per column, so the block's sums need no reduction across lanes.
+ * int4: 64 bytes are a pair of chunks of 4 k of the 16 columns, the first chunk in the low nibbles and
+ * the second in the high; one broadcast of 4 activation bytes per chunk feeds 64 multiply-adds. int8: 64
+ * bytes are one chunk, made unsigned by q ^ 0x80 = q + 128. Two accumulators per row halve the chain of
+ * dependent vpdpbusd. */
 static inline __attribute__((always_inline)) void block_sums(const int8_t *const *xr, int64_t k0, const uint8_t *w4,
-                                                             const int8_t *w8, const int R, __m256i *isum) {
+                                                             const int8_t *w8, const int R, __m512i *isum) {
+    __m512i a0[MR], a1[MR];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_si512();
     if (w4) {
         const __m512i mask = _mm512_set1_epi8(0x0F);
-        const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-        __m512i lo[MR], hi[MR];
-        for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_si512();
-        for (int c = 0; c < QK / 4; c += 4) {
-            const __m512i raw = _mm512_loadu_si512((const void *)(w4 + c * 4 * NR / 2));
+        for (int p = 0; p < QK / 8; p++) {
+            const __m512i raw = _mm512_loadu_si512((const void *)(w4 + p * 4 * NR));
             const __m512i ql = _mm512_and_si512(raw, mask), qh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
             for (int r = 0; r < R; r++) {
-                const __m512i xv = _mm512_permutexvar_epi32(
-                    spread, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(xr[r] + k0 + c * 4))));
-                lo[r] = _mm512_dpbusd_epi32(lo[r], ql, xv);
-                hi[r] = _mm512_dpbusd_epi32(hi[r], qh, xv);
+                int32_t fa, fb;
+                memcpy(&fa, xr[r] + k0 + 8 * p, sizeof fa);
+                memcpy(&fb, xr[r] + k0 + 8 * p + 4, sizeof fb);
+                a0[r] = _mm512_dpbusd_epi32(a0[r], ql, _mm512_set1_epi32(fa));
+                a1[r] = _mm512_dpbusd_epi32(a1[r], qh, _mm512_set1_epi32(fb));
             }
         }
-        for (int r = 0; r < R; r++) { /* the 4 lanes (chunks) of each half: columns 0-3 and 4-7 */
-            const __m256i l = _mm256_add_epi32(_mm512_castsi512_si256(lo[r]), _mm512_extracti64x4_epi64(lo[r], 1));
-            const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(hi[r]), _mm512_extracti64x4_epi64(hi[r], 1));
-            isum[r] = _mm256_set_m128i(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)),
-                                       _mm_add_epi32(_mm256_castsi256_si128(l), _mm256_extracti128_si256(l, 1)));
-        }
-        return;
-    }
-    const __m512i bias = _mm512_set1_epi8((char)0x80);
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    __m512i acc[MR];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();
-    for (int c = 0; c < QK / 4; c += 2) {
-        const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w8 + c * 4 * NR)), bias);
-        for (int r = 0; r < R; r++) {
-            int64_t eight;
-            memcpy(&eight, xr[r] + k0 + c * 4, sizeof eight);
-            acc[r] = _mm512_dpbusd_epi32(acc[r], wu, _mm512_permutexvar_epi32(spread, _mm512_set1_epi64(eight)));
+    } else {
+        const __m512i bias = _mm512_set1_epi8((char)0x80);
+        for (int c = 0; c < QK / 4; c += 2) {
+            const __m512i u0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w8 + c * 4 * NR)), bias);
+            const __m512i u1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w8 + (c + 1) * 4 * NR)), bias);
+            for (int r = 0; r < R; r++) {
+                int32_t fa, fb;
+                memcpy(&fa, xr[r] + k0 + 4 * c, sizeof fa);
+                memcpy(&fb, xr[r] + k0 + 4 * c + 4, sizeof fb);
+                a0[r] = _mm512_dpbusd_epi32(a0[r], u0, _mm512_set1_epi32(fa));
+                a1[r] = _mm512_dpbusd_epi32(a1[r], u1, _mm512_set1_epi32(fb));
+            }
         }
     }
-    for (int r = 0; r < R; r++)
-        isum[r] = _mm256_add_epi32(_mm512_castsi512_si256(acc[r]), _mm512_extracti64x4_epi64(acc[r], 1));
+    for (int r = 0; r < R; r++) isum[r] = _mm512_add_epi32(a0[r], a1[r]);
 }
 #else
-/* AVX2: one 256-bit register holds a chunk of 4 k for the 8 columns; one broadcast of 4 activation
+/* AVX2: the 32 bytes of columns [8 h, 8 h + 8) of a chunk (int8), or of a pair of chunks (int4: the
+ * low nibbles the first, the high the second) fill one 256-bit register: one broadcast of 4 activation
  * bytes then yields 32 multiply-adds (maddubs + madd). */
 static inline __attribute__((always_inline)) void block_sums(const int8_t *const *xr, int64_t k0, const uint8_t *w4,
-                                                             const int8_t *w8, const int R, __m256i *isum) {
+                                                             const int8_t *w8, const int R, const int h,
+                                                             __m256i *isum) {
     const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
     for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
     for (int c = 0; c < QK / 4; c++) {
         __m256i w, wu;
         if (w4) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)(w4 + c * 4 * NR / 2));
-            w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), mask);
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w4 + (c / 2) * 4 * NR + 32 * h));
+            w = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(raw, 4) : raw, mask);
             wu = w;
         } else {
-            w = _mm256_loadu_si256((const __m256i *)(w8 + c * 4 * NR));
+            w = _mm256_loadu_si256((const __m256i *)(w8 + c * 4 * NR + 32 * h));
             wu = _mm256_sign_epi8(w, w); /* |w| as unsigned */
         }
         for (int r = 0; r < R; r++) {
@@ -178,47 +176,73 @@ static inline __attribute__((always_inline)) void block_sums(const int8_t *const
 }
 #endif
 
-/* The rows [m0, m0 + R) of one tile of 8 columns. R is a constant at each call site, so the
- * accumulators stay in registers. `w4` (int4) or `w8` (int8) is the tile's weight. */
+/* The rows [m0, m0 + R) of one tile of 16 columns. R is a constant at each call site, so the
+ * accumulators stay in registers. `w4` (int4) or `w8` (int8) is the tile's weight. Per column, each
+ * block adds isum * (s_g * d_b), then z_g * xs_b, in block order: the same float operations on either
+ * path (AVX2 takes the tile's two halves of 8 columns one after the other). */
 static inline __attribute__((always_inline)) void tile(const int8_t *xq, const float *d, const float *xs,
                                                        const int32_t *qs, int64_t K,
                                                        const uint8_t *w4, const int8_t *w8, const void *s,
                                                        const void *zc, const int half, int64_t G, int64_t m0,
                                                        const int R, int64_t N, int64_t n0, float *y) {
     const int64_t blocks = K / QK, per_group = G / QK;
-    __m256 acc[MR];
     const int8_t *xr[MR];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm256_setzero_ps();
-        xr[r] = xq + (m0 + r) * K;
-    }
+    for (int r = 0; r < R; r++) xr[r] = xq + (m0 + r) * K;
+#ifdef HX_VNNI
+    (void)qs;
+    __m512 acc[MR];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     int64_t g = -1, left = 0; /* blocks left in group g: no division in the loop */
-    __m256 sv = _mm256_setzero_ps(), zv = _mm256_setzero_ps();
+    __m512 sv = _mm512_setzero_ps(), zv = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
         if (left-- == 0) {
             g++;
             left = per_group - 1;
-            sv = hx_load8(s, g * NR, half);
-            if (zc) zv = hx_load8(zc, g * NR, half);
+            sv = hx_load16(s, g * NR, half);
+            if (zc) zv = hx_load16(zc, g * NR, half);
         }
-        __m256i isum[MR];
-        if (w4) { /* the block's two cache lines PREFETCH bytes ahead (see PREFETCH) */
-            _mm_prefetch((const char *)(w4 + b * QK * NR / 2 + PREFETCH), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w4 + b * QK * NR / 2 + PREFETCH + 64), _MM_HINT_T0);
-        }
+        if (w4) /* the block's 4 cache lines PREFETCH bytes ahead (see PREFETCH) */
+            for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(w4 + b * QK * NR / 2 + PREFETCH + 64 * l), _MM_HINT_T0);
+        __m512i isum[MR];
         block_sums(xr, b * QK, w4 ? w4 + b * QK * NR / 2 : NULL, w8 ? w8 + b * QK * NR : NULL, R, isum);
-#ifdef HX_VNNI
         if (w8) /* the unsigned weights were q + 128: take 128 * sum(xq) of the block back */
             for (int r = 0; r < R; r++)
-                isum[r] = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(128 * qs[(m0 + r) * blocks + b]));
-#endif
+                isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(128 * qs[(m0 + r) * blocks + b]));
         for (int r = 0; r < R; r++) {
             const int64_t row = (m0 + r) * blocks + b;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(sv, _mm256_set1_ps(d[row])), acc[r]);
-            if (zc) acc[r] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xs[row]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(sv, _mm512_set1_ps(d[row])), acc[r]);
+            if (zc) acc[r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[row]), acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
+#else
+    (void)qs;
+    __m256 acc[2][MR]; /* [h][r]: columns [8 h, 8 h + 8) of row m0 + r */
+    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    int64_t g = -1, left = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        if (left-- == 0) {
+            g++;
+            left = per_group - 1;
+        }
+        if (w4) /* the block's 4 cache lines PREFETCH bytes ahead (see PREFETCH) */
+            for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(w4 + b * QK * NR / 2 + PREFETCH + 64 * l), _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) { /* both halves of the block's cache lines while they are in L1 */
+            __m256i isum[MR];
+            block_sums(xr, b * QK, w4 ? w4 + b * QK * NR / 2 : NULL, w8 ? w8 + b * QK * NR : NULL, R, h, isum);
+            const __m256 sv = hx_load8(s, g * NR + 8 * h, half); /* from L1: registers are short here */
+            const __m256 zv = zc ? hx_load8(zc, g * NR + 8 * h, half) : _mm256_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                const int64_t row = (m0 + r) * blocks + b;
+                acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(sv, _mm256_set1_ps(d[row])),
+                                            acc[h][r]);
+                if (zc) acc[h][r] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xs[row]), acc[h][r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (m0 + r) * N + n0 + 8 * h, acc[h][r]);
+#endif
 }
 
 int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q4, const int8_t *q8,
@@ -276,21 +300,21 @@ int helexa_dequantize_rows(const uint8_t *q4, const int8_t *q8, const void *scal
         const int64_t t = ids[r] / NR, c = ids[r] % NR;
         float *y = x + r * K;
         for (int64_t g = 0; g < groups; g++) {
-            const int64_t at = (t * groups + g) * NR + c; /* scales and zero terms: [tile][group][8] */
+            const int64_t at = (t * groups + g) * NR + c; /* scales and zero terms: [tile][group][16] */
             const float s = half ? _cvtsh_ss(((const uint16_t *)scales)[at]) : ((const float *)scales)[at];
             if (q4) {
                 const float zt = half ? _cvtsh_ss(((const uint16_t *)zero_terms)[at]) : ((const float *)zero_terms)[at];
                 const float z = zt + 8.0f * s;
-                /* a chunk of 4 k is 16 bytes: column c's 4 values in the low (c < 4) or high nibbles of its
-                 * bytes 4 (c % 4) .. 4 (c % 4) + 3 */
+                /* a pair of chunks (8 k) is 64 bytes: column c's 4 values of the first chunk in the low
+                 * nibbles of its bytes 4 c .. 4 c + 3, of the second in their high nibbles */
                 for (int64_t k = g * G; k < (g + 1) * G; k++) {
-                    const uint8_t byte = q4[(t * (K / 4) + k / 4) * 16 + 4 * (c % 4) + k % 4];
-                    const int q = c < 4 ? byte & 0xF : byte >> 4;
+                    const uint8_t byte = q4[(t * (K / 8) + k / 8) * 64 + 4 * c + k % 4];
+                    const int q = k % 8 < 4 ? byte & 0xF : byte >> 4;
                     y[k] = (float)(q - 8) * s + z;
                 }
             } else {
-                for (int64_t k = g * G; k < (g + 1) * G; k++) /* a chunk is 32 bytes: column c's at 4 c .. 4 c + 3 */
-                    y[k] = (float)q8[(t * (K / 4) + k / 4) * 32 + 4 * c + k % 4] * s;
+                for (int64_t k = g * G; k < (g + 1) * G; k++) /* a chunk is 64 bytes: column c's at 4 c .. 4 c + 3 */
+                    y[k] = (float)q8[(t * (K / 4) + k / 4) * 64 + 4 * c + k % 4] * s;
             }
         }
     }

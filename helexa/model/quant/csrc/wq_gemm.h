@@ -17,6 +17,14 @@ static inline __m256 hx_load8(const void *p, int64_t i, const int half) {
     return _mm256_loadu_ps((const float *)p + i);
 }
 
+#ifdef __AVX512F__
+/* 16 floats from float32 (half = 0) or float16 (half = 1) values at index i (exact widening). */
+static inline __m512 hx_load16(const void *p, int64_t i, const int half) {
+    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+#endif
+
 /* The thread count of every parallel region of the library (helexa_set_threads, else OpenMP's). */
 int helexa_threads(void);
 
