@@ -719,10 +719,10 @@ class Engine:
             return {}
         decoding = [s for s in self._running if s.num_tokens - s.num_computed == 1 and not s.in_prefill]
         # What one verified row costs against what one more token of a decoding request is worth: a row adds
-        # about what a prompt token adds to a step; a kept token saves its request a step, whose time the
-        # step's decodes share.
+        # what the steps that verified drafts measured (before any, what a prompt token adds); a kept token
+        # saves its request a step, whose time the step's decodes share.
         est = self.step_cost.estimate()
-        row_cost = est.per_token * len(decoding) / max(est.decode_seconds, 1e-9)
+        row_cost = est.row_seconds * len(decoding) / max(est.decode_seconds, 1e-9)
         drafts: dict[Sequence, tuple[int, ...]] = {}
         for seq in decoding:
             if not seq.params.speculative:
@@ -820,7 +820,10 @@ class Engine:
         self.counters.step_seconds += step_seconds
         self.counters.model_seconds += model_seconds
         self.counters.prompt_tokens += inputs.num_prefill_tokens
-        self.step_budget.observe(cadence_seconds, inputs.num_decode_tokens, inputs.num_prefill_tokens, decode_yield)
+        draft_rows = inputs.num_decode_tokens - inputs.num_decode_seqs  # verified beyond each sequence's own token
+        self.step_budget.observe(
+            cadence_seconds, inputs.num_decode_tokens, inputs.num_prefill_tokens, decode_yield, draft_rows
+        )
         self._publish_rates()
 
     def _publish_rates(self) -> None:

@@ -34,12 +34,21 @@ class StepEstimate:
 
     `decode_seconds`: the step with its decode rows alone; `per_token`: what each prompt token adds
     to it (the chunk's own overheads included); `full_rate`: seconds per prompt token of a full chunk,
-    where a step's fixed costs are small beside its tokens.
+    where a step's fixed costs are small beside its tokens; `verify_row`: what each speculative draft
+    row a decoding sequence verifies adds to a step, as measured on the steps that verified drafts
+    (None before any: a prompt token's cost, `per_token`, stands in for it). A draft row attends over
+    its whole context, so at long context it costs far more than a prompt token of a short chunk.
     """
 
     decode_seconds: float
     per_token: float
     full_rate: float
+    verify_row: float | None = None
+
+    @property
+    def row_seconds(self) -> float:
+        """What one more verified draft row costs a step now: `verify_row`, else `per_token`."""
+        return self.per_token if self.verify_row is None else self.verify_row
 
 
 class StepCost(Protocol):
@@ -49,9 +58,12 @@ class StepCost(Protocol):
         """The cost of a step that decodes, predicted now."""
         ...
 
-    def observe(self, seconds: float, num_decode: int, num_prefill: int, decode_yield: float = 1.0) -> None:
+    def observe(
+        self, seconds: float, num_decode: int, num_prefill: int, decode_yield: float = 1.0, draft_rows: int = 0
+    ) -> None:
         """One step ran `num_decode` decode and `num_prefill` prompt tokens in `seconds` (the loop's cadence);
-        each decoding sequence gained `decode_yield` tokens on average (speculative drafts kept: above 1)."""
+        each decoding sequence gained `decode_yield` tokens on average (speculative drafts kept: above 1);
+        `draft_rows` of the decode tokens were draft tokens verified (beyond each sequence's own)."""
         ...
 
 
@@ -71,6 +83,9 @@ class MeasuredStepCost:
     - `full_rate`: the median seconds per token of the last `window` prefills of `big_prefill` tokens
       or more that ran without decodes (before any, the rates' prefill cost per token calibrated at
       load), but no more than `per_token`: a full chunk never costs more per token than a small one.
+    - `verify_row`: the median, over the last `recent` steps that only decoded and verified draft rows,
+      of (step seconds - `decode_seconds`) / draft rows, at least `full_rate` / 4. Those steps are not
+      decode steps' samples: a step that verifies drafts costs more than decoding alone.
 
     Sizing the next chunk as `(target - decode_seconds) / per_token` then scales the last chunk by
     `(target - D) / (measured - D)`: where a chunk costs `P + n c` on top of the decodes, it approaches
@@ -92,6 +107,7 @@ class MeasuredStepCost:
         self._full: collections.deque[float] = collections.deque(maxlen=window)  # seconds per token, big prefills
         self._added: collections.deque[float] = collections.deque(maxlen=recent)  # seconds per token, mixed steps
         self._mixed: collections.deque[float] = collections.deque(maxlen=recent)  # seconds of mixed steps
+        self._verify: collections.deque[float] = collections.deque(maxlen=recent)  # seconds per draft row verified
         self._lock = threading.Lock()
 
     @classmethod
@@ -115,14 +131,19 @@ class MeasuredStepCost:
             decode = min(decode, min(self._mixed))
         full = statistics.median(self._full) if self._full else self._calibrated
         added = max(statistics.median(self._added), full / 4) if self._added else full
-        return StepEstimate(decode, added, min(full, added))
+        verify = max(statistics.median(self._verify), full / 4) if self._verify else None
+        return StepEstimate(decode, added, min(full, added), verify)
 
-    def observe(self, seconds: float, num_decode: int, num_prefill: int, decode_yield: float = 1.0) -> None:
+    def observe(
+        self, seconds: float, num_decode: int, num_prefill: int, decode_yield: float = 1.0, draft_rows: int = 0
+    ) -> None:
         if seconds <= 0 or (num_decode <= 0 and num_prefill <= 0):
             return
         self.tracker.observe_step(seconds, num_decode, num_prefill, decode_yield)
         with self._lock:
-            if num_prefill <= 0:
+            if num_prefill <= 0 and draft_rows > 0:
+                self._verify.append((seconds - self._estimate().decode_seconds) / draft_rows)
+            elif num_prefill <= 0:
                 self._decode.append(seconds)
             elif num_decode <= 0:
                 if num_prefill >= self.big_prefill:
@@ -201,11 +222,14 @@ class StepBudget:
         """What a prefill chunk may be now while requests decode (`max_num_batched_tokens` when off)."""
         return self._limit(self.cost.estimate()) if self.enabled else self.max_num_batched_tokens
 
-    def observe(self, seconds: float, num_decode: int, num_prefill: int, decode_yield: float = 1.0) -> None:
-        """One finished step's cadence, for the cost model to learn from (`decode_yield`: see `StepCost.observe`)."""
+    def observe(
+        self, seconds: float, num_decode: int, num_prefill: int, decode_yield: float = 1.0, draft_rows: int = 0
+    ) -> None:
+        """One finished step's cadence, for the cost model to learn from (`decode_yield`, `draft_rows`: see
+        `StepCost.observe`)."""
         if num_decode > 0:
             self._mixed_in_a_row = self._mixed_in_a_row + 1 if num_prefill > 0 else 0
-        self.cost.observe(seconds, num_decode, num_prefill, decode_yield)
+        self.cost.observe(seconds, num_decode, num_prefill, decode_yield, draft_rows)
 
     def _limit(self, est: StepEstimate) -> int:
         full = self.max_num_batched_tokens

@@ -35,8 +35,10 @@ class FixedCost:
     def estimate(self) -> StepEstimate:
         return StepEstimate(self.decode, self.per_token, self.full_rate or self.per_token)
 
-    def observe(self, seconds: float, num_decode: int, num_prefill: int, decode_yield: float = 1.0) -> None:
-        assert seconds > 0 and decode_yield >= 1
+    def observe(
+        self, seconds: float, num_decode: int, num_prefill: int, decode_yield: float = 1.0, draft_rows: int = 0
+    ) -> None:
+        assert seconds > 0 and decode_yield >= 1 and 0 <= draft_rows <= num_decode
         self.observed.append((num_decode, num_prefill))
 
     def seconds(self, num_decode: int, num_prefill: int) -> float:
@@ -221,6 +223,26 @@ def test_measured_cost_learns_each_kind_of_step():
     for seconds in (0.5, 0.6, 60.0):
         cost.observe(seconds, 2, 40)  # mixed steps: what their chunks added per token (median of the last 3)
     assert cost.estimate() == pytest.approx(StepEstimate(0.1, 0.0125, 3.0 / 512))
+
+
+def test_steps_that_verify_drafts_measure_the_row_cost_not_the_decode_step():
+    """A step that verified draft rows costs more than decoding alone: it is not a decode step's sample,
+    and what each of its draft rows added is the row cost the drafter weighs drafts with (before any such
+    step, a prompt token's cost stands in). At long context that row attends over the whole context and
+    costs far more than a prompt token of a chunk."""
+    cost = MeasuredStepCost(RateTracker.calibrated(0.2, 0.01))
+    for _ in range(3):
+        cost.observe(0.03, 1, 0)  # one stream decoding alone: 30 ms
+    cost.observe(0.5, 0, 512)  # a big prefill: ~1 ms a token
+    assert cost.estimate().verify_row is None and cost.estimate().row_seconds == pytest.approx(0.5 / 512)
+    for seconds, rows in ((0.07, 4), (0.06, 3), (0.09, 6)):  # draft rows add 10 ms each
+        cost.observe(seconds, 1 + rows, 0, draft_rows=rows)
+    est = cost.estimate()
+    assert est.decode_seconds == pytest.approx(0.03)  # the verify steps are not decode steps' samples
+    assert est.verify_row == pytest.approx(0.01) and est.row_seconds == pytest.approx(0.01)
+    cost.observe(0.0300001, 5, 0, draft_rows=4)  # a draft row is never taken as free: at least full_rate / 4
+    cost.observe(0.0300001, 5, 0, draft_rows=4)
+    assert cost.estimate().verify_row == pytest.approx(0.5 / 512 / 4)
 
 
 # -------------------------------------------------------------------------------------------- the engine

@@ -3,7 +3,8 @@
 `Drafter.propose(tokens, state, limit, ...)` reads the request's own tokens (prompt lookup,
 `NgramIndex`) and, in mode `suffix`, its session's earlier outputs (`SessionOutputs`). Each request's
 `DraftState` chooses the draft's length from what its own drafts recently kept and from what a verified
-row costs now: a verified row costs about what a prompt token adds to a step, while a kept token saves
+row costs now (what draft rows added to the recent steps that verified some, `StepEstimate.row_seconds`;
+at long context a row attends over the whole context), while a kept token saves
 this request a step, whose time its batch's decodes share. So a copying request at one stream drafts
 long, a request whose drafts keep little drafts short, and where not even one token pays (text that
 does not copy, or a batch large enough that rows are dear) it pauses, probing again now and then:
@@ -24,7 +25,7 @@ SPECULATIVE_MODES = ("off", "ngram", "suffix")
 _PRIOR_KEPT, _PRIOR_CUT = 1.5, 1.0  # the acceptance estimate before any draft: 0.6
 _DECAY = 0.5  # per verified draft: the last few drafts decide
 _MIN_GAIN = 0.10  # a draft must promise 10% more tokens per unit of time than decoding alone: the row cost is
-# estimated from what a prompt token adds to a step, and a draft has fixed costs of its own (lookup, bookkeeping)
+# a recent median, and a draft has fixed costs of its own (lookup, bookkeeping)
 _MAX_PAUSE_STEPS = 64
 _DEFAULT_ROW_COST = 0.05  # before the engine has measured its steps
 
