@@ -207,6 +207,39 @@ def test_native_kernel_is_exact_on_integer_activations(path: str, monkeypatch: p
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+def test_every_path_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The instruction-set paths sum the same exact integer products and do the same float operations per
+    column in the same order (csrc/wq_gemm.c), so on random activations (not the integers the round trip
+    keeps) they agree bit for bit: int4 with GGUF's float16 scales and with float32 ones, int8 per group,
+    at 1 to 9 rows (every register tile of rows). Needs two paths this CPU runs."""
+    runnable = [p for p in kernel_paths() if not isa.missing(isa.PATHS[p])]
+    if len(runnable) < 2:
+        pytest.skip(f"this CPU runs only {runnable} of the kernel paths {kernel_paths()}: nothing to compare")
+    g = torch.Generator().manual_seed(5)
+    gguf_like = quantize_int4(torch.randn(48, 256, generator=g), group_size=32)
+    scales = gguf_like.scales.half().float()
+    weights = {
+        "int4-gguf": native.tile_int4(
+            gguf_like.qweight, scales, (gguf_like.zeros - 8 * scales).half().float() + 8 * scales
+        ),
+        "int4": native.tile_int4(*quantize_int4(torch.randn(48, 256, generator=g), group_size=64).tensors()),
+        "int8": native.tile_int8(*quantize_int8(torch.randn(48, 256, generator=g)).tensors()),
+    }
+    assert weights["int4-gguf"][1].dtype == torch.float16 and weights["int4"][1].dtype == torch.float32
+    x = torch.randn(9, 256, generator=g) * 3
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    for path in runnable:
+        use_kernel_path(path, monkeypatch)
+        results[path] = {
+            name: torch.cat([(native.int4_gemm if len(w) == 3 else native.int8_gemm)(x[:m], w) for m in range(1, 10)])
+            for name, w in weights.items()
+        }
+    first, *others = runnable
+    for path in others:
+        for name in weights:
+            assert torch.equal(results[path][name], results[first][name]), (path, name)
+
+
 def test_the_tiled_layout_gives_back_the_weight_and_any_of_its_rows() -> None:
     """`native.untile` rebuilds the canonical weight from the kernel's tiled bytes (the only resident copy of
     a quantized table: the embedding looks its rows up there): the whole weight dequantizes to the same

@@ -3,8 +3,9 @@
 torch's packed CPU kernels are matrix-vector products per activation row in bfloat16: 16 decoding
 streams cost 16 passes over the weight and 16x the float work. `wq_gemm.c` quantizes the activations
 per 32-value block to int8 (llama.cpp's scheme: `quantize_activations` is its torch reference), takes
-integer dot products (AVX2) over a weight tiled 8 output columns at a time (`tile_int4`, `tile_int8`,
-done once when a layer is prepared), and decodes each weight chunk once per tile of up to 4 rows.
+integer dot products (AVX2, AVX-512 VNNI) over a weight tiled 16 output columns at a time (`tile_int4`,
+`tile_int8`, done once when a layer is prepared), and decodes each weight chunk once per tile of up to
+4 rows.
 The result is `quantize_activations(x) @ W.T` of the exact dequantised weight, up to float32
 summation order.
 
