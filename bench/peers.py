@@ -524,24 +524,31 @@ def table(run: ModelRun, bandwidth: float) -> list[str]:
     spread = lambda xs, scale: (  # noqa: E731
         None if not xs else f"{min(xs) * scale:.1f}-{max(xs) * scale:.1f}"
     )
-    rows.append(
-        (
-            "1-stream decode, % of the read roofline, median of the paired runs (each against the bandwidth "
-            "sampled right before and after it; steps: each reads every weight once)",
-            lambda c: 100 * statistics.median(c.roofline(run.weight_bytes)) if c.roofline(run.weight_bytes) else None,
-            False,
+    if any(c.roofline(run.weight_bytes) for c in run.cols):  # paired runs were made (--roofline-segments)
+        rows.append(
+            (
+                "1-stream decode, % of the read roofline, median of the paired runs (each against the bandwidth "
+                "sampled right before and after it; steps: each reads every weight once)",
+                lambda c: (
+                    100 * statistics.median(c.roofline(run.weight_bytes)) if c.roofline(run.weight_bytes) else None
+                ),
+                False,
+            )
         )
-    )
-    rows.append(
-        (
-            "the paired runs' % of the roofline, lowest-highest",
-            lambda c: spread(c.roofline(run.weight_bytes), 100),
-            False,
+        rows.append(
+            (
+                "the paired runs' % of the roofline, lowest-highest",
+                lambda c: spread(c.roofline(run.weight_bytes), 100),
+                False,
+            )
         )
-    )
-    rows.append(
-        ("read bandwidth sampled around the paired runs, GB/s", lambda c: spread(c.roofline_bandwidths(), 1e-9), False)
-    )
+        rows.append(
+            (
+                "read bandwidth sampled around the paired runs, GB/s",
+                lambda c: spread(c.roofline_bandwidths(), 1e-9),
+                False,
+            )
+        )
     rows.append(("peak RSS, MiB (the engine's own process)", lambda c: c.peak_mib, False))
     rows.append(("KV held for the largest run, MiB", lambda c: c.kv_mib, False))
     rows.append(
