@@ -102,72 +102,68 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int
  * q + 128 in place of q (the caller takes 128 * sum(xq) back). Every variant sums the same products
  * exactly, so all give the same int32 sums. */
 #ifdef HX_VNNI
-/* 512-bit vpdpbusd; a 32-bit lane per column, so the block's sums need no reduction across lanes.
- * int4: 64 bytes are a pair of chunks of 4 k of the 16 columns, the first chunk in the low nibbles and
- * the second in the high; one broadcast of 4 activation bytes per chunk feeds 64 multiply-adds. int8: 64
- * bytes are one chunk, made unsigned by q ^ 0x80 = q + 128. Two accumulators per row halve the chain of
- * dependent vpdpbusd. */
+/* 512-bit vpdpbusd; a 32-bit lane per column, so the block's sums need no reduction across lanes. The
+ * block is 4 pairs of chunks of 4 k of the 16 columns: int4, 64 bytes a pair, the first chunk in the low
+ * nibbles and the second in the high; int8, 64 bytes a chunk, made unsigned by q ^ 0x80 = q + 128. One
+ * broadcast of 4 activation bytes per chunk feeds 64 multiply-adds; the pair's two chunks go to two
+ * accumulators per row, which halves the chain of dependent vpdpbusd. */
 static inline __attribute__((always_inline)) void block_sums(const int8_t *const *xr, int64_t k0, const uint8_t *w4,
                                                              const int8_t *w8, const int R, __m512i *isum) {
+    const __m512i mask = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8((char)0x80);
     __m512i a0[MR], a1[MR];
     for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_si512();
-    if (w4) {
-        const __m512i mask = _mm512_set1_epi8(0x0F);
-        for (int p = 0; p < QK / 8; p++) {
+    for (int p = 0; p < QK / 8; p++) {
+        __m512i u0, u1; /* the pair's chunks, unsigned */
+        if (w4) {
             const __m512i raw = _mm512_loadu_si512((const void *)(w4 + p * 4 * NR));
-            const __m512i ql = _mm512_and_si512(raw, mask), qh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-            for (int r = 0; r < R; r++) {
-                int32_t fa, fb;
-                memcpy(&fa, xr[r] + k0 + 8 * p, sizeof fa);
-                memcpy(&fb, xr[r] + k0 + 8 * p + 4, sizeof fb);
-                a0[r] = _mm512_dpbusd_epi32(a0[r], ql, _mm512_set1_epi32(fa));
-                a1[r] = _mm512_dpbusd_epi32(a1[r], qh, _mm512_set1_epi32(fb));
-            }
+            u0 = _mm512_and_si512(raw, mask);
+            u1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+        } else {
+            u0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w8 + 2 * p * 4 * NR)), bias);
+            u1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w8 + (2 * p + 1) * 4 * NR)), bias);
         }
-    } else {
-        const __m512i bias = _mm512_set1_epi8((char)0x80);
-        for (int c = 0; c < QK / 4; c += 2) {
-            const __m512i u0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w8 + c * 4 * NR)), bias);
-            const __m512i u1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w8 + (c + 1) * 4 * NR)), bias);
-            for (int r = 0; r < R; r++) {
-                int32_t fa, fb;
-                memcpy(&fa, xr[r] + k0 + 4 * c, sizeof fa);
-                memcpy(&fb, xr[r] + k0 + 4 * c + 4, sizeof fb);
-                a0[r] = _mm512_dpbusd_epi32(a0[r], u0, _mm512_set1_epi32(fa));
-                a1[r] = _mm512_dpbusd_epi32(a1[r], u1, _mm512_set1_epi32(fb));
-            }
+        for (int r = 0; r < R; r++) {
+            int32_t fa, fb;
+            memcpy(&fa, xr[r] + k0 + 8 * p, sizeof fa);
+            memcpy(&fb, xr[r] + k0 + 8 * p + 4, sizeof fb);
+            a0[r] = _mm512_dpbusd_epi32(a0[r], u0, _mm512_set1_epi32(fa));
+            a1[r] = _mm512_dpbusd_epi32(a1[r], u1, _mm512_set1_epi32(fb));
         }
     }
     for (int r = 0; r < R; r++) isum[r] = _mm512_add_epi32(a0[r], a1[r]);
 }
 #else
-/* AVX2: the 32 bytes of columns [8 h, 8 h + 8) of a chunk (int8), or of a pair of chunks (int4: the
- * low nibbles the first, the high the second) fill one 256-bit register: one broadcast of 4 activation
- * bytes then yields 32 multiply-adds (maddubs + madd). */
+/* AVX2: the 32 bytes of columns [8 h, 8 h + 8) of a pair of chunks (int4: the low nibbles the first chunk,
+ * the high the second), or of each chunk of the pair (int8), fill a 256-bit register per chunk: one
+ * broadcast of 4 activation bytes then yields 32 multiply-adds (maddubs + madd). Each int4 pair's 32
+ * bytes are loaded once. */
 static inline __attribute__((always_inline)) void block_sums(const int8_t *const *xr, int64_t k0, const uint8_t *w4,
                                                              const int8_t *w8, const int R, const int h,
                                                              __m256i *isum) {
     const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
     for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
-    for (int c = 0; c < QK / 4; c++) {
-        __m256i w, wu;
+    for (int p = 0; p < QK / 8; p++) {
+        __m256i w[2];
         if (w4) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w4 + (c / 2) * 4 * NR + 32 * h));
-            w = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(raw, 4) : raw, mask);
-            wu = w;
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(w4 + p * 4 * NR + 32 * h));
+            w[0] = _mm256_and_si256(raw, mask);
+            w[1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
         } else {
-            w = _mm256_loadu_si256((const __m256i *)(w8 + c * 4 * NR + 32 * h));
-            wu = _mm256_sign_epi8(w, w); /* |w| as unsigned */
+            w[0] = _mm256_loadu_si256((const __m256i *)(w8 + 2 * p * 4 * NR + 32 * h));
+            w[1] = _mm256_loadu_si256((const __m256i *)(w8 + (2 * p + 1) * 4 * NR + 32 * h));
         }
-        for (int r = 0; r < R; r++) {
-            int32_t four;
-            memcpy(&four, xr[r] + k0 + c * 4, sizeof four);
-            __m256i xv = _mm256_set1_epi32(four); /* these 4 k for all 8 columns */
-            if (w4) { /* int16 lanes hold at most 8 chunks x 2 x 15 x 127 = 30480: no overflow */
-                isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(wu, xv));
-            } else {
-                xv = _mm256_sign_epi8(xv, w); /* carry w's sign onto x */
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
+        for (int c = 0; c < 2; c++) {
+            const __m256i wu = w4 ? w[c] : _mm256_sign_epi8(w[c], w[c]); /* int8: |w| as unsigned */
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xr[r] + k0 + 8 * p + 4 * c, sizeof four);
+                __m256i xv = _mm256_set1_epi32(four); /* these 4 k for all 8 columns */
+                if (w4) { /* int16 lanes hold at most 8 chunks x 2 x 15 x 127 = 30480: no overflow */
+                    isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(wu, xv));
+                } else {
+                    xv = _mm256_sign_epi8(xv, w[c]); /* carry w's sign onto x */
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
+                }
             }
         }
     }
@@ -179,7 +175,7 @@ static inline __attribute__((always_inline)) void block_sums(const int8_t *const
 /* The rows [m0, m0 + R) of one tile of 16 columns. R is a constant at each call site, so the
  * accumulators stay in registers. `w4` (int4) or `w8` (int8) is the tile's weight. Per column, each
  * block adds isum * (s_g * d_b), then z_g * xs_b, in block order: the same float operations on either
- * path (AVX2 takes the tile's two halves of 8 columns one after the other). */
+ * path (AVX2 takes the tile's two halves of 8 columns in turn within each block). */
 static inline __attribute__((always_inline)) void tile(const int8_t *xq, const float *d, const float *xs,
                                                        const int32_t *qs, int64_t K,
                                                        const uint8_t *w4, const int8_t *w8, const void *s,
@@ -189,7 +185,6 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
     const int8_t *xr[MR];
     for (int r = 0; r < R; r++) xr[r] = xq + (m0 + r) * K;
 #ifdef HX_VNNI
-    (void)qs;
     __m512 acc[MR];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     int64_t g = -1, left = 0; /* blocks left in group g: no division in the loop */
