@@ -820,9 +820,8 @@ class Engine:
         self.counters.step_seconds += step_seconds
         self.counters.model_seconds += model_seconds
         self.counters.prompt_tokens += inputs.num_prefill_tokens
-        draft_rows = inputs.num_decode_tokens - inputs.num_decode_seqs  # verified beyond each sequence's own token
         self.step_budget.observe(
-            cadence_seconds, inputs.num_decode_tokens, inputs.num_prefill_tokens, decode_yield, draft_rows
+            cadence_seconds, inputs.num_decode_tokens, inputs.num_prefill_tokens, decode_yield, inputs.num_draft_tokens
         )
         self._publish_rates()
 

@@ -51,6 +51,11 @@ class StepInputs:
     num_prefill_tokens: int
     num_decode_seqs: int = 0  # sequences past their prompt
 
+    @property
+    def num_draft_tokens(self) -> int:
+        """Speculative draft tokens the step verifies: decode tokens beyond each decoding sequence's own."""
+        return self.num_decode_tokens - self.num_decode_seqs
+
 
 @dataclass(frozen=True)
 class StepSamples:

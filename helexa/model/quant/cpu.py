@@ -76,7 +76,7 @@ class CpuQuantMatmul:
         if self.kernel not in ("native", "torch"):
             raise ValueError(f"unknown CPU quant kernel {self.kernel!r}; expected 'native' or 'torch'")
         self.tiled: tuple[torch.Tensor, ...] | None = None  # the native kernel's layout (`native.tile_*`)
-        self._held: tuple[torch.Tensor, ...] = ()  # every tensor the kernel keeps (`held_tensors`)
+        self._held: tuple[torch.Tensor, ...] = ()  # torch's kernels: every tensor they keep (`held_tensors`)
         if self.kernel == "native":
             self._run = self._native_run(weight)
             return
@@ -89,7 +89,7 @@ class CpuQuantMatmul:
     def held_tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor this kernel keeps resident: the native tiled layout, or torch's packed planes and
         the weight it computes with (some may share storage with the weight it was given)."""
-        return self._held
+        return self.tiled if self.tiled is not None else self._held
 
     def weight(self, rows: torch.Tensor | None = None) -> QuantizedWeight:
         """The weight this kernel computes with, in the canonical layout (native: rebuilt from the
@@ -112,9 +112,9 @@ class CpuQuantMatmul:
     def _native_run(self, w: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
         scales = (w.scales if w.scales.dim() == 2 else w.scales[:, None]).float()  # (N, groups)
         if w.zeros is None:
-            tiled = self._held = self.tiled = native.tile_int8(w.qweight, scales)
+            tiled = self.tiled = native.tile_int8(w.qweight, scales)
             return lambda x: native.int8_gemm(x, tiled)
-        tiled = self._held = self.tiled = native.tile_int4(w.qweight, scales, w.zeros.float())
+        tiled = self.tiled = native.tile_int4(w.qweight, scales, w.zeros.float())
         return lambda x: native.int4_gemm(x, tiled)
 
     def _torch_run(self, w: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -179,6 +179,13 @@ def _tile_groups(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [t.to(dtype).view(n // _COLUMNS, _COLUMNS, groups).transpose(1, 2).contiguous() for t in ts]
 
 
+def _dims(tiled: tuple[torch.Tensor, ...]) -> tuple[int, int]:
+    """(N, K) of a weight tiled by `tile_int4` (3 tensors: K/8 pairs of chunks a tile) or `tile_int8`
+    (2 tensors: K/4 chunks a tile)."""
+    qt = tiled[0]
+    return qt.shape[0] * _COLUMNS, qt.shape[1] * (8 if len(tiled) == 3 else 4)
+
+
 def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The canonical int4 weight (qweight (N, K/2) uint8, even k in the low nibble; scales, zeros
     (N, K/G)) in the kernel's tiled layout: (tiled bytes (N/16, K/8, 64), tiled scales, tiled zero
@@ -240,7 +247,7 @@ def dequantize_rows(tiled: tuple[torch.Tensor, ...], ids: torch.Tensor) -> torch
     bit for bit `untile(tiled, ids).dequantize(torch.float32)` (an embedding lookup), in one native call
     that reads only those rows' bytes. `IndexError` for an id outside [0, N)."""
     qt, scales = tiled[0], tiled[1]
-    n, k = qt.shape[0] * _COLUMNS, qt.shape[1] * (8 if len(tiled) == 3 else 4)
+    n, k = _dims(tiled)
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(ids.shape[0], k, dtype=torch.float32)
     zero_terms = tiled[2] if len(tiled) == 3 else None
@@ -315,7 +322,7 @@ def int4_gemm(x: torch.Tensor, tiled: tuple[torch.Tensor, ...]) -> torch.Tensor:
     qt, scales, zero_terms = tiled
     if qt.dtype != torch.uint8 or zero_terms.shape != scales.shape:
         raise ValueError("an int4 weight is (uint8 tiles, scales, zero terms of the scales' shape)")
-    n, k = qt.shape[0] * _COLUMNS, qt.shape[1] * 8
+    n, k = _dims(tiled)
     return _run("helexa_int4_gemm", x, n, k, qt, scales, zero_terms)
 
 
@@ -325,7 +332,7 @@ def int8_gemm(x: torch.Tensor, tiled: tuple[torch.Tensor, ...]) -> torch.Tensor:
     qt, scales = tiled
     if qt.dtype != torch.int8:
         raise ValueError("an int8 weight is (int8 tiles, scales)")
-    n, k = qt.shape[0] * _COLUMNS, qt.shape[1] * 4
+    n, k = _dims(tiled)
     return _run("helexa_int8_gemm", x, n, k, qt, scales)
 
 
