@@ -18,7 +18,7 @@ from helexa.model.loader import load_model
 from helexa.model.quant import native, native_step
 from helexa.model.quant.native_step import native_step_for, paged_attention
 from tests.support.engines import torch_threads
-from tests.support.kernel_paths import kernel_paths, use_kernel_path
+from tests.support.kernel_paths import kernel_paths, use_emulated_amx, use_kernel_path
 from tests.support.models import PagedCache, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.unavailable_reason()}")
@@ -222,6 +222,27 @@ def test_each_kernel_path_computes_every_position_the_same_however_it_is_schedul
     this one runs one fixed mix on every path and cache dtype)."""
     use_kernel_path(path, monkeypatch)
     _check_schedules(quantized, random.Random(7), cache_dtype)
+
+
+def test_the_amx_tiling_computes_every_position_as_avx512_vnni_does(quantized, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `avx512_amx` path's source with its tile operations emulated (tests.support.kernel_paths): every
+    position's logits and K/V are the same bits however the sequences are scheduled (prefill chunks of 16
+    rows and more go through the tiles), and the same bits as on `avx512_vnni`."""
+    rng = random.Random(11)
+    vocab = quantized.config.vocab_size
+    prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in enumerate((70, 23, 5))}
+    schedule = [{0: 40, 1: 1}, {0: 30, 1: 22, 2: 5}]
+    use_kernel_path("avx512_vnni", monkeypatch)
+    want, want_cache = _schedule_run(quantized, prompts, schedule)
+    lib = use_emulated_amx(monkeypatch)
+    before = lib.helexa_amx_emulated_products()
+    got, got_cache = _schedule_run(quantized, prompts, schedule)
+    assert lib.helexa_amx_emulated_products() > before
+    assert got.keys() == want.keys()
+    for key, row in got.items():
+        assert torch.equal(row, want[key]), f"logits of {key} differ"
+        assert all(torch.equal(a, b) for a, b in zip(_kv(got_cache, *key), _kv(want_cache, *key))), f"K/V of {key}"
+    _check_schedules(quantized, random.Random(7))
 
 
 def test_a_step_longer_than_the_mlps_row_chunk_computes_every_row_alike(

@@ -23,7 +23,7 @@ from helexa.model.quant.cpu import DENSE_ROWS, CpuQuantMatmul, cpu_kernel
 from helexa.model.weights.gguf import convert_gguf
 from helexa.model.weights.gguf_quant import read_quantized
 from tests.support.gguf import Q, train_tiny_bpe, write_tiny_gguf
-from tests.support.kernel_paths import kernel_paths, use_kernel_path
+from tests.support.kernel_paths import kernel_paths, use_emulated_amx, use_kernel_path
 from tests.support.models import PagedCache, make_tiny_model
 
 
@@ -207,15 +207,12 @@ def test_native_kernel_is_exact_on_integer_activations(path: str, monkeypatch: p
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
-def test_every_path_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The instruction-set paths sum the same exact integer products and do the same float operations per
-    column in the same order (csrc/wq_gemm.c), so on random activations (not the integers the round trip
-    keeps) they agree bit for bit: int4 with GGUF's float16 scales and with float32 ones, int8 per group,
-    at 1 to 9 rows (every register tile of rows). Needs two paths this CPU runs."""
-    runnable = [p for p in kernel_paths() if not isa.missing(isa.PATHS[p])]
-    if len(runnable) < 2:
-        pytest.skip(f"this CPU runs only {runnable} of the kernel paths {kernel_paths()}: nothing to compare")
-    g = torch.Generator().manual_seed(5)
+_ROW_COUNTS = [*range(1, 10), 16, 17, 35]  # every register tile of rows (1-4), whole AMX tiles of 16 and after
+
+
+def _weights_for_paths(g: torch.Generator) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Tiled weights of every kind the kernel takes: int4 with GGUF's float16 scales and with float32 ones,
+    int8 per group (-128 included)."""
     gguf_like = quantize_int4(torch.randn(48, 256, generator=g), group_size=32)
     scales = gguf_like.scales.half().float()
     weights = {
@@ -223,21 +220,64 @@ def test_every_path_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None
             gguf_like.qweight, scales, (gguf_like.zeros - 8 * scales).half().float() + 8 * scales
         ),
         "int4": native.tile_int4(*quantize_int4(torch.randn(48, 256, generator=g), group_size=64).tensors()),
-        "int8": native.tile_int8(*quantize_int8(torch.randn(48, 256, generator=g)).tensors()),
+        "int8": native.tile_int8(
+            torch.randint(-128, 128, (48, 256), generator=g, dtype=torch.int8), torch.rand(48, 8, generator=g) + 0.5
+        ),
     }
     assert weights["int4-gguf"][1].dtype == torch.float16 and weights["int4"][1].dtype == torch.float32
-    x = torch.randn(9, 256, generator=g) * 3
+    return weights
+
+
+def _gemms(weights: dict[str, tuple[torch.Tensor, ...]], x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each weight's GEMM of x's first m rows, for every m of `_ROW_COUNTS`, concatenated."""
+    return {
+        name: torch.cat([(native.int4_gemm if len(w) == 3 else native.int8_gemm)(x[:m], w) for m in _ROW_COUNTS])
+        for name, w in weights.items()
+    }
+
+
+def test_every_path_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The instruction-set paths sum the same exact integer products and do the same float operations per
+    column in the same order (csrc/wq_gemm.c), so on random activations (not the integers the round trip
+    keeps) they agree bit for bit: int4 with GGUF's float16 scales and with float32 ones, int8 per group,
+    at 1 to 9 rows (every register tile of rows) and at 16, 17 and 35 (AMX's whole tiles of 16 rows and
+    the rows after them). Needs two paths this CPU runs."""
+    runnable = [p for p in kernel_paths() if not isa.missing(isa.PATHS[p])]
+    if len(runnable) < 2:
+        pytest.skip(f"this CPU runs only {runnable} of the kernel paths {kernel_paths()}: nothing to compare")
+    g = torch.Generator().manual_seed(5)
+    weights = _weights_for_paths(g)
+    x = torch.randn(35, 256, generator=g) * 3
     results: dict[str, dict[str, torch.Tensor]] = {}
     for path in runnable:
         use_kernel_path(path, monkeypatch)
-        results[path] = {
-            name: torch.cat([(native.int4_gemm if len(w) == 3 else native.int8_gemm)(x[:m], w) for m in range(1, 10)])
-            for name, w in weights.items()
-        }
+        results[path] = _gemms(weights, x)
     first, *others = runnable
     for path in others:
         for name in weights:
             assert torch.equal(results[path][name], results[first][name]), (path, name)
+
+
+def test_the_amx_path_gives_avx512_vnnis_bits_with_its_tile_operations_emulated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The `avx512_amx` path's source built with its tile operations done in C as Intel's manual defines
+    them (csrc/amx.h, HX_AMX_EMULATE: each operation's shapes checked against the loaded configuration),
+    so its tiling runs on a CPU without AMX: at 16 rows or more (whole tiles of 16 by TDPBSUD / TDPBSSD,
+    the rest by vpdpbusd) it gives the `avx512_vnni` path's results bit for bit. On a CPU with AMX,
+    test_every_path_gives_the_same_bits runs the real instructions."""
+    use_kernel_path("avx512_vnni", monkeypatch)
+    g = torch.Generator().manual_seed(7)
+    weights = _weights_for_paths(g)
+    x = torch.randn(35, 256, generator=g) * 3
+    want = _gemms(weights, x)
+    lib = use_emulated_amx(monkeypatch)
+    before = lib.helexa_amx_emulated_products()  # the count is the process's: other tests ran the library
+    got = _gemms(weights, x)
+    # 3 weights x 3 column tiles x K/32 blocks x (16 + 16 + 32 rows) / 16
+    assert lib.helexa_amx_emulated_products() - before == 3 * 3 * 8 * 4
+    for name in weights:
+        assert torch.equal(got[name], want[name]), name
 
 
 def test_the_tiled_layout_gives_back_the_weight_and_any_of_its_rows() -> None:

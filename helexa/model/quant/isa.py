@@ -9,14 +9,19 @@ it (never an illegal instruction: a library whose instructions the CPU lacks is 
 - `avx512_vnni`: AVX-512 F/BW/VL + VNNI (Ice Lake and later Xeons, Zen 4 and later EPYCs). The
   quantized GEMM's dot products by `vpdpbusd` on 512-bit registers (two chunks of 4 k per
   instruction); the rest of the step as on `avx2`.
+- `avx512_amx`: `avx512_vnni` + AMX-TILE and AMX-INT8 (Sapphire Rapids and later Xeons). A quantized
+  GEMM of 16 rows or more (prefill, large batches) takes each whole tile of 16 rows by AMX (one
+  `tdpbsud`/`tdpbssd` per 16 rows x 16 columns x 32 k), the rest as `avx512_vnni`. Linux must grant the
+  process the tile state (`arch_prctl`, Linux 5.16+); where it does not, the path is refused with the
+  reason and the next one runs.
 
 `candidates()` lists the paths the CPU reports (`/proc/cpuinfo` flags, which Linux clears for state
 the OS does not save), best first, or the one `HELEXA_CPU_KERNELS` names (`auto`, the default, or a
 path name; a path the CPU lacks is refused with the reason, never run); `native` loads the first that
 builds. Within a path a row's result
-never depends on the batch (csrc/step.c); across paths the integer dot products are exact and the
-float operations the same, but a later path (AMX) may sum differently, so results are only promised
-within one path.
+never depends on the batch (csrc/step.c). Across today's paths the integer dot products are exact and
+the float operations per column the same, so they agree bit for bit (tested), but only results within
+one path are promised: a later path may sum in another order.
 """
 
 from __future__ import annotations
@@ -44,17 +49,16 @@ class KernelPath:
 
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+_AMX = ("-mamx-tile", "-mamx-int8")
+_VNNI_FLAGS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 
 # best last
 PATHS: dict[str, KernelPath] = {
     p.name: p
     for p in (
         KernelPath("avx2", _AVX2, frozenset({"avx2", "fma", "f16c"})),
-        KernelPath(
-            "avx512_vnni",
-            _AVX2 + _AVX512,
-            frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
-        ),
+        KernelPath("avx512_vnni", _AVX2 + _AVX512, _VNNI_FLAGS),
+        KernelPath("avx512_amx", _AVX2 + _AVX512 + _AMX, _VNNI_FLAGS | {"amx_tile", "amx_int8"}),
     )
 }
 

@@ -3,7 +3,7 @@
 torch's packed CPU kernels are matrix-vector products per activation row in bfloat16: 16 decoding
 streams cost 16 passes over the weight and 16x the float work. `wq_gemm.c` quantizes the activations
 per 32-value block to int8 (llama.cpp's scheme: `quantize_activations` is its torch reference), takes
-integer dot products (AVX2, AVX-512 VNNI) over a weight tiled 16 output columns at a time (`tile_int4`,
+integer dot products (AVX2, AVX-512 VNNI, AMX tiles) over a weight tiled 16 output columns at a time (`tile_int4`,
 `tile_int8`, done once when a layer is prepared), and decodes each weight chunk once per tile of up to
 4 rows.
 The result is `quantize_activations(x) @ W.T` of the exact dequantised weight, up to float32
@@ -11,7 +11,7 @@ summation order.
 
 It is built with the machine's C compiler (`cc`, or `$CC`) into `$HELEXA_HOME/build/` (keyed by the
 source and flags, so a changed source rebuilds) the first time a process asks for it, once per
-instruction-set path (`helexa.model.quant.isa`: AVX2, AVX-512 VNNI), and the path this CPU runs is
+instruction-set path (`helexa.model.quant.isa`: AVX2, AVX-512 VNNI, AMX), and the path this CPU runs is
 loaded with ctypes (`kernel_path()` names it); calls release the GIL and run on torch's OpenMP
 threads. It needs an x86-64 CPU with at least AVX2, FMA and F16C; elsewhere, or when no compiler
 works, `available()` is False with the reason in `unavailable_reason()`, and callers use torch's
@@ -45,6 +45,7 @@ __all__ = [
     "int8_gemm",
     "kernel_path",
     "library",
+    "load_path",
     "quantize_activations",
     "supports",
     "tile_int4",
@@ -56,6 +57,7 @@ __all__ = [
 _log = logging.getLogger("helexa.quant")
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / "wq_gemm.c", _CSRC / "step.c"]  # one library; wq_gemm.h is shared by both
+_HEADERS = [_CSRC / "wq_gemm.h", _CSRC / "amx.h"]
 # -ffp-contract=off: no fused multiply-add the source does not write, so every row is computed by the
 # same operations wherever it is (the fused step's batch invariance, csrc/step.c). -Bsymbolic: each
 # path's library calls its own functions, whichever other path's library the process also loaded.
@@ -78,7 +80,7 @@ def build(path: isa.KernelPath, compiler: str | None = None) -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (cc or $CC)")
     flags = [*_FLAGS, *path.compile_flags]
-    source = b"".join(p.read_bytes() for p in [*_SOURCES, _CSRC / "wq_gemm.h"])
+    source = b"".join(p.read_bytes() for p in [*_SOURCES, *_HEADERS])
     key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     out_dir = helexa_home() / "build"
     target = out_dir / f"wq_gemm-{path.name}-{key}.so"
@@ -103,10 +105,23 @@ def build(path: isa.KernelPath, compiler: str | None = None) -> Path:
 @functools.cache
 def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library of path `name`, "") or (None, why not). Only called for a path the CPU runs."""
+    return load_path(isa.PATHS[name])
+
+
+def load_path(path: isa.KernelPath) -> tuple[ctypes.CDLL | None, str]:
+    """(path's library, built and loaded with its functions' signatures set, "") or (None, why not). An
+    AMX path asks Linux for the tile state first and is refused, with the reason, where Linux says no.
+    Run it only on a CPU that reports `path.cpu_flags` (`isa.missing`)."""
     try:
-        lib = ctypes.CDLL(str(build(isa.PATHS[name])))
+        lib = ctypes.CDLL(str(build(path)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"building it failed: {exc}"
+    lib.helexa_amx_enable.restype = ctypes.c_int
+    if "amx_tile" in path.cpu_flags or "-DHX_AMX_EMULATE" in path.compile_flags:
+        rc = lib.helexa_amx_enable()
+        if rc != 0:
+            why = os.strerror(-rc) if rc < 0 else f"code {rc}"
+            return None, f"Linux did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {why})"
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.helexa_int4_gemm.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, p]
     lib.helexa_int8_gemm.argtypes = [p, i64, i64, p, p, i64, i64, i64, p]
@@ -145,6 +160,7 @@ def _resolve(kernel: str, want: str) -> tuple[ctypes.CDLL | None, str, str]:
         lib, why = _load(path.name)
         if lib is not None:
             return lib, path.name, ""
+        _log.warning("quant: the CPU kernel path %s is unavailable: %s", path.name, why)
     return None, "", why
 
 

@@ -8,9 +8,11 @@
  * output column, summed over a block of 32 k before a single float conversion. The `avx512_vnni` path
  * (helexa.model.quant.isa, HX_VNNI) takes a tile's 16 columns in one 512-bit register by vpdpbusd, with
  * no reduction across lanes; the `avx2` path takes them 8 at a time (maddubs + madd + add on 256-bit
- * registers). Integer sums are exact and the float operations per column the same, so both paths give
- * the same result. Each weight chunk is decoded once per tile of rows, so a batch of decoding streams
- * shares one pass over the weight. Per column n, group g, block b:
+ * registers). The `avx512_amx` path (HX_AMX) is the avx512_vnni build plus AMX: a GEMM's whole tiles of 16
+ * rows take one tile product per block and tile of columns (amx_tile), the other rows as on avx512_vnni.
+ * Integer sums are exact and the float operations per column the same, so every path gives the same
+ * result. Each weight chunk is decoded once per tile of rows, so a batch of decoding streams shares one
+ * pass over the weight. Per column n, group g, block b:
  *
  *   int4: W = (q - 8) * s + z  ->  y += s_g * d_b * sum(q * xq) + (z_g - 8 s_g) * d_b * sum(xq)
  *   int8: W = q * s            ->  y += s_g * d_b * sum(q * xq)
@@ -55,6 +57,19 @@ int helexa_threads(void) { return threads > 0 ? threads : omp_get_max_threads();
 #define PREFETCH 4096
 #if defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HX_VNNI 1 /* the avx512_vnni build (helexa.model.quant.isa): vpdpbusd on 512-bit registers */
+#endif
+#if defined(__AMX_INT8__) || defined(HX_AMX_EMULATE)
+#define HX_AMX 1 /* the avx512_amx build: whole tiles of 16 rows by AMX, the rest as on avx512_vnni */
+#ifndef HX_VNNI
+#error "the AMX build is the avx512_vnni build plus AMX-TILE and AMX-INT8"
+#endif
+#include <errno.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "amx.h"
+#define AMX_ROWS 16 /* rows per A tile; GEMMs of fewer rows take the vpdpbusd path alone */
+static int amx_granted = 0; /* set by helexa_amx_enable: no tile instruction runs before Linux grants them */
 #endif
 
 /* x (M, K), rows ldx floats apart -> xq (M, K) int8, d (M, K/32) scales, xs (M, K/32) = d * sum(xq) per
@@ -172,6 +187,36 @@ static inline __attribute__((always_inline)) void block_sums(const int8_t *const
 }
 #endif
 
+#ifdef HX_VNNI
+/* The scales and zero terms of a tile's 16 columns for the group of the block being summed. */
+typedef struct {
+    int64_t g, left; /* the group, and its blocks still to come: no division in the block loop */
+    __m512 sv, zv;
+} group16;
+
+static inline __attribute__((always_inline)) group16 group16_start(void) {
+    return (group16){-1, 0, _mm512_setzero_ps(), _mm512_setzero_ps()};
+}
+
+/* Called once per block, in order: loads the next group's scales (and zero terms) where the block starts one. */
+static inline __attribute__((always_inline)) void group16_next(group16 *gs, int64_t per_group, const void *s,
+                                                              const void *zc, const int half) {
+    if (gs->left-- == 0) {
+        gs->g++;
+        gs->left = per_group - 1;
+        gs->sv = hx_load16(s, gs->g * NR, half);
+        if (zc) gs->zv = hx_load16(zc, gs->g * NR, half);
+    }
+}
+
+/* acc + isum * (s_g * d_b), then + z_g * xs_b (zero terms only): a block's float operations per column. */
+static inline __attribute__((always_inline)) __m512 block16_add(__m512 acc, __m512i isum, const group16 *gs, float d,
+                                                               float xs, const int zero_terms) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(gs->sv, _mm512_set1_ps(d)), acc);
+    return zero_terms ? _mm512_fmadd_ps(gs->zv, _mm512_set1_ps(xs), acc) : acc;
+}
+#endif
+
 /* The rows [m0, m0 + R) of one tile of 16 columns. R is a constant at each call site, so the
  * accumulators stay in registers. `w4` (int4) or `w8` (int8) is the tile's weight. Per column, each
  * block adds isum * (s_g * d_b), then z_g * xs_b, in block order: the same float operations on either
@@ -187,15 +232,9 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
 #ifdef HX_VNNI
     __m512 acc[MR];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    int64_t g = -1, left = 0; /* blocks left in group g: no division in the loop */
-    __m512 sv = _mm512_setzero_ps(), zv = _mm512_setzero_ps();
+    group16 gs = group16_start();
     for (int64_t b = 0; b < blocks; b++) {
-        if (left-- == 0) {
-            g++;
-            left = per_group - 1;
-            sv = hx_load16(s, g * NR, half);
-            if (zc) zv = hx_load16(zc, g * NR, half);
-        }
+        group16_next(&gs, per_group, s, zc, half);
         if (w4) /* the block's 4 cache lines PREFETCH bytes ahead (see PREFETCH) */
             for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(w4 + b * QK * NR / 2 + PREFETCH + 64 * l), _MM_HINT_T0);
         __m512i isum[MR];
@@ -205,8 +244,7 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
                 isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(128 * qs[(m0 + r) * blocks + b]));
         for (int r = 0; r < R; r++) {
             const int64_t row = (m0 + r) * blocks + b;
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(sv, _mm512_set1_ps(d[row])), acc[r]);
-            if (zc) acc[r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xs[row]), acc[r]);
+            acc[r] = block16_add(acc[r], isum[r], &gs, d[row], xs[row], zc != NULL);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
@@ -240,6 +278,82 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
 #endif
 }
 
+#ifdef HX_AMX
+/* Rows [m0, m0 + 16) of one tile of 16 columns by AMX, with the same result as `tile`: per block of 32 k, one
+ * TDPBSUD (int4: xq signed, q unsigned in [0, 15]) or TDPBSSD (int8: both signed) gives the 16 x 16 exact int32
+ * sums that block_sums gives 4 rows at a time, and the float operations per column follow, in the same order.
+ * Tiles: 0 the sums (C, 16 rows of 16 int32), 1 the block's weight (B, 8 chunks of 4 k: row j is chunk j, whose
+ * 64 bytes are the tiled layout's, int4 unpacked from its pair's low or high nibbles), 2 the rows' activations
+ * (A, 16 rows of the block's 32 bytes). */
+static inline __attribute__((always_inline)) void amx_tile(const int8_t *xq, const float *d, const float *xs, int64_t K,
+                                                           const uint8_t *w4, const int8_t *w8, const void *s,
+                                                           const void *zc, const int half, int64_t G, int64_t m0,
+                                                           int64_t N, int64_t n0, float *y) {
+    const int64_t blocks = K / QK, per_group = G / QK;
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    uint8_t unpacked[QK / 4 * 64] __attribute__((aligned(64))); /* int4: the block's 8 chunks, one byte a value */
+    int32_t sums[AMX_ROWS * NR] __attribute__((aligned(64)));
+    __m512 acc[AMX_ROWS];
+#pragma GCC unroll 16
+    for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    group16 gs = group16_start();
+    for (int64_t b = 0; b < blocks; b++) {
+        group16_next(&gs, per_group, s, zc, half);
+        if (w4) {
+            const uint8_t *pairs = w4 + b * QK * NR / 2;
+            for (int p = 0; p < QK / 8; p++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(pairs + 64 * p));
+                _mm512_store_si512((void *)(unpacked + 128 * p), _mm512_and_si512(raw, mask));
+                _mm512_store_si512((void *)(unpacked + 128 * p + 64), _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask));
+            }
+            HX_TILE_LOAD(1, unpacked, 64);
+        } else {
+            HX_TILE_LOAD(1, w8 + b * QK * NR, 64);
+        }
+        HX_TILE_LOAD(2, xq + m0 * K + b * QK, K);
+        HX_TILE_ZERO(0);
+        if (w4)
+            HX_TILE_DPBSUD(0, 2, 1);
+        else
+            HX_TILE_DPBSSD(0, 2, 1);
+        HX_TILE_STORE(0, sums, 4 * NR);
+#pragma GCC unroll 16
+        for (int r = 0; r < AMX_ROWS; r++) {
+            const int64_t row = (m0 + r) * blocks + b;
+            const __m512i isum = _mm512_load_si512((const void *)(sums + r * NR));
+            acc[r] = block16_add(acc[r], isum, &gs, d[row], xs[row], zc != NULL);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < AMX_ROWS; r++) _mm512_storeu_ps(y + (m0 + r) * N + n0, acc[r]);
+}
+
+/* Ask Linux for this process's permission to use the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XTILEDATA, Linux 5.16 and later): without it the first tile instruction faults. Returns 0 when granted, else
+ * -errno; the kernel runs no tile instruction until it returned 0. The emulated build needs no permission. */
+int helexa_amx_enable(void) {
+#ifdef HX_AMX_EMULATE
+    amx_granted = 1;
+    return 0;
+}
+
+/* The emulated build only: how many tile products (TDPBSUD, TDPBSSD) it has run. */
+int64_t helexa_amx_emulated_products(void) {
+    int64_t n;
+#pragma omp atomic read
+    n = hx_emu_products;
+    return n;
+#else
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return -errno;
+    amx_granted = 1;
+    return 0;
+#endif
+}
+#else
+/* Not an AMX build: returns 1. */
+int helexa_amx_enable(void) { return 1; }
+#endif
+
 int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q4, const int8_t *q8,
                    const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
     const size_t width = half ? 2 : 4; /* bytes per scale or zero term */
@@ -251,20 +365,56 @@ int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
     int32_t *qs = (int32_t *)(xs + M * blocks);
     int8_t *xq = (int8_t *)(qs + M * blocks);
     quantize_rows(x, M, K, ldx, xq, d, xs, qs);
-#pragma omp parallel for schedule(static) num_threads(helexa_threads())
-    for (int64_t t = 0; t < N / NR; t++) {
-        const uint8_t *w4 = q4 ? q4 + t * NR * (K / 2) : NULL;
-        const int8_t *w8 = q8 ? q8 + t * NR * K : NULL;
-        const char *s = (const char *)scales + width * (size_t)(t * groups * NR);
-        const char *zc = zero_terms ? (const char *)zero_terms + width * (size_t)(t * groups * NR) : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            switch (M - m0 < MR ? M - m0 : MR) {
+#ifdef HX_AMX
+    /* whole tiles of 16 rows by AMX; the rest (and every GEMM of fewer rows) 4 rows at a time by vpdpbusd */
+    const int64_t m_amx = amx_granted ? M / AMX_ROWS * AMX_ROWS : 0;
+#else
+    const int64_t m_amx = 0;
+#endif
+#pragma omp parallel num_threads(helexa_threads())
+    {
+#ifdef HX_AMX
+        /* These threads are torch's: its own AMX kernels (oneDNN's brgemm) may have left a tile configuration on
+         * one, and may skip reloading it on their next call, so each thread's configuration is put back after. */
+        hx_tile_config saved;
+        if (m_amx) {
+            HX_TILE_SAVE(&saved);
+            hx_tile_config cfg;
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette = 1;
+            cfg.rows[0] = AMX_ROWS, cfg.colsb[0] = 4 * NR; /* C: 16 rows of 16 int32 */
+            cfg.rows[1] = QK / 4, cfg.colsb[1] = 64;       /* B: 8 chunks of 4 k x 16 columns */
+            cfg.rows[2] = AMX_ROWS, cfg.colsb[2] = QK;     /* A: 16 rows of 32 activation bytes */
+            HX_TILE_CONFIG(&cfg);
+        }
+#endif
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < N / NR; t++) {
+            const uint8_t *w4 = q4 ? q4 + t * NR * (K / 2) : NULL;
+            const int8_t *w8 = q8 ? q8 + t * NR * K : NULL;
+            const char *s = (const char *)scales + width * (size_t)(t * groups * NR);
+            const char *zc = zero_terms ? (const char *)zero_terms + width * (size_t)(t * groups * NR) : NULL;
+#ifdef HX_AMX
+            for (int64_t m0 = 0; m0 < m_amx; m0 += AMX_ROWS) {
+                if (half) amx_tile(xq, d, xs, K, w4, w8, s, zc, 1, G, m0, N, t * NR, y);
+                else amx_tile(xq, d, xs, K, w4, w8, s, zc, 0, G, m0, N, t * NR, y);
+            }
+#endif
+            for (int64_t m0 = m_amx; m0 < M; m0 += MR) {
+                switch (M - m0 < MR ? M - m0 : MR) {
 #define TILE(R) case R: if (half) tile(xq, d, xs, qs, K, w4, w8, s, zc, 1, G, m0, R, N, t * NR, y); \
                            else tile(xq, d, xs, qs, K, w4, w8, s, zc, 0, G, m0, R, N, t * NR, y); break;
-                TILE(1) TILE(2) TILE(3) TILE(4)
+                    TILE(1) TILE(2) TILE(3) TILE(4)
 #undef TILE
+                }
             }
         }
+#ifdef HX_AMX
+        if (m_amx) {
+            if (saved.palette) HX_TILE_CONFIG(&saved); /* tile data is not kept across calls: only the shapes */
+            else HX_TILE_RELEASE();
+        }
+#endif
     }
     free(mem);
     return 0;
