@@ -280,6 +280,17 @@ def test_the_amx_path_gives_avx512_vnnis_bits_with_its_tile_operations_emulated(
         assert torch.equal(got[name], want[name]), name
 
 
+def test_an_amx_path_whose_tile_state_is_not_granted_is_refused_with_the_reason() -> None:
+    """A path that needs AMX loads only once its library has been granted the tile state: here a library
+    built without AMX (whose grant answers 'not an AMX build') stands for Linux saying no."""
+    avx2 = isa.PATHS["avx2"]
+    ungranted = isa.KernelPath("amx_ungranted", avx2.compile_flags, avx2.cpu_flags | {"amx_tile", "amx_int8"})
+    lib, why = native.load_path(ungranted)
+    assert lib is None and why.startswith("Linux did not grant the AMX tile state"), why
+    lib, why = native.load_path(avx2)  # the same library, for a path that needs no AMX, loads
+    assert lib is not None and why == ""
+
+
 def test_the_tiled_layout_gives_back_the_weight_and_any_of_its_rows() -> None:
     """`native.untile` rebuilds the canonical weight from the kernel's tiled bytes (the only resident copy of
     a quantized table: the embedding looks its rows up there): the whole weight dequantizes to the same

@@ -21,6 +21,7 @@ kernels.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import hashlib
 import logging
@@ -121,6 +122,8 @@ def load_path(path: isa.KernelPath) -> tuple[ctypes.CDLL | None, str]:
         rc = lib.helexa_amx_enable()
         if rc != 0:
             why = os.strerror(-rc) if rc < 0 else f"code {rc}"
+            if rc == -errno.ENOSPC:  # Linux checks every thread's sigaltstack against AMX's larger signal frame
+                why += ": a thread's alternate signal stack is too small for AMX's signal frame"
             return None, f"Linux did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {why})"
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.helexa_int4_gemm.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, p]
