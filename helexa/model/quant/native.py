@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from helexa.model.quant import isa
+from helexa.model.quant import hugepages, isa
 from helexa.model.quant.weight import QuantizedWeight
 from helexa.model.weights.pull import helexa_home
 
@@ -210,9 +210,10 @@ def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) 
     (N, K/G)) in the kernel's tiled layout: (tiled bytes (N/16, K/8, 64), tiled scales, tiled zero
     terms z - 8 s), the last two float16 when that is exact, else float32. Byte j of a tile's pair of
     chunks holds value j (4 * column + k) of the first chunk in its low nibble and of the second in its
-    high nibble. Beside the result it allocates only what `_TILE_ROWS` rows need at a time."""
+    high nibble. The tiled bytes lie on 2 MiB pages where Linux lends them (`hugepages`: the one-row
+    GEMM streams them faster). Beside the result it allocates only what `_TILE_ROWS` rows need at a time."""
     n, half_k = qweight.shape
-    tiled = torch.empty(n // _COLUMNS, half_k // 4, 4 * _COLUMNS, dtype=torch.uint8)
+    tiled = hugepages.empty((n // _COLUMNS, half_k // 4, 4 * _COLUMNS), torch.uint8)
     for r in range(0, n, _TILE_ROWS):
         part = qweight[r : r + _TILE_ROWS]
         v = _tile_values(torch.stack((part & 0xF, part >> 4), dim=-1).flatten(1))  # (rows/16, K/4, 64) in [0, 15]
@@ -224,10 +225,11 @@ def tile_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) 
 def tile_int8(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The canonical int8 weight (qweight (N, K) int8; scales (N, K/G), or (N,) per channel) in the
     kernel's tiled layout: (tiled bytes (N/16, K/4, 64), tiled scales), the scales float16 when that
-    is exact. Byte j of a tile's chunk is its value j (4 * column + k)."""
+    is exact. Byte j of a tile's chunk is its value j (4 * column + k); the bytes on 2 MiB pages where
+    Linux lends them, as `tile_int4`'s."""
     scales = scales if scales.dim() == 2 else scales[:, None]
     n, k = qweight.shape
-    tiled = torch.empty(n // _COLUMNS, k // 4, 4 * _COLUMNS, dtype=torch.int8)
+    tiled = hugepages.empty((n // _COLUMNS, k // 4, 4 * _COLUMNS), torch.int8)
     for r in range(0, n, _TILE_ROWS):
         tiled[r // _COLUMNS : (r + _TILE_ROWS) // _COLUMNS] = _tile_values(qweight[r : r + _TILE_ROWS])
     return tiled, *_tile_groups(scales)

@@ -49,12 +49,33 @@ int helexa_threads(void) { return threads > 0 ? threads : omp_get_max_threads();
 #define QK 32 /* activation values per block */
 #define NR 16 /* output columns per tile (one int32 lane each; AVX2 takes them 8 at a time) */
 #define MR 4  /* activation rows per register tile */
-/* int4 weights are read this many bytes ahead by software prefetch (into the next tiles: they are
- * contiguous). On a Zen 4 EPYC it took one-row int4 GEMMs over a 1B model's shapes from ~63% to ~94%
- * of one thread's read bandwidth (best of 10; 2,048 to 8,192 bytes ahead all did well, 16,384 less);
- * int8 weights, twice the bytes per multiply, are streamed well by the hardware prefetcher alone
- * (prefetching them too was slower). */
+/* Weights are read ahead of their use by software prefetch (into the next tiles: they are contiguous),
+ * two ways by the GEMM's row count. Measured on a Zen 4 EPYC, 2 threads, over a 1B model's shapes and
+ * weights far larger than the caches, on 2 MiB pages (hugepages.py), in the VM's slow (~34 GB/s) and fast
+ * (~52 GB/s) bandwidth modes, alternating:
+ * - 1 or 2 rows (`SHALLOW_ROWS`): int4 weights 4 KiB ahead into L1 (one-row int4 GEMMs went from ~63% to ~94%
+ *   of one thread's read bandwidth on 4 KiB pages), int8 weights, twice the bytes per multiply, by the
+ *   hardware prefetcher alone. Deeper prefetch into L2 read 21-30% slower in the fast mode at one row.
+ * - 3 rows or more: both PREFETCH_DEEP bytes ahead into L2, where more reads stay in flight than for L1:
+ *   there each weight byte takes longer to use, and the shallow way left the memory idle between reads.
+ *   At 4 rows it read 6% (int4) and 1% (int8) faster in the slow mode and 12% and 27% faster in the fast
+ *   one; at 8 rows 19% and 20% faster in either mode. */
+#define SHALLOW_ROWS 2
 #define PREFETCH 4096
+#define PREFETCH_DEEP 8192
+
+/* Block b's weight lines (int4: 4, int8: 8) ahead of their use: `deep` for GEMMs of more than SHALLOW_ROWS rows. */
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *w4, const int8_t *w8, int64_t b,
+                                                                 const int deep) {
+    if (deep) {
+        const char *at = w4 ? (const char *)(w4 + b * QK * NR / 2) : (const char *)(w8 + b * QK * NR);
+        const int lines = (w4 ? QK * NR / 2 : QK * NR) / 64;
+        for (int l = 0; l < lines; l++) _mm_prefetch(at + PREFETCH_DEEP + 64 * l, _MM_HINT_T1);
+    } else if (w4) {
+        for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(w4 + b * QK * NR / 2 + PREFETCH + 64 * l), _MM_HINT_T0);
+    }
+}
+
 #if defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HX_VNNI 1 /* the avx512_vnni build (helexa.model.quant.isa): vpdpbusd on 512-bit registers */
 #endif
@@ -225,7 +246,7 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
                                                        const int32_t *qs, int64_t K,
                                                        const uint8_t *w4, const int8_t *w8, const void *s,
                                                        const void *zc, const int half, int64_t G, int64_t m0,
-                                                       const int R, int64_t N, int64_t n0, float *y) {
+                                                       const int R, int64_t N, int64_t n0, float *y, const int deep) {
     const int64_t blocks = K / QK, per_group = G / QK;
     const int8_t *xr[MR];
     for (int r = 0; r < R; r++) xr[r] = xq + (m0 + r) * K;
@@ -235,8 +256,7 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
     group16 gs = group16_start();
     for (int64_t b = 0; b < blocks; b++) {
         group16_next(&gs, per_group, s, zc, half);
-        if (w4) /* the block's 4 cache lines PREFETCH bytes ahead (see PREFETCH) */
-            for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(w4 + b * QK * NR / 2 + PREFETCH + 64 * l), _MM_HINT_T0);
+        prefetch_block(w4, w8, b, deep);
         __m512i isum[MR];
         block_sums(xr, b * QK, w4 ? w4 + b * QK * NR / 2 : NULL, w8 ? w8 + b * QK * NR : NULL, R, isum);
         if (w8) /* the unsigned weights were q + 128: take 128 * sum(xq) of the block back */
@@ -258,8 +278,7 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
             g++;
             left = per_group - 1;
         }
-        if (w4) /* the block's 4 cache lines PREFETCH bytes ahead (see PREFETCH) */
-            for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(w4 + b * QK * NR / 2 + PREFETCH + 64 * l), _MM_HINT_T0);
+        prefetch_block(w4, w8, b, deep);
         for (int h = 0; h < 2; h++) { /* both halves of the block's cache lines while they are in L1 */
             __m256i isum[MR];
             block_sums(xr, b * QK, w4 ? w4 + b * QK * NR / 2 : NULL, w8 ? w8 + b * QK * NR : NULL, R, h, isum);
@@ -365,6 +384,7 @@ int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
     int32_t *qs = (int32_t *)(xs + M * blocks);
     int8_t *xq = (int8_t *)(qs + M * blocks);
     quantize_rows(x, M, K, ldx, xq, d, xs, qs);
+    const int deep = M > SHALLOW_ROWS; /* how far ahead the weights are prefetched (see PREFETCH) */
 #ifdef HX_AMX
     /* whole tiles of 16 rows by AMX; the rest (and every GEMM of fewer rows) 4 rows at a time by vpdpbusd */
     const int64_t m_amx = amx_granted ? M / AMX_ROWS * AMX_ROWS : 0;
@@ -402,8 +422,8 @@ int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
 #endif
             for (int64_t m0 = m_amx; m0 < M; m0 += MR) {
                 switch (M - m0 < MR ? M - m0 : MR) {
-#define TILE(R) case R: if (half) tile(xq, d, xs, qs, K, w4, w8, s, zc, 1, G, m0, R, N, t * NR, y); \
-                           else tile(xq, d, xs, qs, K, w4, w8, s, zc, 0, G, m0, R, N, t * NR, y); break;
+#define TILE(R) case R: if (half) tile(xq, d, xs, qs, K, w4, w8, s, zc, 1, G, m0, R, N, t * NR, y, deep); \
+                           else tile(xq, d, xs, qs, K, w4, w8, s, zc, 0, G, m0, R, N, t * NR, y, deep); break;
                     TILE(1) TILE(2) TILE(3) TILE(4)
 #undef TILE
                 }
