@@ -30,7 +30,8 @@ same ids go to both engines. Measured per model:
 - memory: each process's peak RSS, and the KV memory each engine held for its largest need
   (helexa: the whole pool, sized to the largest need here; llama.cpp: its largest context's
   float16 K/V) — the issue's target is helexa's peak <= llama.cpp's + helexa's pool.
-- the roofline: the machine's read bandwidth (`--threads` threads summing a 1 GiB buffer) over the
+- the roofline: the machine's read bandwidth (`--threads` threads summing a 1 GiB buffer, on 2 MiB
+  pages where Linux lends them: the most the memory gives, and how helexa holds its weights) over the
   bytes a decode step reads (every weight of the GGUF once: the tied embedding is the head), so one
   stream's roofline is bandwidth / weight bytes steps/s. A shared VM's bandwidth swings by 2x within
   minutes, so a fraction against a sample taken at another moment says little: each engine's process
@@ -79,7 +80,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from helexa import LLM, SamplingParams  # noqa: E402
-from helexa.model.quant import native  # noqa: E402
+from helexa.model.quant import hugepages, native  # noqa: E402
 from helexa.model.weights.pull import DEFAULT_MODEL, KNOWN_MODELS, helexa_home, pull  # noqa: E402
 
 sys.path.insert(0, str(BENCH))
@@ -460,10 +461,12 @@ class Column:
 
 def read_bandwidth(threads: int, repeats: int = 5) -> float:
     """Bytes per second this machine reads with `threads` threads: a sum over a 1 GiB float32 buffer
-    (larger than any cache), the best of `repeats`. (torch's sum reads as fast as a hand-written
-    AVX-512 loop over the same bytes here: 34-37 against 30-31 GB/s, measured side by side.)"""
+    (larger than any cache) on 2 MiB pages where Linux lends them, as helexa's weights are
+    (`helexa.model.quant.hugepages`; on 4 KiB pages the same sum read 25-40% less here), the best of
+    `repeats`. (torch's sum reads as fast as a hand-written AVX-512 loop over the same bytes here:
+    34-37 against 30-31 GB/s, measured side by side.)"""
     torch.set_num_threads(threads)
-    buf = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+    buf = hugepages.empty((1 << 28,), torch.float32).fill_(1.0)  # 1 GiB
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -580,7 +583,8 @@ def report(runs: list[ModelRun], args: argparse.Namespace) -> str:
         f"built natively for this CPU (GGML_NATIVE=ON, bench/setup_llama_cpp.sh; extra buffer types "
         f"{'off: this CPU has AMX, whose buffer type segfaulted on an AMX Xeon' if cpu_has_amx() else 'on'}); "
         f"measured read bandwidth {args.read_bandwidth / 1e9:.1f} GB/s "
-        f"({args.threads} threads). Load average at the start: {args.load_at_start}.",
+        f"({args.threads} threads, {'2 MiB' if hugepages.enabled() else '4 KiB'} pages). "
+        f"Load average at the start: {args.load_at_start}.",
         "",
         f"Greedy, EOS ignored, {args.new_tokens} new tokens per stream ({args.long_new_tokens} at the long context); "
         f"prefill: median of {args.prefill_repeats} different prompts (over {LONG_PROMPT} tokens: one). "
