@@ -3,9 +3,10 @@ kernels stream.
 
 A one-row GEMM reads each weight byte once, front to back, so its speed is the memory's. On 4 KiB pages
 the hardware prefetchers stop at every page boundary and each page costs a TLB miss; on 2 MiB pages a
-stream runs on. On a Zen 4 EPYC (2 threads, `bench/RESULTS.md`), one-row int4 and int8 GEMMs over
-weights far larger than the caches read 12% faster in the machine's slow-bandwidth mode and 30% faster
-in its fast one (int4: 31.9 -> 35.7 and 45.5 -> 59.2 GB/s).
+stream runs on. On a Zen 4 EPYC VM (2 threads, `bench/weight_pages.py`, `bench/RESULTS.md`), one-row
+int4 and int8 GEMMs over weights far larger than the caches read 5-6% faster from 2 MiB pages in the
+machine's slow-bandwidth mode and 8-9% faster in its fast one in one 5-minute run; 12% and 30% in an
+earlier one (int4: 31.9 -> 35.7 and 45.5 -> 59.2 GB/s).
 
 `empty(shape, dtype)` gives an uninitialised tensor in an anonymous mapping of its own, starting on a
 2 MiB boundary, whose whole 2 MiB pages are advised `MADV_HUGEPAGE`; the last partial page stays on
