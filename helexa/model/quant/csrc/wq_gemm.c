@@ -351,23 +351,22 @@ static inline __attribute__((always_inline)) void amx_tile(const int8_t *xq, con
  * XTILEDATA, Linux 5.16 and later): without it the first tile instruction faults. Returns 0 when granted, else
  * -errno; the kernel runs no tile instruction until it returned 0. The emulated build needs no permission. */
 int helexa_amx_enable(void) {
-#ifdef HX_AMX_EMULATE
+#ifndef HX_AMX_EMULATE
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return -errno;
+#endif
     amx_granted = 1;
     return 0;
 }
 
+#ifdef HX_AMX_EMULATE
 /* The emulated build only: how many tile products (TDPBSUD, TDPBSSD) it has run. */
 int64_t helexa_amx_emulated_products(void) {
     int64_t n;
 #pragma omp atomic read
     n = hx_emu_products;
     return n;
-#else
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return -errno;
-    amx_granted = 1;
-    return 0;
-#endif
 }
+#endif
 #else
 /* Not an AMX build: returns 1. */
 int helexa_amx_enable(void) { return 1; }
