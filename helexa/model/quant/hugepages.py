@@ -55,8 +55,7 @@ def enabled() -> bool:
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor of `shape` and `dtype`, on 2 MiB pages where it can be (see
     the module doc): the same tensor `torch.empty` gives, but for where its memory lies."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not enabled():
         return torch.empty(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

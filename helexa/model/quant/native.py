@@ -117,14 +117,14 @@ def load_path(path: isa.KernelPath) -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(str(build(path)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"building it failed: {exc}"
+    # Every library answers: 0 an AMX build now granted the tile state, 1 a build without AMX, -errno refused.
     lib.helexa_amx_enable.restype = ctypes.c_int
-    if "amx_tile" in path.cpu_flags or "-DHX_AMX_EMULATE" in path.compile_flags:
-        rc = lib.helexa_amx_enable()
-        if rc != 0:
-            why = os.strerror(-rc) if rc < 0 else f"code {rc}"
-            if rc == -errno.ENOSPC:  # Linux checks every thread's sigaltstack against AMX's larger signal frame
-                why += ": a thread's alternate signal stack is too small for AMX's signal frame"
-            return None, f"Linux did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {why})"
+    rc = lib.helexa_amx_enable()
+    if rc < 0 or (rc == 1 and "amx_tile" in path.cpu_flags):
+        why = os.strerror(-rc) if rc < 0 else "not asked: the library was built without AMX"
+        if rc == -errno.ENOSPC:  # Linux checks every thread's sigaltstack against AMX's larger signal frame
+            why += ": a thread's alternate signal stack is too small for AMX's signal frame"
+        return None, f"Linux did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {why})"
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.helexa_int4_gemm.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, p]
     lib.helexa_int8_gemm.argtypes = [p, i64, i64, p, p, i64, i64, i64, p]

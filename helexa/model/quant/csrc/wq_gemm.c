@@ -368,7 +368,7 @@ int64_t helexa_amx_emulated_products(void) {
 }
 #endif
 #else
-/* Not an AMX build: returns 1. */
+/* Not an AMX build: returns 1 (native.load_path refuses it for a path that needs AMX). */
 int helexa_amx_enable(void) { return 1; }
 #endif
 
