@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from helexa.kernels import reference
 from helexa.model.loader import load_model
-from helexa.model.quant import native, native_step
+from helexa.model.quant import isa, native, native_step
 from helexa.model.quant.native_step import native_step_for, paged_attention
 from tests.support.engines import torch_threads
 from tests.support.kernel_paths import kernel_paths, use_emulated_amx, use_kernel_path
@@ -63,6 +63,37 @@ def test_paged_attention_matches_the_reference(
     want = reference.paged_attention(q.double(), k_cache.double(), v_cache.double(), tables, seq_lens, starts)
     got = paged_attention(q, k_cache, v_cache, tables, seq_lens, starts)
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d"), [(1, 1, 64), (2, 1, 64), (3, 1, 64), (8, 2, 64), (9, 3, 64), (5, 1, 128), (4, 2, 40)]
+)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=str)
+def test_attention_is_the_same_bits_on_every_path(
+    heads: int, kv_heads: int, d: int, cache_dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Query heads of a KV head share each K and V row's widening (csrc/step.c, scores_grouped4/2 and
+    values_grouped4/2): 4 at a time with AVX-512 where D is 64, else 2 where D is a multiple of 32 (so
+    `avx2` and `avx512_vnni` group D 64 differently); a last head alone, and another D, go one head at a
+    time. Every way does each element's arithmetic alike, so every path gives the same bits: 1 to 9 heads
+    per KV head, D 64, 128 (several slices of values) and one no group takes, key counts that end inside a
+    group of 8 keys and inside a chunk. Needs two paths this CPU runs."""
+    runnable = [p for p in kernel_paths() if not isa.missing(isa.PATHS[p])]
+    if len(runnable) < 2:
+        pytest.skip(f"this CPU runs only {runnable} of the kernel paths {kernel_paths()}: nothing to compare")
+    g = torch.Generator().manual_seed(heads * d + kv_heads)
+    lens = [1, 7, 8, 13, 130, 300]
+    qlens = [1, 7, 1, 13, 3, 20]  # decode, a whole prefill, split extends (<= 8 rows), a tile of rows
+    q, k_cache, v_cache, tables, seq_lens, starts = _paged_inputs(g, lens, qlens, heads, kv_heads, d, 16)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    got = {}
+    for path in runnable:
+        use_kernel_path(path, monkeypatch)
+        got[path] = paged_attention(q, k_cache, v_cache, tables, seq_lens, starts)
+    assert not got[runnable[0]].isnan().any()
+    first, *others = runnable
+    for path in others:
+        assert torch.equal(got[path], got[first]), path
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
