@@ -1,0 +1,246 @@
+"""The fused CPU step's paged attention alone, per instruction-set path, against torch and an older tree.
+
+For each model shape (query heads / KV heads / head size: SmolLM2-135M 9/3/64, a 1B Llama 32/4/64, an
+8B Llama 32/8/128) and context length, one sequence's query rows over a float16 paged cache (blocks of
+16, scattered) are attended by:
+
+- `helexa`: this tree's kernel (`helexa_paged_attention`, what `native_step.paged_attention` calls) on
+  every path this CPU runs;
+- `baseline` (with `--baseline DIR`, a checkout of the code before, e.g.
+  `git worktree add /tmp/base HEAD~1`): that tree's `csrc/` built with the same path's flags and
+  called through the same C function, so the ratio is this tree's kernel against the older one's;
+- `torch SDPA`: `scaled_dot_product_attention` (GQA) over the same keys and values already gathered
+  into contiguous float32 tensors (its best case: the gathering is not timed), for one row (decode)
+  only, where it has no mask to build.
+
+Rows: 1 (a decode row) and 16 (a tile of prefill rows at the end of the context). Each contender calls
+`--layers` distinct caches in turn, as a model's layers are, so with the default 8 the K/V come from
+memory as in a long context's decode (`--layers 1`: the same cache every call, K/V in cache). Every
+result is checked bit for bit against the first path's and against the baseline's (both promise the
+same bits) and against the float64 reference. Each round times every contender back to back (10 calls
+or more each); the median over `--rounds` rounds counts.
+
+    python bench/cpu_attention.py [--baseline /tmp/base] [--threads 2] [--rounds 9] [--layers 8]
+
+Prints the CPU model and the paths; writes `bench/results/cpu_attention.md` and `.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.machine import cpu_name  # noqa: E402
+from helexa.kernels import reference  # noqa: E402
+from helexa.model.quant import isa, native  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = {"135m": (9, 3, 64), "1b": (32, 4, 64), "8b": (32, 8, 128)}
+BLOCK = 16
+CALLS = 10  # calls per timing
+
+
+def inputs(shape: tuple[int, int, int], context: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q (rows, H, D) for the last `rows` positions of a `context`-token sequence whose float16 keys and
+    values lie in scattered blocks: (q, k_cache, v_cache, tables, seq_lens, starts)."""
+    heads, kv_heads, d = shape
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-context // BLOCK)
+    k_cache = torch.randn(blocks + 1, BLOCK, kv_heads, d, generator=g).half()
+    v_cache = torch.randn(blocks + 1, BLOCK, kv_heads, d, generator=g).half()
+    tables = (torch.randperm(blocks + 1, generator=g)[:blocks]).to(torch.int32)[None]
+    q = torch.randn(rows, heads, d, generator=g) * 2
+    return (
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        torch.tensor([context], dtype=torch.int32),
+        torch.tensor([0, rows], dtype=torch.int32),
+    )
+
+
+def baseline_library(tree: Path, path: isa.KernelPath) -> ctypes.CDLL:
+    """`tree`'s kernel source built with `path`'s flags (as helexa.model.quant.native builds its own)."""
+    csrc = tree / "helexa" / "model" / "quant" / "csrc"
+    out = Path(tempfile.mkdtemp(prefix="helexa-baseline-")) / f"{path.name}.so"
+    flags = [*native._FLAGS, *path.compile_flags]
+    subprocess.run(
+        [native._compiler() or "cc", *flags, "-o", str(out), str(csrc / "wq_gemm.c"), str(csrc / "step.c"), "-lm"],
+        check=True,
+    )
+    lib = ctypes.CDLL(str(out))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.helexa_paged_attention.argtypes = [p, p, p, *[i64] * 8, p, p, i64, p, ctypes.c_float, i64, p]
+    lib.helexa_set_threads.argtypes = [i64]
+    return lib
+
+
+def call_library(lib: ctypes.CDLL, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """`lib`'s helexa_paged_attention on `args` (as `native_step.paged_attention` calls it), into a
+    NaN-poisoned output."""
+    q, k, v, tables, lens, starts = args
+    out = torch.full_like(q, float("nan"))
+    rc = lib.helexa_paged_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), *k.stride()[:3], BLOCK, 1, q.shape[1], k.shape[2], q.shape[2],
+        starts.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), q.shape[2] ** -0.5, 1,
+        out.data_ptr(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"helexa_paged_attention returned {rc}")
+    return out
+
+
+def sdpa_call(args: tuple[torch.Tensor, ...]) -> Callable[[], torch.Tensor]:
+    """torch's attention of the one query row over the same keys and values, gathered contiguous first."""
+    q, k_cache, v_cache, tables, lens, _ = args
+    n = int(lens[0])
+    k = k_cache[tables[0].long()].flatten(0, 1)[:n].float().transpose(0, 1)[None]  # (1, KVH, n, D)
+    v = v_cache[tables[0].long()].flatten(0, 1)[:n].float().transpose(0, 1)[None]
+    qt = q.transpose(0, 1)[None]  # (1, H, 1, D)
+    return lambda: F.scaled_dot_product_attention(qt, k, v, enable_gqa=True)[0].transpose(0, 1)
+
+
+def timed(fns: list[Callable[[], object]]) -> float:
+    """ms per call, calling each of `fns` in turn (one per layer's cache) until CALLS calls or more."""
+    passes = -(-CALLS // len(fns))
+    t0 = time.perf_counter()
+    for _ in range(passes):
+        for fn in fns:
+            fn()
+    return (time.perf_counter() - t0) / (passes * len(fns)) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", type=Path, help="a checkout of older code: its kernel is built and timed too")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--contexts", default="1024,4096,8128")
+    parser.add_argument("--models", default="135m,1b,8b")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=8,
+        help="distinct caches called in turn, as a model's layers are (then K/V come from memory, as in a "
+        "long context's decode); 1: the same cache every call (K/V stay in cache)",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    paths = [name for name, p in isa.PATHS.items() if not isa.missing(p) and native.load_path(p)[0] is not None]
+    if not paths:
+        sys.exit(f"no kernel path runs here: {native.unavailable_reason()}")
+    libraries = {name: native.load_path(isa.PATHS[name])[0] for name in paths}
+    baselines = {name: baseline_library(args.baseline, isa.PATHS[name]) for name in paths} if args.baseline else {}
+    for lib in [*libraries.values(), *baselines.values()]:
+        lib.helexa_set_threads(args.threads)
+    print(f"CPU: {cpu_name()}; kernel paths run: {', '.join(paths)}; {args.threads} threads", flush=True)
+
+    rows_out: list[dict] = []
+    for model in args.models.split(","):
+        for context in map(int, args.contexts.split(",")):
+            for rows in (1, 16):
+                cases = [inputs(SHAPES[model], context, rows, seed) for seed in range(args.layers)]
+                case = cases[0]
+                want = reference.paged_attention(*(t.double() if t.is_floating_point() else t for t in case))
+                contenders: dict[str, list[Callable[[], torch.Tensor]]] = {}
+                for name in paths:
+                    contenders[f"helexa {name}"] = [lambda n=name, c=c: call_library(libraries[n], c) for c in cases]
+                    if name in baselines:
+                        contenders[f"baseline {name}"] = [
+                            lambda n=name, c=c: call_library(baselines[n], c) for c in cases
+                        ]
+                if rows == 1:
+                    contenders["torch SDPA"] = [sdpa_call(c) for c in cases]
+                outs = {k: fns[0]() for k, fns in contenders.items()}
+                first = outs[f"helexa {paths[0]}"]
+                torch.testing.assert_close(first, want.float(), rtol=1e-4, atol=1e-4)
+                same = all(torch.equal(o, first) for k, o in outs.items() if k != "torch SDPA")
+                times: dict[str, list[float]] = {k: [] for k in contenders}
+                for _ in range(args.rounds):
+                    for k, fns in contenders.items():
+                        times[k].append(timed(fns))
+                ms = {k: statistics.median(v) for k, v in times.items()}
+                rows_out.append({"model": model, "context": context, "rows": rows, "ms": ms, "same_bits": same})
+                print(
+                    f"{model} {context:>5} keys x {rows:>2} rows: "
+                    + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
+                    + ("" if same else "  (NOT the same bits)"),
+                    flush=True,
+                )
+    _write(rows_out, paths, baselines, args)
+
+
+def _commit(tree: Path) -> str:
+    """`tree`'s checked-out commit, or "not a git checkout"."""
+    result = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True, text=True)
+    return result.stdout.strip()[:80] if result.returncode == 0 else "not a git checkout"
+
+
+def _write(rows: list[dict], paths: list[str], baselines: dict, args: argparse.Namespace) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    names = list(rows[0]["ms"])
+    head = [
+        "# The fused CPU step's paged attention alone (bench/cpu_attention.py)",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M')}; CPU: {cpu_name()}; kernel paths: {', '.join(paths)}; "
+        f"{args.threads} threads; float16 cache, blocks of {BLOCK}; {args.layers} caches (layers) called in turn; "
+        f"median of {args.rounds} rounds of {CALLS} calls or more"
+        + (f"; baseline: {args.baseline} ({_commit(args.baseline)})" if baselines else ""),
+        "",
+        "| model (H / KVH / D) | keys | rows | " + " | ".join(f"{n} (ms)" for n in names) + " | ratios | same bits |",
+        "|---|---|---|" + "---|" * len(names) + "---|---|",
+    ]
+    for r in rows:
+        h, kvh, d = SHAPES[r["model"]]
+        ms = r["ms"]
+        ratios = []
+        for p in paths:
+            if f"baseline {p}" in ms:
+                ratios.append(f"{p} vs baseline {ms[f'baseline {p}'] / ms[f'helexa {p}']:.2f}x")
+            if "torch SDPA" in ms:
+                ratios.append(f"{p} vs SDPA {ms['torch SDPA'] / ms[f'helexa {p}']:.2f}x")
+        cells = [f"{ms[n]:.3f}" if n in ms else "—" for n in names]
+        head.append(
+            f"| {r['model']} ({h} / {kvh} / {d}) | {r['context']} | {r['rows']} | "
+            + " | ".join(cells)
+            + f" | {'; '.join(ratios)} | {'yes' if r['same_bits'] else 'NO'} |"
+        )
+    (RESULTS / "cpu_attention.md").write_text("\n".join(head) + "\n")
+    print("\n".join(head))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    labels = [f"{r['model']} {r['context']}x{r['rows']}" for r in rows]
+    width = 0.8 / len(names)
+    for i, n in enumerate(names):
+        ax.bar([j + i * width for j in range(len(rows))], [r["ms"].get(n, 0.0) for r in rows], width=width, label=n)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], labels, fontsize=7, rotation=30)
+    ax.set_ylabel("ms per call (lower is better)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title(f"paged attention, {cpu_name()}, {args.threads} threads", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "cpu_attention.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
