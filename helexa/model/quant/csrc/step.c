@@ -254,7 +254,7 @@ static inline __attribute__((always_inline)) void scores_each(const float *qg, c
 }
 
 /* Scores of one query head against the first n keys: 8 keys at a time, then one at a time. Key j's
- * score is the same bits wherever it is computed (here or in scores_grouped): 8 lanes, lane l summing
+ * score is the same bits wherever it is computed (here or in scores_grouped4/2): 8 lanes, lane l summing
  * q[i + l] * k[i + l] over i in order, the lanes summed by hsum8's tree (hsum's for the last keys). */
 static inline __attribute__((always_inline)) void scores_of(const float *qg, const void *const *kp, int64_t n,
                                                             int64_t d, float scale, float *sg, const int half) {
