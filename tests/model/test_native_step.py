@@ -72,12 +72,12 @@ def test_paged_attention_matches_the_reference(
 def test_attention_is_the_same_bits_on_every_path(
     heads: int, kv_heads: int, d: int, cache_dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Query heads of a KV head share each K and V row's widening (csrc/step.c, scores_grouped4/2 and
-    values_grouped4/2): 4 at a time with AVX-512 where D is 64, else 2 where D is a multiple of 32 (so
-    `avx2` and `avx512_vnni` group D 64 differently); a last head alone, and another D, go one head at a
-    time. Every way does each element's arithmetic alike, so every path gives the same bits: 1 to 9 heads
-    per KV head, D 64, 128 (several slices of values) and one no group takes, key counts that end inside a
-    group of 8 keys and inside a chunk. Needs two paths this CPU runs."""
+    """Query heads of a KV head share each K and V row's widening (csrc/step.c: scores_grouped4 and
+    values_grouped4, scores_pair and values_pair): 4 at a time with AVX-512 where D is 64, else 2 where D
+    is a multiple of 32 (so `avx2` and `avx512_vnni` group D 64 differently); a last head alone, and
+    another D, go one head at a time. Every way does each element's arithmetic alike, so every path gives
+    the same bits: 1 to 9 heads per KV head, D 64, 128 (several slices of values) and one no group takes,
+    key counts that end inside a group of 8 keys and inside a chunk. Needs two paths this CPU runs."""
     runnable = [p for p in kernel_paths() if not isa.missing(isa.PATHS[p])]
     if len(runnable) < 2:
         pytest.skip(f"this CPU runs only {runnable} of the kernel paths {kernel_paths()}: nothing to compare")

@@ -254,7 +254,7 @@ static inline __attribute__((always_inline)) void scores_each(const float *qg, c
 }
 
 /* Scores of one query head against the first n keys: 8 keys at a time, then one at a time. Key j's
- * score is the same bits wherever it is computed (here or in scores_grouped4/2): 8 lanes, lane l summing
+ * score is the same bits wherever it is computed (here, in scores_grouped4 or in scores_pair): 8 lanes, lane l summing
  * q[i + l] * k[i + l] over i in order, the lanes summed by hsum8's tree (hsum's for the last keys). */
 static inline __attribute__((always_inline)) void scores_of(const float *qg, const void *const *kp, int64_t n,
                                                             int64_t d, float scale, float *sg, const int half) {
@@ -379,59 +379,77 @@ static inline __attribute__((always_inline)) void values_grouped4(const float *s
             for (int r = 0; r < 4; r++) _mm512_storeu_ps(o + g * d + e0 + 16 * r, acc[g][r]);
     }
 }
+
+/* The partials of GV (2 to 4) query heads (chunk_partial_of's m, l, o for them), sharing each row's widening. */
+static inline __attribute__((always_inline)) void group_partial(const float *q, const int GV, const void *const *kp,
+                                                                const void *const *vp, int64_t n, int64_t d,
+                                                                float scale, float *sg, float *m, float *l, float *o,
+                                                                const int half) {
+    scores_grouped4(q, GV, kp, n, d, scale, sg, half);
+    for (int g = 0; g < GV; g++) softmax_of(sg + g * KCHUNK, n, m + g, l + g);
+    values_grouped4(sg, GV, vp, n, d, o, half);
+}
 #endif
 
-/* scores_of for GV (at most 2, a constant at each call site) query heads q (GV, D) at once, into
- * sg (GV rows of KCHUNK): each key's 8 values at a time are widened once for all GV heads. Each key's 8
+/* scores_of for two query heads q (2, D) at once, into sg (2 rows of KCHUNK): each key's 8 values at a
+ * time are widened once for both heads. Each key's 8
  * lanes are summed by the same fused multiply-adds in the same order as in scores_of, and reduced by
  * hsum8's tree, four keys at a time: the same bits. */
-static inline __attribute__((always_inline)) void scores_grouped2(const float *q, const int GV,
-                                                                 const void *const *kp, int64_t n, int64_t d,
-                                                                 float scale, float *sg, const int half) {
+static inline __attribute__((always_inline)) void scores_pair(const float *q, const void *const *kp, int64_t n, int64_t d,
+                                                              float scale, float *sg, const int half) {
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
         __m256 u[2][2];
         for (int h = 0; h < 2; h++) { /* keys j + 4 h .. j + 4 h + 3 */
             __m256 a[2][4];
-            for (int g = 0; g < GV; g++)
+            for (int g = 0; g < 2; g++)
                 for (int r = 0; r < 4; r++) a[g][r] = _mm256_setzero_ps();
             for (int64_t i = 0; i < d; i += 8) {
                 __m256 k[4];
                 for (int r = 0; r < 4; r++) k[r] = hx_load8(kp[j + 4 * h + r], i, half);
-                for (int g = 0; g < GV; g++) {
+                for (int g = 0; g < 2; g++) {
                     const __m256 qv = _mm256_loadu_ps(q + g * d + i);
                     for (int r = 0; r < 4; r++) a[g][r] = _mm256_fmadd_ps(qv, k[r], a[g][r]);
                 }
             }
-            for (int g = 0; g < GV; g++) u[g][h] = hsum4(a[g][0], a[g][1], a[g][2], a[g][3]);
+            for (int g = 0; g < 2; g++) u[g][h] = hsum4(a[g][0], a[g][1], a[g][2], a[g][3]);
         }
-        for (int g = 0; g < GV; g++)
+        for (int g = 0; g < 2; g++)
             _mm256_storeu_ps(sg + g * KCHUNK + j, _mm256_mul_ps(hsum8_of(u[g][0], u[g][1]), _mm256_set1_ps(scale)));
     }
-    for (int g = 0; g < GV; g++) scores_each(q + g * d, kp, j, n, d, scale, sg + g * KCHUNK, half);
+    for (int g = 0; g < 2; g++) scores_each(q + g * d, kp, j, n, d, scale, sg + g * KCHUNK, half);
 }
 
-/* values_of for GV query heads at once, 32 output elements at a time (D % 32 == 0): each V row is
- * widened once per slice for all GV heads. Every output element sums p[j] * V[j][e] over j in order by
+/* values_of for two query heads at once, 32 output elements at a time (D % 32 == 0): each V row is
+ * widened once per slice for both heads. Every output element sums p[j] * V[j][e] over j in order by
  * fused multiply-adds from zero, as weigh_values does: the same bits. */
-static inline __attribute__((always_inline)) void values_grouped2(const float *sg, const int GV,
-                                                                 const void *const *vp, int64_t n, int64_t d,
-                                                                 float *o, const int half) {
+static inline __attribute__((always_inline)) void values_pair(const float *sg, const void *const *vp, int64_t n, int64_t d,
+                                                              float *o, const int half) {
     for (int64_t e0 = 0; e0 < d; e0 += 32) {
         __m256 acc[2][4];
-        for (int g = 0; g < GV; g++)
+        for (int g = 0; g < 2; g++)
             for (int r = 0; r < 4; r++) acc[g][r] = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
             __m256 v[4];
             for (int r = 0; r < 4; r++) v[r] = hx_load8(vp[j], e0 + 8 * r, half);
-            for (int g = 0; g < GV; g++) {
+            for (int g = 0; g < 2; g++) {
                 const __m256 pj = _mm256_set1_ps(sg[g * KCHUNK + j]);
                 for (int r = 0; r < 4; r++) acc[g][r] = _mm256_fmadd_ps(pj, v[r], acc[g][r]);
             }
         }
-        for (int g = 0; g < GV; g++)
+        for (int g = 0; g < 2; g++)
             for (int r = 0; r < 4; r++) _mm256_storeu_ps(o + g * d + e0 + 8 * r, acc[g][r]);
     }
+}
+
+/* The partials of two query heads (chunk_partial_of's m, l, o for them), sharing each row's widening. */
+static inline __attribute__((always_inline)) void pair_partial(const float *q, const void *const *kp,
+                                                               const void *const *vp, int64_t n, int64_t d,
+                                                               float scale, float *sg, float *m, float *l, float *o,
+                                                               const int half) {
+    scores_pair(q, kp, n, d, scale, sg, half);
+    for (int g = 0; g < 2; g++) softmax_of(sg + g * KCHUNK, n, m + g, l + g);
+    values_pair(sg, vp, n, d, o, half);
 }
 
 /* The partial of one query over the first n keys of a chunk (kp, vp), for the G query heads q (G, D) of
@@ -452,24 +470,19 @@ static inline __attribute__((always_inline)) void chunk_partial_of(const float *
 #endif
     if (group == 1 && d % 32 == 0) group = 2;
     for (; group > 1 && g0 + 1 < G; g0 += group) {
-        const int64_t gv = G - g0 < group ? G - g0 : group;
-        switch (group * 8 + gv) {
+        const float *qg = q + g0 * d;
+        float *sg = scores + g0 * KCHUNK, *og = o + g0 * d;
 #ifdef __AVX512F__
-#define GROUP4(GV) case 32 + GV: scores_grouped4(q + g0 * d, GV, kp, n, d, scale, scores + g0 * KCHUNK, half); break;
-            GROUP4(2) GROUP4(3) GROUP4(4)
-#undef GROUP4
+        const int64_t gv = G - g0 < group ? G - g0 : group; /* 2 to 4 heads */
+        if (group == 4 && gv == 4)
+            group_partial(qg, 4, kp, vp, n, d, scale, sg, m + g0, l + g0, og, half);
+        else if (group == 4 && gv == 3)
+            group_partial(qg, 3, kp, vp, n, d, scale, sg, m + g0, l + g0, og, half);
+        else if (group == 4)
+            group_partial(qg, 2, kp, vp, n, d, scale, sg, m + g0, l + g0, og, half);
+        else
 #endif
-        case 16 + 2: scores_grouped2(q + g0 * d, 2, kp, n, d, scale, scores + g0 * KCHUNK, half); break;
-        }
-        for (int64_t g = g0; g < g0 + gv; g++) softmax_of(scores + g * KCHUNK, n, m + g, l + g);
-        switch (group * 8 + gv) {
-#ifdef __AVX512F__
-#define GROUP4(GV) case 32 + GV: values_grouped4(scores + g0 * KCHUNK, GV, vp, n, d, o + g0 * d, half); break;
-            GROUP4(2) GROUP4(3) GROUP4(4)
-#undef GROUP4
-#endif
-        case 16 + 2: values_grouped2(scores + g0 * KCHUNK, 2, vp, n, d, o + g0 * d, half); break;
-        }
+            pair_partial(qg, kp, vp, n, d, scale, sg, m + g0, l + g0, og, half);
     }
     for (int64_t g = g0; g < G; g++) {
         float *sg = scores + g * KCHUNK;
