@@ -262,14 +262,35 @@ def best(replicas: list[Replica]) -> SessionRun:
     return run_sessions(replicas[0].url, replicas, _model(replicas))
 
 
-def _check_sessions(run: SessionRun, best: SessionRun, name: str) -> float:
+def _check_sessions(run: SessionRun, best: SessionRun, name: str, more: set[int] | None = None) -> float:
+    """Turns 2-4 find >= 90% of the best possible hits, and the sessions (with `more`: the replicas that served
+    further sessions) spread over >= 2 replicas."""
     assert best.later_hits() > 0
     rate = run.later_hits() / best.later_hits()
+    spread = run.session_replicas() | (more or set())
     print(f"{name}: hit tokens of turns 2-4 {run.later_hits()} of a possible {best.later_hits()} ({rate:.3f}); "
-          f"sessions on replicas {sorted(run.session_replicas())}")  # fmt: skip
+          f"sessions on replicas {sorted(run.session_replicas())}, with further sessions {sorted(spread)}")  # fmt: skip
     assert rate >= 0.9, f"{name}: {rate:.3f} of the best possible prefix hits"
-    assert len(run.session_replicas()) >= 2, f"{name}: every session went to one replica"
+    assert len(spread) >= 2, f"{name}: every session went to one replica"
     return rate
+
+
+def _replicas_of_sessions(url: str, reps: list[Replica], model: str, sessions: list[str]) -> set[int]:
+    """The replicas that serve one short request of each session id (`X-Session-ID`), sent one at a time.
+
+    Under `consistent_hash` where a session goes is its id's place on a ring of the replicas' URLs (random
+    ports): the 4 sessions of `run_sessions` all land on one of 3 replicas 1 time in 27, so the spread is
+    asked of more ids (20 on one replica: about 1 in 10^9), not of those 4."""
+    served: set[int] = set()
+    with httpx.Client(timeout=60) as http:
+        for session in sessions:
+            before = [r.admission()["admitted_total"] for r in reps]
+            body = {"model": model, "prompt": f"hello from {session}", "max_tokens": 1}
+            reply = http.post(url + "/v1/completions", json=body, headers={"X-Session-ID": session})
+            assert reply.status_code == 200, reply.text
+            after = [r.admission()["admitted_total"] for r in reps]
+            served.update(i for i in range(len(reps)) if after[i] > before[i])
+    return served
 
 
 @pytest.mark.parametrize("policy", ["kv_aware", "cache_aware", "consistent_hash"])
@@ -281,10 +302,13 @@ def test_vllm_router_keeps_sessions_on_their_cache(
     _flush(replicas)
     with running_router(vllm_router(replicas, policy, *extra), tmp_path / "router.log") as url:
         run = run_sessions(url, replicas, model, session_header=policy == "consistent_hash")
+        more = None
+        if policy == "consistent_hash":
+            more = _replicas_of_sessions(url, replicas, model, [f"probe-{i}" for i in range(16)])
         if policy == "kv_aware":  # the router fans its /flush_cache out to every replica (behind their key)
             assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
             assert all(r.admission()["blocks_cached"] == 0 for r in replicas)
-    _check_sessions(run, best, f"vllm-router {policy}")
+    _check_sessions(run, best, f"vllm-router {policy}", more)
 
 
 def test_sglang_router_cache_aware_keeps_sessions_on_their_cache(
