@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helexa.admission import AdmissionRejected  # noqa: E402
 from helexa.config import EngineConfig  # noqa: E402
-from helexa.engine.engine import Engine, RequestHandle  # noqa: E402
+from helexa.engine.engine import Engine  # noqa: E402
+from helexa.engine.interface import RequestHandle  # noqa: E402
 from helexa.model.sampling import SamplingParams  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"

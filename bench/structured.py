@@ -63,7 +63,7 @@ def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dic
 
 def mask_cost(engine: Engine, grammar: str, rows: int, repeats: int = 50) -> float:
     """Milliseconds to fill `rows` constraints' masks and apply them to (rows, vocab) logits, one step."""
-    from helexa.model.sampling.grammar import allocate_bitmask, masked_logits
+    from helexa.model.sampling.bitmask import allocate_bitmask, masked_logits
 
     constraints = [engine.grammar_tokenizer.constraint(grammar) for _ in range(rows)]
     vocab = constraints[0].vocab_size

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from helexa.config import EngineConfig
-from helexa.engine.engine import Engine, RequestHandle
+from helexa.engine.engine import Engine
+from helexa.engine.interface import RequestHandle
 from helexa.engine.stream import TokenLogprob
 from helexa.model.sampling import SamplingParams
 

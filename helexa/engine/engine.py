@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +22,7 @@ from helexa.admission import AdmissionController, Capacity, Ticket, TicketState
 from helexa.admission.estimator import RequestSizes
 from helexa.config import EngineConfig
 from helexa.engine.faults import FaultInjector, ModelHealth
+from helexa.engine.interface import DeviceFault, EngineClosed, EngineCounters, EngineError, RequestFailed, RequestHandle
 from helexa.engine.kv_tiers import open_tiers
 from helexa.engine.loading import kv_calibration_ids, load
 from helexa.engine.output import append_token
@@ -51,56 +52,6 @@ if TYPE_CHECKING:  # the KV-event stack (msgspec, the publisher) loads with `--k
     from helexa.cluster import KVEventRecorder
 
 logger = logging.getLogger("helexa.engine")
-
-
-class EngineClosed(RuntimeError):
-    """The engine is shutting down and takes no new requests."""
-
-
-class EngineError(RuntimeError):
-    """A request failed because of the engine, not its input; the message carries the cause."""
-
-
-class RequestFailed(EngineError):
-    """One request failed because of its own parameters (its sampling raised); the others go on."""
-
-
-class DeviceFault(EngineError):
-    """The model could not be recovered after repeated device faults; the message carries the last cause."""
-
-
-@dataclass(frozen=True)
-class RequestHandle:
-    """A submitted request: read its `stream` until the final event; `abort` it by `request_id`.
-
-    `max_tokens` is the output limit admission granted (the request's, or the node's default);
-    `request` is what was submitted.
-    """
-
-    request_id: str
-    stream: RequestStream
-    prompt_tokens: int
-    max_tokens: int
-    ticket: Ticket
-    request: Request = field(repr=False)
-
-
-@dataclass
-class EngineCounters:
-    """Totals since start, read by the server's metrics (monotonic, updated on the engine thread)."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    steps: int = 0
-    step_seconds: float = 0.0
-    model_seconds: float = 0.0
-    device_faults: int = 0
-    model_reloads: int = 0
-    prefix_cache_query_tokens: int = 0  # prompt tokens looked up in the prefix cache (at each request's start)
-    prefix_cache_hit_tokens: int = 0  # of those, found cached: their K/V was not computed
-    prefix_cache_evictions: int = 0  # cached blocks evicted to make room (counted per step)
-    preemptions: int = 0
-    recomputed_tokens: int = 0  # tokens whose K/V a preemption dropped, computed again on resume
 
 
 class Engine:
@@ -175,7 +126,7 @@ class Engine:
             first_num_blocks=self.first_num_blocks,
             max_retries=config.max_fault_retries,
             backoff_secs=config.fault_backoff_secs,
-            device=self.device,
+            device_type=self.device.type,
         )
         self._adaptive = config.admission.policy == "adaptive"
         # `--speculative`: drafts from each request's own tokens (and its session's outputs), verified in the step.

@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-import torch
-
 from helexa.engine.faults import ModelHealth
 from helexa.heap import freeze_heap, thaw_heap, trim_heap
 from helexa.kvcache import KVBudget
@@ -63,11 +61,11 @@ class FaultRecovery(Generic[R]):
         first_num_blocks: int,
         max_retries: int,
         backoff_secs: float,
-        device: torch.device,
+        device_type: str,
     ) -> None:
         self._load, self.health = load, health
         self.first_num_blocks, self.max_retries, self.backoff_secs = first_num_blocks, max_retries, backoff_secs
-        self.device = device
+        self.device_type = device_type  # "cuda": the allocator's cached memory is emptied before a reload
         self.consecutive = 0
         self.faults = 0  # device faults since start, failed reloads included
         self.reloads = 0
@@ -93,7 +91,9 @@ class FaultRecovery(Generic[R]):
         while True:
             time.sleep(min(backoff, 30.0))
             refreeze = thaw_heap() > 0 or refreeze  # the old model and pool give their device memory back first
-            if self.device.type == "cuda":
+            if self.device_type == "cuda":
+                import torch  # only an engine on a GPU gets here, and it has torch loaded
+
                 torch.cuda.empty_cache()
             try:
                 runner = self._load()

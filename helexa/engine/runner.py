@@ -20,7 +20,7 @@ from helexa.engine.scheduler import ScheduledChunk
 from helexa.engine.sequence import Sequence
 from helexa.kvcache import AttentionMetadata, BatchBuilder, BlockTable
 from helexa.model.sampling import Sampler, SampleResult
-from helexa.model.sampling.grammar import allocate_bitmask
+from helexa.model.sampling.bitmask import allocate_bitmask
 
 
 @dataclass(slots=True)  # built per sequence per step: not frozen (a frozen __init__ costs ~3x)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from helexa.admission import Ticket
 from helexa.engine.speculative.drafter import DraftState
@@ -13,6 +12,9 @@ from helexa.model.sampling import SamplingParams
 from helexa.model.sampling.grammar import TokenConstraint
 from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.text.stopping import StopChecker
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)

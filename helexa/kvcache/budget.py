@@ -21,11 +21,11 @@ float32 scales (`kv_scale_bytes`: one per layer, KV head, K and V, not per block
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
 from helexa.kernels import FP8_KV_DTYPE
+from helexa.kvcache.budget_record import KVBudget, format_bytes
 from helexa.values import check_int, parse_size
 
 __all__ = ["CPU_DEFAULT_CAP", "CPU_DEFAULT_FRACTION", "DEFAULT_GPU_MEMORY_UTILIZATION", "KVBudget",
@@ -35,10 +35,6 @@ CPU_DEFAULT_FRACTION = 0.10  # of physical RAM, when neither --num-blocks nor --
 CPU_DEFAULT_CAP = 4 << 30  # 4 GiB: a CPU pool larger than this is rarely what a laptop user meant
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
 ACTIVATION_SAFETY_FACTOR = 2  # estimate x2: allocator fragmentation, kernel workspaces, temporaries
-
-
-def _fmt(num_bytes: int) -> str:
-    return f"{num_bytes / (1 << 30):.2f}GiB" if abs(num_bytes) >= 1 << 30 else f"{num_bytes / (1 << 20):.1f}MiB"
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -93,59 +89,6 @@ def estimate_activation_bytes(
     per_token = 3 * hidden_size + (2 * num_heads + 2 * num_kv_heads) * head_dim + 3 * intermediate_size
     logits = 2 * min(max_num_seqs, tokens) * vocab_size * 4
     return ACTIVATION_SAFETY_FACTOR * (tokens * per_token * _itemsize(dtype) + logits)
-
-
-@dataclass(frozen=True)
-class KVBudget:
-    """The block count of a KV pool and every number that produced it (`describe()` logs them).
-
-    `source`: "num_blocks", "kv_cache_memory", "gpu_memory_utilization" (the CUDA budget) or
-    "cpu_default". `available_bytes`, the most the pool may take, is
-    `total_memory_bytes * memory_utilization - weight_bytes - activation_reserve_bytes - scale_bytes`
-    (`scale_bytes`: an fp8 pool's scales, else 0).
-    """
-
-    device_type: str
-    source: str
-    num_blocks: int
-    block_size: int
-    bytes_per_block: int
-    total_memory_bytes: int
-    memory_utilization: float
-    weight_bytes: int
-    activation_reserve_bytes: int
-    available_bytes: int
-    requested_bytes: int
-    scale_bytes: int = 0
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        """Bytes the pool takes: `num_blocks * bytes_per_block`."""
-        return self.num_blocks * self.bytes_per_block
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the pool holds: `num_blocks * block_size`."""
-        return self.num_blocks * self.block_size
-
-    @property
-    def max_blocks(self) -> int:
-        """The most blocks `available_bytes` allows."""
-        return max(0, self.available_bytes) // self.bytes_per_block
-
-    def describe(self) -> str:
-        """One log line with the arithmetic, e.g. `kv budget: cuda total=80.00GiB x 0.90 - weights=15.00GiB -
-        activations=1.20GiB = 55.80GiB available; gpu_memory_utilization -> 55.80GiB / 131072 B/block
-        (16 tokens) = 457113 blocks (7313808 tokens, 55.80GiB)`."""
-        return (
-            f"kv budget: {self.device_type} total={_fmt(self.total_memory_bytes)} x {self.memory_utilization:.2f}"
-            f" - weights={_fmt(self.weight_bytes)} - activations={_fmt(self.activation_reserve_bytes)}"
-            + (f" - kv scales={self.scale_bytes}B" if self.scale_bytes else "")
-            + f" = {_fmt(self.available_bytes)} available;"
-            f" {self.source} -> {_fmt(self.requested_bytes)}"
-            f" / {self.bytes_per_block} B/block ({self.block_size} tokens) = {self.num_blocks} blocks"
-            f" ({self.num_tokens} tokens, {_fmt(self.kv_cache_bytes)})"
-        )
 
 
 def kv_budget(
@@ -223,8 +166,8 @@ def kv_budget(
     if requested > available:
         flag = {"num_blocks": "lower --num-blocks", "kv_cache_memory": "lower --kv-cache-memory"}.get(source, fix)
         raise ValueError(
-            f"KV cache of {count} blocks ({_fmt(requested)}) exceeds the budget of {budget.max_blocks} blocks "
-            f"({_fmt(available)} available; {budget.describe()}); {flag} or {fix}"
+            f"KV cache of {count} blocks ({format_bytes(requested)}) exceeds the budget of {budget.max_blocks} blocks "
+            f"({format_bytes(available)} available; {budget.describe()}); {flag} or {fix}"
         )
     return budget
 

@@ -38,14 +38,14 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from helexa.kvcache.batch import BatchBuilder, BlockTable
 from helexa.kvcache.metadata import AttentionMetadata
 from helexa.kvcache.pool import BlockPool
-from helexa.kvcache.prefix import CachedBlock, CacheSurvey, PrefixCache, root_hash
+from helexa.kvcache.prefix import CachedBlock, PrefixCache, root_hash
+from helexa.kvcache.survey import CacheSurvey, HoldingView, KVSurvey
 from helexa.kvcache.tiers import KVTiers
 from helexa.kvprotocol import BlockStates, Share
 
@@ -69,24 +69,6 @@ class _Holding:
 
     def num_blocks(self) -> int:
         return self.table.num_blocks if self.table is not None else len(self.pinned)
-
-
-class HoldingView(NamedTuple):
-    """One request's blocks for display: `block_ids` in position order (its table, or its pinned hit)."""
-
-    key: str
-    session: Hashable | None
-    block_ids: tuple[int, ...]
-    charged: int
-    running: bool
-
-
-class KVSurvey(NamedTuple):
-    """Where every block is, read at one instant: the index's `cache` survey (free, evictable, retained,
-    sessions) and every holding's blocks, in registration order."""
-
-    cache: CacheSurvey
-    holdings: list[HoldingView]
 
 
 class KVManager:

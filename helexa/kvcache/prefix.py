@@ -58,30 +58,16 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from helexa.kvcache.allocator import BlockAllocator, OutOfBlocks
+from helexa.kvcache.survey import CacheSurvey
 from helexa.kvprotocol import BlockStates
 from helexa.values import check_int
 
 __all__ = ["CacheSurvey", "CachedBlock", "PrefixCache", "PrefixHit"]
 
 _ORPHAN = object()  # the charge of an in-use block whose owner released it while others share it
-
-
-class CacheSurvey(NamedTuple):
-    """Where every block of the pool is, read at one instant under the cache's lock (`PrefixCache.survey`).
-
-    `free`: the allocator's free stack (the last id is handed out first); `evictable`: the cached
-    blocks in the order `ensure_free` would evict them now; `retained`: the cached blocks an agent session
-    retains; `sessions`: each session's retained block ids (some may be in use again). `len(free)`,
-    `len(evictable)` and `len(retained)` are `counts()`' empty, cached and retained; every other block is in use.
-    """
-
-    free: list[int]
-    evictable: list[int]
-    retained: list[int]
-    sessions: dict[Hashable, list[int]]
 
 
 @dataclass(eq=False)

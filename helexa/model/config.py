@@ -8,13 +8,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from helexa.values import check_int, is_int
 
-__all__ = ["DTYPES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DTYPE_NAMES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling"]
 
 
 class _Arch(NamedTuple):
@@ -39,7 +40,7 @@ _POSITIVE_INTS = (
     "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
     "max_position_embeddings"
 ).split()
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = ("float32", "float16", "bfloat16")  # the dtypes a checkpoint may name (`torch_dtype`) and helexa runs
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     hidden_act: str = "silu"
-    dtype: torch.dtype | None = None  # the checkpoint's dtype, when config.json names one
+    dtype: str | None = None  # the checkpoint's dtype, one of `DTYPE_NAMES`, when config.json names one
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
@@ -189,8 +190,8 @@ class ModelConfig:
         eos_list = eos if isinstance(eos, list) else [eos]
         eos_ids = tuple(_token_id(v, "eos_token_id") for v in eos_list if v is not None)
         dtype = str(d.get("dtype") or d.get("torch_dtype") or "").removeprefix("torch.")
-        if dtype and dtype not in DTYPES:
-            raise ValueError(f"unsupported checkpoint dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+        if dtype and dtype not in DTYPE_NAMES:
+            raise ValueError(f"unsupported checkpoint dtype {dtype!r}; expected one of {sorted(DTYPE_NAMES)}")
         return cls(
             architecture=known[0],
             vocab_size=_require_int(d, "vocab_size"),
@@ -210,7 +211,7 @@ class ModelConfig:
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=traits.qk_norm,
             hidden_act=str(d.get("hidden_act", "silu")),
-            dtype=DTYPES.get(dtype),
+            dtype=dtype or None,
             bos_token_id=None if bos is None else _token_id(bos, "bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=None if sliding_window is None else int(sliding_window),

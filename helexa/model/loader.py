@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from helexa.kernels import AttentionBackend
-from helexa.model.config import DTYPES, ModelConfig
+from helexa.model.config import DTYPE_NAMES, ModelConfig
 from helexa.model.parallel.comm import TensorParallel
 from helexa.model.quant import native
 from helexa.model.quant.apply import (
@@ -48,9 +48,10 @@ __all__ = ["load_model", "resolve_dtype", "safetensors_files"]
 log = logging.getLogger(__name__)
 
 
-def resolve_dtype(
-    dtype: str | torch.dtype, device: str | torch.device, config_dtype: torch.dtype | None = None
-) -> torch.dtype:
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the dtypes helexa runs, by name
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device, config_dtype: str | None = None) -> torch.dtype:
     """The activation/weight dtype for `--dtype NAME` on `device`: "float32", "bfloat16", "float16" (or
     such a torch dtype) as given; "auto": float32 on CPU, on CUDA the checkpoint's half-precision dtype
     if it has one, else bfloat16 (float16 without bfloat16 support). `ValueError` for anything else."""
@@ -65,7 +66,7 @@ def resolve_dtype(
     if torch.device(device).type != "cuda":
         return torch.float32
     bf16_ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return torch.float16 if config_dtype == torch.float16 or not bf16_ok else torch.bfloat16
+    return torch.float16 if config_dtype == "float16" or not bf16_ok else torch.bfloat16
 
 
 def safetensors_files(path: str | Path) -> list[Path]:

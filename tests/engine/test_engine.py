@@ -8,7 +8,7 @@ import time
 import pytest
 
 from helexa.admission import AdmissionRejected
-from helexa.engine.engine import EngineClosed
+from helexa.engine.interface import EngineClosed
 from helexa.model.sampling import SamplingParams
 from tests.support.engines import assert_released, drive, make_engine, random_prompts, tokens
 

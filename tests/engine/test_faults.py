@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from helexa.engine.engine import DeviceFault
 from helexa.engine.faults import FaultInjector
+from helexa.engine.interface import DeviceFault
 from helexa.model.sampling import SamplingParams
 from tests.support.engines import assert_released, drive, make_engine, random_prompts, tokens
 

@@ -53,7 +53,7 @@ def test_llama_4x_layout_with_llama3_scaling() -> None:
     assert (config.q_size, config.kv_size, config.qkv_size) == (4096, 1024, 6144)
     assert config.rope_theta == 500000.0
     assert config.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
-    assert config.dtype == torch.bfloat16
+    assert config.dtype == "bfloat16"
     assert config.bos_token_id == 128000
     assert config.eos_token_ids == (128001, 128008, 128009)
     assert config.max_model_len == 131072

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from helexa.model.sampling.grammar import GrammarTokenizer, TokenConstraint, allocate_bitmask, json_schema_grammar
+from helexa.model.sampling.bitmask import allocate_bitmask
+from helexa.model.sampling.grammar import GrammarTokenizer, TokenConstraint, json_schema_grammar
 from helexa.model.sampling.grammar_cache import BoundedCache, digest
 from helexa.model.text.tokenizer import Tokenizer
 from tests.support.models import build_tiny_tokenizer_dir

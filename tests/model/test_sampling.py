@@ -255,7 +255,7 @@ def test_candidate_filter_path_equals_full_sort(quantised: bool) -> None:
 
 def _allow(rows: int, allowed: dict[int, list[int]]) -> torch.Tensor:
     """A bitmask of `rows` rows: every token allowed, except in the rows of `allowed` (only those ids)."""
-    from helexa.model.sampling.grammar import allocate_bitmask
+    from helexa.model.sampling.bitmask import allocate_bitmask
 
     mask = allocate_bitmask(rows, V)
     for row, ids in allowed.items():

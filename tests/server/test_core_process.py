@@ -155,10 +155,11 @@ def test_repeated_core_deaths_end_poisoned(tiny_model_dir: Path) -> None:
         server.stop()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
-def test_no_core_outlives_its_server(tiny_model_dir: Path, sig: signal.Signals) -> None:
+def _start_cli_server(model_dir: Path) -> tuple[subprocess.Popen[str], list[str]]:
+    """`python -m helexa.server` on `model_dir` with its core in its own process, on a free port: the process
+    and its output lines (filled as they come), once it says it serves or has exited."""
     env = {**os.environ, "HELEXA_ENGINE_PROCESS": "1", "TRITON_INTERPRET": "1"}
-    argv = ["--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch",
+    argv = ["--model", str(model_dir), "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch",
             "--num-blocks", "64", "--port", "0", "--shutdown-grace-secs", "0.5"]  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "helexa.server", *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -168,6 +169,17 @@ def test_no_core_outlives_its_server(tiny_model_dir: Path, sig: signal.Signals) 
     threading.Thread(target=lambda: lines.extend(line.rstrip() for line in proc.stdout), daemon=True).start()
     try:
         assert wait_for(lambda: any("helexa: serving" in x for x in lines) or proc.poll() is not None, 90), lines
+    except BaseException:
+        proc.kill()
+        proc.wait(timeout=10)
+        raise
+    return proc, lines
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_no_core_outlives_its_server(tiny_model_dir: Path, sig: signal.Signals) -> None:
+    proc, lines = _start_cli_server(tiny_model_dir)
+    try:
         core = int(next(m.group(1) for x in lines if (m := re.search(r"engine core: started \(pid (\d+)\)", x))))
         assert _alive(core)
         proc.send_signal(sig)
@@ -208,3 +220,51 @@ def test_the_channel_s_end_is_news_only_before_shutdown_is_answered(
     assert exits == [core.engine]
     warned = [r for r in caplog.records if r.levelname == "WARNING" and "the server is gone" in r.getMessage()]
     assert len(warned) == (0 if answered else 1)
+
+
+def test_the_server_s_side_of_a_core_never_loads_torch(tiny_model_dir: Path) -> None:
+    """With the core in its own process, the server process keeps HTTP, templates, tokenising, grammars and
+    streaming, and none of that needs torch: it is never loaded there, whatever the server is asked (the
+    import alone is ~200 MiB of resident memory, a second copy of the core's). Every route family is asked."""
+    proc, lines = _start_cli_server(tiny_model_dir)
+    try:
+        port = next(int(m.group(1)) for x in lines if (m := re.search(r"http://127\.0\.0\.1:(\d+)", x)))
+        url = f"http://127.0.0.1:{port}"
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        posts = [
+            ("/v1/chat/completions", chat),
+            ("/v1/chat/completions", {**chat, "stream": True, "logprobs": True, "top_logprobs": 2}),
+            (
+                "/v1/chat/completions",
+                {
+                    **chat,
+                    "max_tokens": 16,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+                },
+            ),  # fmt: skip
+            ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 3, "logprobs": 2, "n": 2}),
+            ("/v1/responses", {"model": "tiny", "input": "hello", "max_output_tokens": 3}),
+            ("/v1/chat/completions/render", chat),
+            ("/tokenize", {"model": "tiny", "prompt": "hello"}),
+            ("/detokenize", {"model": "tiny", "tokens": [5, 6, 7]}),
+            ("/flush_cache", {}),
+        ]
+        for path, body in posts:
+            response = httpx.post(url + path, json=body, timeout=60)
+            assert response.status_code == 200, (path, response.text)
+        gets = ["/health", "/metrics", "/v1/admission", "/v1/models", "/v1/dashboard", "/", "/get_load",
+                "/v1/capacity", "/server_info", "/get_model_info"]  # fmt: skip
+        for path in gets:
+            response = httpx.get(url + path, timeout=30)
+            assert response.status_code == 200, (path, response.text)
+        with open(f"/proc/{proc.pid}/maps") as maps:
+            torch_libraries = sorted({line.split()[-1] for line in maps if "libtorch" in line})
+        assert torch_libraries == [], torch_libraries
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -20,7 +20,8 @@ import pytest
 
 from helexa.admission import AdmissionConfig, AdmissionController, AdmissionRejected, Capacity
 from helexa.admission.rejections import arithmetic_line
-from helexa.engine.engine import Engine, EngineCounters
+from helexa.engine.engine import Engine
+from helexa.engine.interface import EngineCounters
 from helexa.engine.view import EngineView
 from helexa.kvcache import BlockAllocator, HoldingView, KVSurvey, PrefixCache
 from helexa.model.sampling import SamplingParams

@@ -7,13 +7,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeAlias
+
 from helexa.config import EngineConfig
 from helexa.engine.core.client import CoreDied, EngineClient, engine_process_enabled
-from helexa.engine.engine import Engine
+
+if TYPE_CHECKING:  # `Engine` (torch, the model) is imported only to run one in this process
+    from helexa.engine.engine import Engine
 
 __all__ = ["CoreDied", "EngineClient", "ServingEngine", "engine_process_enabled", "start_engine"]
 
-ServingEngine = Engine | EngineClient  # what the server serves: the engine in this process, or in its own
+ServingEngine: TypeAlias = "Engine | EngineClient"  # what the server serves: the engine in this process, or in its own
 
 
 def start_engine(config: EngineConfig, in_process: bool | None = None) -> ServingEngine:
@@ -23,6 +27,8 @@ def start_engine(config: EngineConfig, in_process: bool | None = None) -> Servin
         in_process = not engine_process_enabled()
     if not in_process:
         return EngineClient(config)
+    from helexa.engine.engine import Engine
+
     engine = Engine(config)
     engine.start()
     return engine

@@ -34,8 +34,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from helexa.admission import AdmissionRejected, Ticket
 from helexa.config import EngineConfig
 from helexa.engine.core.wire import (
@@ -47,8 +45,8 @@ from helexa.engine.core.wire import (
     to_plain,
     write_frame,
 )
-from helexa.engine.engine import DeviceFault, EngineClosed, EngineCounters, EngineError, RequestFailed, RequestHandle
 from helexa.engine.faults import ModelHealth
+from helexa.engine.interface import DeviceFault, EngineClosed, EngineCounters, EngineError, RequestFailed, RequestHandle
 from helexa.engine.recovery import FaultRecovery
 from helexa.engine.sequence import Request
 from helexa.engine.stream import RequestStream, TokenEvent
@@ -235,8 +233,8 @@ class EngineClient:
         self._budget: KVBudget = self._core.budget
         self.first_num_blocks: int = self._budget.num_blocks
         self.max_model_len: int = info["max_model_len"]
-        self.device: torch.device = torch.device(info["device"])
-        self.dtype: torch.dtype = getattr(torch, info["dtype"])
+        self.device: str = info["device"]  # the core's device and model dtype, as named (no torch in this process)
+        self.dtype: str = info["dtype"]
         self.load_seconds: float = info["load_seconds"]
         self.recovery: FaultRecovery = FaultRecovery(
             lambda: CoreProcess(self.config),
@@ -244,7 +242,7 @@ class EngineClient:
             first_num_blocks=self.first_num_blocks,
             max_retries=config.max_fault_retries,
             backoff_secs=config.fault_backoff_secs,
-            device=torch.device("cpu"),  # the server holds no device memory to give back
+            device_type="cpu",  # the server holds no device memory to give back
         )
 
     # ------------------------------------------------------------------ what the server reads

@@ -25,7 +25,8 @@ from typing import Any
 from helexa.config import EngineConfig
 from helexa.engine.core.client import core_nice
 from helexa.engine.core.wire import ChannelClosed, encode_error, from_plain, read_frame, to_plain, write_frame
-from helexa.engine.engine import Engine, RequestHandle
+from helexa.engine.engine import Engine
+from helexa.engine.interface import RequestHandle
 from helexa.heap import freeze_heap
 from helexa.model.sampling import SamplingParams
 

@@ -4,7 +4,7 @@ Built on llguidance (a maintained grammar engine: JSON schema → grammar → pe
 tens of microseconds). `json_schema_grammar(schema)` checks and compiles a schema without a model, so
 the server can refuse a bad one with a 400 before anything runs; `GrammarTokenizer(tokenizer_json,
 eos_token_ids)` is built once per model; `TokenConstraint` is one request's state: `fill(bitmask,
-row)` before sampling, `accept(token)` after.
+row)` before sampling, `accept(token)` after (the bitmask: `helexa.model.sampling.bitmask`).
 
 Both steps are cached (bounded, `grammar_cache.BoundedCache`): a source compiles once
 (`_SOURCES`: its grammar, or the error it gave), and a grammar is validated against the vocabulary
@@ -22,21 +22,14 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from helexa.model.sampling.grammar_cache import BoundedCache, digest
 
-__all__ = [
-    "GrammarError",
-    "GrammarTokenizer",
-    "TokenConstraint",
-    "allocate_bitmask",
-    "json_schema_grammar",
-    "lark_grammar",
-    "masked_logits",
-]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["GrammarError", "GrammarTokenizer", "TokenConstraint", "json_schema_grammar", "lark_grammar"]
 
 
 class GrammarError(ValueError):
@@ -170,6 +163,8 @@ class TokenConstraint:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into row `row` of a host int32 bitmask (`allocate_bitmask`, at
         least `vocab_size` bits wide): bit `t % 32` of word `t // 32` is set when token t may come next."""
+        import torch  # masks are filled where the model runs, which has torch loaded; compiling needs none
+
         if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
             raise ValueError("fill needs a contiguous int32 bitmask on the host")
         words = -(-self.vocab_size // 32)
@@ -212,26 +207,3 @@ class TokenConstraint:
     def error(self) -> str | None:
         """The matcher's error, when a token it did not allow was forced on it."""
         return self._matcher.get_error() if self._matcher.is_error() else None
-
-
-def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """An int32 bitmask of `rows` rows for `vocab_size` tokens (32 tokens per word), every token allowed."""
-    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
-
-
-def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` (S, V) with the tokens `bitmask` forbids set to -inf, as a new tensor (the input is not
-    changed). `bitmask`: (S, W) int32 on the host, W >= ceil(V / 32), one row per logits row, every bit set
-    in a row without a constraint (`allocate_bitmask`); such rows are copied unchanged. One host-to-device
-    copy of the constrained rows' words; the bits are unpacked on the logits' device."""
-    vocab = logits.shape[1]
-    words = bitmask[:, : -(-vocab // 32)]  # (S, ceil(V / 32))
-    rows = (words != -1).any(dim=1).nonzero().flatten().tolist()  # host tensor: no device sync
-    if not rows:
-        return logits
-    index = torch.tensor(rows, device=logits.device)  # (R,)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # (32,)
-    row_words = words[rows].to(logits.device, non_blocking=True)  # (R, ceil(V / 32))
-    allowed = ((row_words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # (R, V)
-    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))  # (R, V)
-    return logits.index_copy(0, index, masked)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from helexa.model.sampling.grammar import masked_logits
+from helexa.model.sampling.bitmask import masked_logits
 from helexa.model.sampling.params import SamplingParams
 
 __all__ = ["SampleResult", "Sampler", "make_generator"]
@@ -62,7 +62,7 @@ class Sampler:
         """One token per row of `logits` `[S, V]` float32 under `params[i]` (`logits` is not changed).
         `generators[i]` (on the logits' device; required for seeded rows, see `make_generator`) drives row
         i's randomness; `prompt_ids[i]`, `output_ids[i]` (host lists) are needed only for rows with
-        penalties. `bitmask` `[S, W]` int32 on the host (`grammar.allocate_bitmask`, filled by each
+        penalties. `bitmask` `[S, W]` int32 on the host (`bitmask.allocate_bitmask`, filled by each
         constrained row's `TokenConstraint`): the tokens each row may sample; logprobs never see it."""
         rows, vocab = self._check(logits, params, generators)
         device = logits.device

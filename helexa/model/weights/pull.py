@@ -30,7 +30,6 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from helexa._version import __version__
-from helexa.model.weights.gguf import convert_gguf
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -98,6 +97,14 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 
 class DownloadError(RuntimeError):
     """Fetching a model's source failed: network, registry, hub cache miss while offline, or a checksum."""
+
+
+def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], **options: Any) -> Path:
+    """`helexa.model.weights.gguf.convert_gguf`, imported on the first conversion: it needs numpy and torch,
+    and a server whose model is already converted (its engine core in its own process) imports neither."""
+    from helexa.model.weights.gguf import convert_gguf as convert
+
+    return convert(gguf_path, out_dir, **options)
 
 
 def helexa_home(home: str | os.PathLike[str] | None = None) -> Path:
