@@ -3,10 +3,12 @@ its module defines, and anything else is an AttributeError; the light names impo
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +58,24 @@ def test_the_light_names_import_no_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _type_checking_homes(init: Path) -> dict[str, str]:
+    """Name -> module of the `from M import name` lines under the package's `if TYPE_CHECKING:`."""
+    homes: dict[str, str] = {}
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for stmt in node.body:
+                if isinstance(stmt, ast.ImportFrom) and stmt.module:
+                    homes.update({alias.asname or alias.name: stmt.module for alias in stmt.names})
+    return homes
+
+
+@pytest.mark.parametrize("name", LAZY_PACKAGES)
+def test_the_checker_s_imports_and_the_runtime_map_name_the_same_homes(name: str) -> None:
+    """A lazy package states each lazy name's module twice: in its `_HOME` map (what runs) and under
+    `TYPE_CHECKING` (what mypy reads). Both must say the same; every other exported name is imported eagerly."""
+    package = importlib.import_module(name)
+    assert _type_checking_homes(Path(package.__file__)) == package._HOME, name
+    eager = set(package.__all__) - set(package._HOME)
+    assert all(export in vars(package) for export in eager), (name, sorted(eager))

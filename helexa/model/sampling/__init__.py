@@ -11,8 +11,7 @@ if TYPE_CHECKING:
     from helexa.model.sampling.sampler import Sampler, SampleResult, make_generator
 
 # The sampler (torch) is imported when first read: the parameters are all the server's side of a core needs.
-__getattr__ = lazy_attributes(
-    __name__, {name: "helexa.model.sampling.sampler" for name in ("Sampler", "SampleResult", "make_generator")}
-)
+_HOME = {name: "helexa.model.sampling.sampler" for name in ("Sampler", "SampleResult", "make_generator")}
+__getattr__ = lazy_attributes(__name__, _HOME)
 
 __all__ = ["MAX_LOGPROBS", "SampleResult", "Sampler", "SamplingParams", "make_generator"]

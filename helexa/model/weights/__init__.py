@@ -10,6 +10,7 @@ from helexa.model.weights.pull import DEFAULT_MODEL, KNOWN_MODELS, DownloadError
 if TYPE_CHECKING:
     from helexa.model.weights.gguf import convert_gguf
 
-__getattr__ = lazy_attributes(__name__, {"convert_gguf": "helexa.model.weights.gguf"})  # numpy, torch: on first use
+_HOME = {"convert_gguf": "helexa.model.weights.gguf"}  # numpy, torch: imported on first use
+__getattr__ = lazy_attributes(__name__, _HOME)
 
 __all__ = ["DEFAULT_MODEL", "KNOWN_MODELS", "DownloadError", "convert_gguf", "resolve_model"]
