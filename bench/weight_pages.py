@@ -1,11 +1,20 @@
 """How fast the native quantized GEMM streams its weights from 2 MiB pages against 4 KiB pages (issue 36).
 
-The same tiled weights (a 1B model's MLP shape, int4 11264 x 2048, six of them, 66 MiB with their
-scales; and an int8 head of 49152 x 2048, 107 MiB), once in `helexa.model.quant.hugepages` memory and
-once copied to `torch.empty`'s 4 KiB pages, each GEMM'd at 1, 2, 4 and 8 rows, alternating, for
-`--seconds`. Every round also sums a 1 GiB buffer on each page size: this VM's bandwidth has two modes
-that switch within minutes, so rounds are grouped by the mode their own sample shows (`--split` GB/s on
-4 KiB pages) and each group's medians are reported.
+The same tiled weights, once in `helexa.model.quant.hugepages` memory and once copied to `torch.empty`'s
+4 KiB pages, each GEMM'd at 1, 2, 4 and 8 rows, alternating, for `--seconds`:
+- `int4`: a 1B model's MLP shape, int4 11264 x 2048, six of them, 66 MiB with their scales;
+- `int8`: an int8 head of 49152 x 2048, 107 MiB;
+- `small`: the default model's (SmolLM2-135M) decoder projections, 30 layers of int4 q|k|v (960 x 576),
+  o (576 x 576), gate|up (3072 x 576) and down (576 x 1536), 0.3-1.1 MB each with their scales (66 MB
+  in all), GEMM'd in a step's order.
+
+All are tiled inside `hugepages.packing()`, as the loader tiles them (weights and scales under 2 MiB
+packed into shared regions).
+
+Each GEMM is the library's call with its arguments bound once, as the fused step makes it. Every round
+also sums a 1 GiB buffer on each page size: this VM's bandwidth has two modes that switch within minutes,
+so rounds are grouped by the mode their own sample shows (`--split` GB/s on 4 KiB pages) and each group's
+medians are reported.
 
     python bench/weight_pages.py [--seconds 300] [--threads 2]
 
@@ -18,6 +27,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,12 +40,14 @@ from helexa.model.quant import hugepages, native  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = (1, 2, 4, 8)
+KINDS = ("int4", "int8", "small")
 
 
 def _on_small_pages(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype).copy_(t)
 
 
+@hugepages.packing()  # as the loader tiles: scales and weights under 2 MiB packed into shared regions
 def _weights(g: torch.Generator) -> dict[str, list[tuple[torch.Tensor, ...]]]:
     int4 = [
         native.tile_int4(
@@ -51,18 +63,49 @@ def _weights(g: torch.Generator) -> dict[str, list[tuple[torch.Tensor, ...]]]:
             torch.rand(49152, 64, generator=g).half().float(),
         )
     ]
-    return {"int4": int4, "int8": int8}
+    return {"int4": int4, "int8": int8, "small": _small(g)}
 
 
-def _gbps(weights: list[tuple[torch.Tensor, ...]], x: torch.Tensor) -> float:
-    """GB/s of weight (bytes, scales and zero terms) one pass over `weights` reads; best of 2."""
+def _small(g: torch.Generator) -> list[tuple[torch.Tensor, ...]]:
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30
+    return [
+        native.tile_int4(
+            torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+            torch.rand(n, k // 32, generator=g).half().float(),
+            torch.rand(n, k // 32, generator=g).half().float(),
+        )
+        for n, k in shapes
+    ]
+
+
+def _call(w: tuple[torch.Tensor, ...], x: torch.Tensor) -> Callable[[], None]:
+    """The library's GEMM of `x` by the tiled weight `w` with its arguments bound once (as the fused step
+    calls it, without `native.int4_gemm`'s checks and allocation: a ~120-weight pass would time those)."""
+    n, k = native._dims(w)
+    y = torch.empty(x.shape[0], n)
+    fn = native.library().helexa_int4_gemm if len(w) == 3 else native.library().helexa_int8_gemm
+    args = (x.data_ptr(), x.shape[0], k, *(t.data_ptr() for t in w), w[1].dtype == torch.float16, n,
+            k // w[1].shape[1], y.data_ptr())  # fmt: skip
+    checked = native.int4_gemm if len(w) == 3 else native.int8_gemm
+    if fn(*args) != 0 or not torch.equal(y, checked(x, w)):  # the bound call is the checked one's, bit for bit
+        raise SystemExit(f"the bound GEMM call ({n} x {k}) disagrees with native's")
+
+    def call(_keep: tuple = (w, x, y)) -> None:  # `_keep`: the memory behind `args`' pointers
+        fn(*args)
+
+    return call
+
+
+def _gbps(weights: list[tuple[torch.Tensor, ...]], xs: dict[int, torch.Tensor]) -> float:
+    """GB/s of weight (bytes, scales and zero terms) one pass over `weights` reads, each weight GEMM'd with
+    the activations `xs[K]` of its K; best of 2."""
     nbytes = sum(t.numel() * t.element_size() for w in weights for t in w)
-    gemm = native.int4_gemm if len(weights[0]) == 3 else native.int8_gemm
+    calls = [_call(w, xs[native._dims(w)[1]]) for w in weights]
     best = float("inf")
     for _ in range(2):
         t0 = time.perf_counter()
-        for w in weights:
-            gemm(x, w)
+        for call in calls:
+            call()
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
 
@@ -90,13 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     huge = _weights(torch.Generator().manual_seed(0))
     small = {k: [tuple(_on_small_pages(t) for t in w) for w in ws] for k, ws in huge.items()}
     sums = {"2M": hugepages.empty((1 << 28,), torch.float32).fill_(1.0), "4K": torch.ones(1 << 28)}
-    xs = {m: torch.randn(m, 2048, generator=torch.Generator().manual_seed(m)) for m in ROWS}
+    xs = {
+        m: {k: torch.randn(m, k, generator=torch.Generator().manual_seed(m)) for k in (576, 1536, 2048)} for m in ROWS
+    }
     print(f"CPU {cpu_name()}; kernel path {native.kernel_path()}; {args.threads} threads", flush=True)
     rounds: list[dict[str, float]] = []
     end = time.monotonic() + args.seconds
     while time.monotonic() < end:
         r = {"sum 4K": _sum_gbps(sums["4K"]), "sum 2M": _sum_gbps(sums["2M"])}
-        for kind in ("int4", "int8"):
+        for kind in KINDS:
             for m in ROWS:
                 r[f"{kind} {m} 4K"] = _gbps(small[kind], xs[m])
                 r[f"{kind} {m} 2M"] = _gbps(huge[kind], xs[m])
@@ -126,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             "| weight | rows | 4 KiB pages | 2 MiB pages | ratio |",
             "|---|---|---|---|---|",
         ]
-        for kind in ("int4", "int8"):
+        for kind in KINDS:
             for m in ROWS:
                 a, b = med[f"{kind} {m} 4K"], med[f"{kind} {m} 2M"]
                 lines.append(f"| {kind} | {m} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
@@ -148,7 +193,7 @@ def _plot(groups: dict[str, list[dict[str, float]]], path: Path) -> None:
     shown = {k: v for k, v in groups.items() if v}
     fig, axes = plt.subplots(1, len(shown), figsize=(6 * len(shown), 4), squeeze=False)
     for ax, (name, sel) in zip(axes[0], shown.items()):
-        for kind, style in (("int4", "-"), ("int8", "--")):
+        for kind, style in zip(KINDS, ("-", "--", "-.")):
             for page, color in (("4K", "tab:grey"), ("2M", "tab:blue")):
                 ys = [statistics.median(r[f"{kind} {m} {page}"] for r in sel) for m in ROWS]
                 ax.plot(ROWS, ys, style, color=color, marker="o", label=f"{kind}, {page} pages")

@@ -28,7 +28,7 @@ from torch import nn
 from helexa.kernels import AttentionBackend
 from helexa.model.config import DTYPE_NAMES, ModelConfig
 from helexa.model.parallel.comm import TensorParallel
-from helexa.model.quant import native
+from helexa.model.quant import hugepages, native
 from helexa.model.quant.apply import (
     QUANTIZATION_CHOICES,
     checkpoint_modules,
@@ -266,6 +266,7 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+@hugepages.packing()  # each load's small tiled weights and every scale share regions on 2 MiB pages
 def load_model(
     path: str | Path,
     dtype: str | torch.dtype = "auto",

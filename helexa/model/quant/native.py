@@ -191,11 +191,15 @@ def _tile_values(q: torch.Tensor) -> torch.Tensor:
 
 def _tile_groups(*ts: torch.Tensor) -> list[torch.Tensor]:
     """(N, groups) float32 each -> (N/16, groups, 16): the kernel's layout of scales and zero terms, in
-    float16 when every value of every tensor is exactly a float16 (GGUF scales are), else float32."""
+    float16 when every value of every tensor is exactly a float16 (GGUF scales are), else float32; in
+    `hugepages` memory, as the tiled bytes they are read with."""
     exact = all(torch.equal(t.float().half().float(), t.float()) for t in ts)
     dtype = torch.float16 if exact else torch.float32
     n, groups = ts[0].shape
-    return [t.to(dtype).view(n // _COLUMNS, _COLUMNS, groups).transpose(1, 2).contiguous() for t in ts]
+    tiled = [hugepages.empty((n // _COLUMNS, groups, _COLUMNS), dtype) for _ in ts]  # streamed with the bytes
+    for out, t in zip(tiled, ts):
+        out.copy_(t.to(dtype).view(n // _COLUMNS, _COLUMNS, groups).transpose(1, 2))
+    return tiled
 
 
 def _dims(tiled: tuple[torch.Tensor, ...]) -> tuple[int, int]:
