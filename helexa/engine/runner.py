@@ -19,6 +19,7 @@ from helexa.engine.loading import LoadedModel, to_device
 from helexa.engine.scheduler import ScheduledChunk
 from helexa.engine.sequence import Sequence
 from helexa.kvcache import AttentionMetadata, BatchBuilder, BlockTable
+from helexa.model.quant import native
 from helexa.model.sampling import Sampler, SampleResult
 from helexa.model.sampling.bitmask import allocate_bitmask
 
@@ -84,7 +85,7 @@ class ModelRunner:
         # Checkpoints often pad the embedding past the tokenizer's vocabulary; those ids can never be
         # detokenised, so sampling only ever sees the tokenizer's columns.
         self.sample_vocab_size = loaded.sample_vocab_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(native_argmax=self.device.type == "cpu" and native.available())
         self._kv_caches = loaded.pool.kv_caches()
         self.graphs: DecodeGraphs | None = None  # `use_cuda_graphs`: decode steps replayed from CUDA graphs
 

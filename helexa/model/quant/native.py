@@ -38,6 +38,7 @@ from helexa.model.quant.weight import QuantizedWeight
 from helexa.model.weights.pull import helexa_home
 
 __all__ = [
+    "argmax_rows",
     "available",
     "build",
     "dense_head",
@@ -138,6 +139,8 @@ def load_path(path: isa.KernelPath) -> tuple[ctypes.CDLL | None, str]:
     lib.helexa_step.restype = ctypes.c_int
     lib.helexa_dense_head.argtypes = [p, i64, i64, p, i64, p]
     lib.helexa_dense_head.restype = None
+    lib.helexa_argmax_rows.argtypes = [p, i64, i64, i64, p]
+    lib.helexa_argmax_rows.restype = None
     lib.helexa_dequantize_rows.argtypes = [p, p, p, p, i64, i64, i64, i64, p, i64, p]
     lib.helexa_dequantize_rows.restype = ctypes.c_int
     return lib, ""
@@ -359,6 +362,19 @@ def int8_gemm(x: torch.Tensor, tiled: tuple[torch.Tensor, ...]) -> torch.Tensor:
         raise ValueError("an int8 weight is (int8 tiles, scales)")
     n, k = _dims(tiled)
     return _run("helexa_int8_gemm", x, n, k, qt, scales)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` (S,) int64 for a CPU float32 x (S, V), V > 0, whose rows are contiguous (a
+    slice of columns too): the same indices (the first of equal maxima; the first NaN where a row has
+    one), from two vector passes over each row where torch's reduction walks it a value at a time."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.is_cuda or x.shape[1] == 0 or x.stride(1) != 1:
+        raise ValueError(
+            f"argmax_rows takes a CPU float32 (S, V > 0) with contiguous rows, got {x.dtype} {tuple(x.shape)}"
+        )
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    library().helexa_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return out
 
 
 def dense_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

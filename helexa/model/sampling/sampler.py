@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from helexa.model.quant import native
 from helexa.model.sampling.bitmask import masked_logits
 from helexa.model.sampling.params import SamplingParams
 
@@ -48,7 +49,14 @@ class SampleResult:
 
 
 class Sampler:
-    """Stateless: `sample` may be called from one engine thread per step (no state between calls)."""
+    """Stateless: `sample` may be called from one engine thread per step (no state between calls).
+
+    `native_argmax`: greedy rows of CPU logits take their token from helexa's native kernel
+    (`native.argmax_rows`, which must be available: the same indices as torch's argmax, 5-7x as fast over a
+    49k vocabulary); otherwise, and for logits elsewhere, from torch's argmax."""
+
+    def __init__(self, native_argmax: bool = False) -> None:
+        self._native_argmax = native_argmax
 
     def sample(
         self,
@@ -75,7 +83,7 @@ class Sampler:
             logits = masked_logits(logits, bitmask)
         greedy = [p.is_greedy for p in params]
         if all(greedy):
-            sampled = logits.argmax(dim=-1)  # (S,)
+            sampled = self._argmax(logits)  # (S,)
         else:
             temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
             scaled = logits / temperature[:, None]  # (S, V)
@@ -92,8 +100,14 @@ class Sampler:
             target = draws[:, None] * cdf[:, -1:]  # (S, 1)
             sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max_(vocab - 1)  # (S,)
             if any(greedy):
-                sampled = torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), sampled)  # (S,)
+                sampled = torch.where(torch.tensor(greedy, device=device), self._argmax(logits), sampled)  # (S,)
         return self._to_host(sampled, raw_logprobs, params)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax (S,) int64: the native kernel's where `native_argmax` and it takes these logits."""
+        if self._native_argmax and logits.device.type == "cpu" and logits.stride(-1) == 1 and logits.shape[-1]:
+            return native.argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     @staticmethod
     def _check(

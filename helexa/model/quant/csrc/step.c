@@ -816,3 +816,43 @@ void helexa_dense_head(const float *x, int64_t M, int64_t K, const float *w, int
         }
     }
 }
+
+/* The index of the largest of x[0..n), n > 0, as torch's argmax gives it: the first of equal maxima
+ * (-0.0 equals +0.0), and the first NaN where there is one (NaN counts as the largest). Two passes, 8
+ * lanes at a time: the maximum and whether any value is NaN, then the first index holding the answer. */
+static int64_t argmax_of(const float *x, int64_t n) {
+    __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        top = _mm256_max_ps(top, v); /* a NaN may land here: then the second pass looks for NaN instead */
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[8], m = -INFINITY;
+    _mm256_storeu_ps(lanes, top);
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    int nan = _mm256_movemask_ps(unordered) != 0;
+    for (; i < n; i++) {
+        if (x[i] != x[i]) nan = 1;
+        else if (x[i] > m) m = x[i];
+    }
+    if (nan) {
+        for (i = 0; i < n; i++)
+            if (x[i] != x[i]) return i;
+    }
+    const __m256 target = _mm256_set1_ps(m);
+    for (i = 0; i + 8 <= n; i += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz((unsigned)hit);
+    }
+    for (; i < n; i++)
+        if (x[i] == m) return i;
+    return 0; /* not reached: m is one of the values */
+}
+
+/* out[r] = argmax_of(row r) for x (rows, cols), cols > 0, rows `stride` floats apart: a greedy step's
+ * tokens from its logits, the rows in parallel from 4 of them. */
+void helexa_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows >= 4) num_threads(helexa_threads())
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_of(x + r * stride, cols);
+}
