@@ -60,12 +60,12 @@ def test_the_samplers_greedy_rows_take_the_native_argmax_and_torchs_tokens() -> 
     logits = _hard_rows(4099, g)[:8]
     params = [SamplingParams(temperature=0.0)] * 8
     calls = []
+    real = native.argmax_rows
 
     def counting(x: torch.Tensor) -> torch.Tensor:
         calls.append(x.shape)
         return real(x)
 
-    real = native.argmax_rows
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(native, "argmax_rows", counting)
         fast = Sampler(native_argmax=True).sample(logits, params).token_ids
