@@ -214,7 +214,7 @@ class CausalLM(nn.Module):
 
     `native_step`, when the loader sets it (a quantized model on the CPU with the reference backend:
     `helexa.model.quant.native_step`), runs every step — decode, prefill, chunked, extend, mixed —
-    through the whole decoder stack in one native call: the same K/V writes into the same caches and
+    from token ids to the sampled rows' logits in one native call: the same K/V writes into the same caches and
     the reference backend's attention, computed in C, each row by one computation whatever else
     shares the step (batch invariant, bit for bit). A step it declines (an fp8 cache) takes the layers.
 

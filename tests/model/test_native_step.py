@@ -310,15 +310,32 @@ def test_a_step_run_in_pieces_computes_every_row_alike(quantized, rows: int, mon
     monkeypatch.setattr(native_step, "STEP_ROWS", 10**9)
     whole, whole_cache = _schedule_run(quantized, prompts, schedule)
     monkeypatch.setattr(native_step, "STEP_ROWS", rows)
-    looked_up: list[int] = []  # each embedding lookup's rows: a piece's, never the step's
-    embed = quantized.native_step._embed
-    monkeypatch.setattr(quantized.native_step, "_embed", lambda ids: looked_up.append(ids.shape[0]) or embed(ids))
+    looked_up = _count_rows_per_call(monkeypatch)  # each native call's rows (it embeds them): a piece's
     pieces, pieces_cache = _schedule_run(quantized, prompts, schedule)
     assert looked_up and max(looked_up) == rows and sum(looked_up) == sum(sum(step.values()) for step in schedule)
     assert pieces.keys() == whole.keys()
     for key, row in whole.items():
         assert torch.equal(pieces[key], row), f"logits of {key} differ: max {float((pieces[key] - row).abs().max())}"
         assert all(torch.equal(a, b) for a, b in zip(_kv(pieces_cache, *key), _kv(whole_cache, *key))), f"K/V {key}"
+
+
+def _count_rows_per_call(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the rows of each native forward call from now on (the list returned fills as they run)."""
+    rows: list[int] = []
+    lib = native.library()
+
+    class Counting:
+        def __getattr__(self, name: str):
+            return getattr(lib, name)
+
+        def helexa_forward(self, model, t, *rest):
+            rows.append(t)
+            return lib.helexa_forward(model, t, *rest)
+
+    counting = Counting()
+    real = native.library
+    monkeypatch.setattr(native, "library", lambda: (real(), counting)[1])
+    return rows
 
 
 def _trim(schedule: list[dict[int, int]], lengths: dict[int, int]) -> list[dict[int, int]]:
@@ -433,12 +450,65 @@ def test_the_library_runs_on_torchs_thread_count() -> None:
     assert seen == [1, 2, 1, 1]
 
 
-def test_the_step_updates_only_an_embedding_it_owns_in_place() -> None:
-    """The step runs its residual stream in `hidden` only when that tensor is the whole of its storage (a
-    fresh lookup), never in a view that could be a table's rows."""
-    table = torch.randn(10, 8)
-    assert native_step._owns_its_storage(torch.randn(4, 8))
-    assert native_step._owns_its_storage(table[torch.tensor([1, 2])])  # an index lookup copies
-    assert not native_step._owns_its_storage(table[2:4])  # a view of the table
-    assert not native_step._owns_its_storage(table[:1])  # its first row: offset 0, but not all of it
-    assert not native_step._owns_its_storage(torch.randn(8, 4).t())  # not contiguous
+def test_the_step_embeds_and_samples_in_c_as_python_would(quantized, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused step looks the tokens up in the embedding table itself; with the lookup left to Python (as
+    for a table the C side cannot read, here the model's own embedding module returning views of a table)
+    every position's logits and K/V are the same bits, and the embeddings it was given are never written."""
+    rng = random.Random(5)
+    vocab, hidden = quantized.config.vocab_size, quantized.config.hidden_size
+    prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in enumerate((31, 6, 19))}
+    schedule = [{0: 20, 1: 4}, {0: 10, 1: 1, 2: 17}, {0: 1, 1: 1, 2: 1}, {2: 1}]
+    want, want_cache = _schedule_run(quantized, prompts, schedule)
+    table = quantized.model.embed_tokens(torch.arange(vocab))  # (V, E) float32: the lookup's own rows
+    saved = table.clone()
+    views: list[torch.Tensor] = []
+
+    def lookup(ids: torch.Tensor) -> torch.Tensor:
+        if ids.shape[0] == 1:  # one row: a view into the table itself, which the step must leave alone
+            views.append(table[int(ids[0]) : int(ids[0]) + 1])
+            return views[-1]
+        return table[ids]
+
+    step, why = native_step_for(quantized)  # a step of its own, whose table the C side is told nothing of
+    assert step is not None, why
+    step._embed, step._model.embed = lookup, native_step._Table()
+    monkeypatch.setattr(quantized, "native_step", step)
+    got, got_cache = _schedule_run(quantized, prompts, schedule)
+    assert views and torch.equal(table, saved) and table.shape == (vocab, hidden)
+    assert got.keys() == want.keys()
+    for key, row in want.items():
+        assert torch.equal(got[key], row), f"logits of {key} differ"
+        assert all(torch.equal(a, b) for a, b in zip(_kv(got_cache, *key), _kv(want_cache, *key))), f"K/V of {key}"
+
+
+def test_the_sampled_rows_come_back_in_the_order_asked(quantized) -> None:
+    """`logits_indices` may name the step's rows in any order, and a row more than once: each logits row is
+    that step row's, bit for bit; a row outside the step is an error that writes nothing to the pool."""
+    cache = PagedCache(quantized.config, num_blocks=16, block_size=4)
+    step = cache.step({0: [5, 9, 17, 3, 44], 1: [60, 2]}, all_logits=True)
+    before = [t.clone() for pair in cache.kv_caches for t in pair]
+    every = quantized(step.input_ids, step.positions, step.attn, cache.kv_caches, step.logits_indices)
+    for k, v in cache.kv_caches:  # the same step again from the same pool
+        k.copy_(before.pop(0))
+        v.copy_(before.pop(0))
+    order = torch.tensor([6, 0, 3, 3, 1])
+    picked = quantized(step.input_ids, step.positions, step.attn, cache.kv_caches, order)
+    assert picked.shape == (5, every.shape[1])
+    for i, row in enumerate(order.tolist()):
+        assert torch.equal(picked[i], every[row])
+    pool = [t.clone() for pair in cache.kv_caches for t in pair]
+    with pytest.raises(ValueError, match="outside the step"):
+        quantized.native_step(step.input_ids, step.positions, step.attn, cache.kv_caches, torch.tensor([7]))
+    assert all(torch.equal(a, b) for a, b in zip(pool, [t for pair in cache.kv_caches for t in pair]))
+
+
+def test_a_token_outside_the_vocabulary_is_an_index_error(quantized) -> None:
+    """A token id outside the embedding table fails the step with the id named, before anything is
+    written to the pool."""
+    cache = PagedCache(quantized.config, num_blocks=8, block_size=4)
+    vocab = quantized.config.vocab_size
+    step = cache.step({0: [1, vocab + 3, 2]})
+    pool = [t.clone() for pair in cache.kv_caches for t in pair]
+    with pytest.raises(IndexError, match=f"token id {vocab + 3} is out of range"):
+        quantized.native_step(step.input_ids, step.positions, step.attn, cache.kv_caches, step.logits_indices)
+    assert all(torch.equal(a, b) for a, b in zip(pool, [t for pair in cache.kv_caches for t in pair]))

@@ -135,8 +135,8 @@ def load_path(path: isa.KernelPath) -> tuple[ctypes.CDLL | None, str]:
     lib.helexa_threads.restype = ctypes.c_int
     lib.helexa_paged_attention.argtypes = [p, p, p, *[i64] * 8, p, p, i64, p, ctypes.c_float, i64, p]
     lib.helexa_paged_attention.restype = ctypes.c_int
-    lib.helexa_step.argtypes = [p, i64, p, p, p, p, i64, p, p, i64, p, p]
-    lib.helexa_step.restype = ctypes.c_int
+    lib.helexa_forward.argtypes = [p, i64, p, p, p, p, p, i64, p, p, i64, p, i64, p, p]
+    lib.helexa_forward.restype = ctypes.c_int
     lib.helexa_dense_head.argtypes = [p, i64, i64, p, i64, p]
     lib.helexa_dense_head.restype = None
     lib.helexa_argmax_rows.argtypes = [p, i64, i64, i64, p]

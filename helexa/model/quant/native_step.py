@@ -1,4 +1,5 @@
-"""The fused CPU step (`csrc/step.c`): every layer of a quantized model in one native call, for every
+"""The fused CPU step (`csrc/step.c`): a quantized model's whole forward in one native call, token ids
+to the sampled rows' logits (the embedding lookup, every layer, the final norm and the head), for every
 step: decode, prefill, a chunk of a chunked prefill, an extend after a prefix-cache hit, or any mix.
 
 Two reasons it serves every step. Speed: on a CPU, a step of a small model is dominated not by its
@@ -10,7 +11,10 @@ norms and activations, RoPE from the row's own position, attention split at fixe
 merged in a fixed order; csrc/step.c says how), so one computation per row and per position is the
 whole guarantee. It computes what `CausalLM`'s torch layers compute with the reference attention
 backend, in float32, through the same quantized kernel (`native`), writing K/V into the same paged
-caches through the same block tables.
+caches through the same block tables. The lookup and the head are in the call too: after a step has
+streamed its weights through the caches, each torch operation around it costs 10-40 us more than it
+does warm (the default model's lookup, row gather and head wrapper took ~250 us a step in Python, now
+~30 us for the whole call's Python side).
 
 `native_step_for(model)` decides once, at load, whether a model can use it and says why not: CPU,
 float32, no tensor parallelism, the reference attention backend, every decoder projection quantized
@@ -22,11 +26,13 @@ that does not fit (an fp8 cache) takes the torch layers. `HELEXA_CPU_STEP=torch`
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from helexa.kvcache.metadata import AttentionMetadata
 from helexa.model.quant import native
@@ -62,11 +68,15 @@ class _Layer(ctypes.Structure):
     ]  # fmt: skip
 
 
+class _Table(ctypes.Structure):  # a (rows, E) vocabulary table: tiled and quantized (q), float32 (dense), or none
+    _fields_ = [("q", _Linear), ("dense", _p), ("rows", _i64)]
+
+
 class _Model(ctypes.Structure):
     _fields_ = [
         ("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_double), ("final_norm", _p),
-        ("layers", ctypes.POINTER(_Layer)),
+        ("layers", ctypes.POINTER(_Layer)), ("embed", _Table), ("head", _Table),
     ]  # fmt: skip
 
 
@@ -115,9 +125,10 @@ def _cache_ok(k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 class NativeStep:
-    """A model's decoder stack as one native call per step (build it with `native_step_for`). Holds its
-    own float32 copies of the norm weights and biases; the projections' tiled weights are the ones
-    their `CpuQuantMatmul` prepared."""
+    """A model's forward as one native call per step (build it with `native_step_for`): token ids to the
+    sampled rows' logits, the embedding lookup, every decoder layer, the final norm and the output head
+    in C. Holds its own float32 copies of the norm weights and biases; the projections' and tables'
+    tiled weights are the ones their `CpuQuantMatmul` prepared."""
 
     def __init__(
         self,
@@ -125,25 +136,29 @@ class NativeStep:
         layers: list[_Layer],
         keep: list[torch.Tensor],
         final_norm: int,
-        head: Callable[[torch.Tensor], torch.Tensor],
+        tables: tuple[_Table, _Table],
+        embed: Callable[[torch.Tensor], torch.Tensor] | None,
     ) -> None:
         config, plan = model.config, model.plan
         self._keep = keep  # everything the C structures point to
-        self._embed = model.model.embed_tokens  # token ids (R,) -> embeddings (R, E), looked up per piece
-        self._head = head  # final-normed rows (S, E) -> logits (S, V), each row on its own
+        # token ids (R,) -> embeddings (R, E) float32, looked up here per piece: only for an embedding
+        # table the C side cannot read (then `tables[0]` is empty)
+        self._embed = embed
         self._layers = (_Layer * len(layers))(*layers)
         self._model = _Model(
             len(layers), config.hidden_size, plan.num_heads, plan.num_kv_heads, config.head_dim,
-            plan.intermediate_size, 0, config.rms_norm_eps, final_norm, self._layers,
+            plan.intermediate_size, 0, config.rms_norm_eps, final_norm, self._layers, *tables,
         )  # fmt: skip
+        self._model_arg = ctypes.byref(self._model)
+        self._vocab = tables[1].rows  # the logits' columns
         self._inv_freq = model.inv_freq.detach().float().cpu().contiguous()  # (D/2,) RoPE frequencies
-        self._caches_key: tuple[int, ...] = ()
+        self._bound: tuple[Any, ...] = ()  # the (k, v) pairs the layers point to
         native.library()  # built and loaded now: the first step pays nothing
 
     def _bind_caches(self, kv_caches: list[Any]) -> bool:
-        """Point the layers at these caches (once per pool); False when a cache does not fit."""
-        key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
-        if key == self._caches_key:
+        """Point the layers at these caches (once per pool: the pairs it was last given, compared by
+        identity; a pool never re-points its tensors); False when a cache does not fit."""
+        if len(kv_caches) == len(self._bound) and all(map(operator.is_, kv_caches, self._bound)):
             return True
         if len(kv_caches) != len(self._layers) or not all(_cache_ok(*pair) for pair in kv_caches):
             return False
@@ -152,7 +167,7 @@ class NativeStep:
             layer.block_stride, layer.row_stride, layer.head_stride = k.stride(0), k.stride(1), k.stride(2)
             layer.kv_half = k.dtype == torch.float16
         self._model.block_size = kv_caches[0][0].shape[1]
-        self._caches_key = key
+        self._bound = tuple(kv_caches)
         return True
 
     def __call__(
@@ -165,9 +180,9 @@ class NativeStep:
     ) -> torch.Tensor | None:
         """The logits (S, V) float32 of one step's rows `logits_indices` (S,): input_ids (T,) the new tokens,
         positions (T,) int64 theirs, `attn` the step's metadata; the new K/V are written to the caches.
-        Each piece of at most `STEP_ROWS` rows is embedded when its call comes (a long prefill holds one
-        piece's embeddings, not the whole chunk's). None, with nothing written, when the step or the caches
-        do not fit (then the caller runs the torch layers)."""
+        A step of more than `STEP_ROWS` rows runs as consecutive calls of at most that many, each embedding
+        its own rows (a long prefill holds one piece's activations, not the whole chunk's). None, with
+        nothing written, when the step or the caches do not fit (then the caller runs the torch layers)."""
         t = input_ids.shape[0]
         if attn.num_tokens != t or positions.shape != (t,) or t == 0:
             return None
@@ -176,36 +191,47 @@ class NativeStep:
             return None
         if tables.stride(-1) != 1 or not self._bind_caches(kv_caches):
             return None
-        positions, lens, slots, starts = (v.contiguous() for v in (positions.long(), lens, slots, starts))
-        # The final-normed rows: a piece's at a time, the rows to sample gathered from each.
-        out = torch.empty(min(t, STEP_ROWS), self._model.hidden)  # (rows, E)
-        picked = torch.empty(logits_indices.shape[0], self._model.hidden) if t > STEP_ROWS else None  # (S, E)
+        ids, positions, rows = (v.long().contiguous() for v in (input_ids, positions, logits_indices))
+        lens, slots, starts = lens.contiguous(), slots.contiguous(), starts.contiguous()
+        logits = torch.empty(rows.shape[0], self._vocab)  # (S, V)
+        if t <= STEP_ROWS:
+            self._forward(ids, positions, slots, starts, lens, tables, rows, logits)
+            return logits
         for a, b, piece_starts, piece_lens, piece_tables in _pieces(starts, lens, tables, t, STEP_ROWS):
-            x = self._residual_stream(input_ids[a:b])
-            rc = native.library().helexa_step(
-                ctypes.byref(self._model), b - a, x.data_ptr(), positions[a:b].data_ptr(),
-                self._inv_freq.data_ptr(), slots[a:b].data_ptr(), piece_lens.shape[0], piece_starts.data_ptr(),
-                piece_tables.data_ptr(), piece_tables.stride(0), piece_lens.data_ptr(), out.data_ptr(),
-            )  # fmt: skip
-            _check(rc, "the native step")
-            if picked is not None:
-                here = (logits_indices >= a) & (logits_indices < b)  # (S,)
-                picked[here] = out[logits_indices[here] - a]
-        return self._head(out[logits_indices] if picked is None else picked)
+            here = (rows >= a) & (rows < b)  # (S,): the rows this piece samples
+            part = torch.empty(int(here.sum()), self._vocab)
+            self._forward(ids[a:b], positions[a:b], slots[a:b], piece_starts, piece_lens, piece_tables,
+                          rows[here] - a, part)  # fmt: skip
+            logits[here] = part
+        return logits
 
-    def _residual_stream(self, ids: torch.Tensor) -> torch.Tensor:
-        """The embeddings (R, E) float32 of `ids` (R,) as a tensor the step may update in place: the lookup's
-        own result when it is the whole of its storage (a fresh lookup), else a copy (never a table's rows)."""
-        x = self._embed(ids)
-        if x.dtype != torch.float32:
-            raise TypeError(f"the fused step runs float32 embeddings, got {x.dtype}")
-        return x if _owns_its_storage(x) else x.contiguous().clone()
-
-
-def _owns_its_storage(t: torch.Tensor) -> bool:
-    """True when `t` is a contiguous float32 tensor that is the whole of its storage (a fresh embedding
-    lookup, not a view into a table): the step may then update it in place as its residual stream."""
-    return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * 4
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        starts: torch.Tensor,
+        lens: torch.Tensor,
+        tables: torch.Tensor,
+        rows: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> None:
+        """One native call over the rows of `ids` (each argument contiguous, as `__call__` made them)."""
+        x = None
+        if self._embed is not None:  # a table the C side cannot read: looked up here, only read there
+            x = self._embed(ids)
+            if x.dtype != torch.float32:
+                raise TypeError(f"the fused step runs float32 embeddings, got {x.dtype}")
+            x = x.contiguous()
+        rc = native.library().helexa_forward(
+            self._model_arg, ids.shape[0], ids.data_ptr(), None if x is None else x.data_ptr(), positions.data_ptr(),
+            self._inv_freq.data_ptr(), slots.data_ptr(), lens.shape[0], starts.data_ptr(), tables.data_ptr(),
+            tables.stride(0), lens.data_ptr(), rows.shape[0], rows.data_ptr(), logits.data_ptr(),
+        )  # fmt: skip
+        if rc == -3:
+            bad = ids[(ids < 0) | (ids >= self._model.embed.rows)][0].item()
+            raise IndexError(f"token id {bad} is out of range for an embedding of {self._model.embed.rows} rows")
+        _check(rc, "the native step")
 
 
 def _pieces(
@@ -238,7 +264,10 @@ def _check(rc: int, what: str) -> None:
     if rc == -1:
         raise MemoryError(f"{what} could not allocate its scratch memory")
     if rc == -2:
-        raise ValueError(f"{what}: a sequence has more query rows than its length (inconsistent attention metadata)")
+        raise ValueError(
+            f"{what}: a sequence has more query rows than its length, or a sampled row is outside the step"
+            " (inconsistent metadata)"
+        )
 
 
 def native_step_for(model: Any) -> tuple[NativeStep | None, str]:
@@ -284,24 +313,40 @@ def native_step_for(model: Any) -> tuple[NativeStep | None, str]:
         )
     final_norm = _norm_weight(model.model.norm, keep)
     assert final_norm is not None
-    return NativeStep(model, layers, keep, final_norm, _head(model, keep)), ""
+    embed = _table(model.model.embed_tokens, keep)
+    caller_embeds = None if embed is not None else model.model.embed_tokens
+    tables = (embed if embed is not None else _Table(), _head(model, keep))
+    return NativeStep(model, layers, keep, final_norm, tables, caller_embeds), ""
 
 
-def _head(model: Any, keep: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The output head as a function of final-normed rows (S, E) -> (S, V) float32 that computes each
-    row on its own: the native quantized kernel where the head is quantized for it, else helexa's dense
-    kernel (`native.dense_head`) over the float32 weight (dequantised once, if it is quantized for
-    torch's kernels, whose order depends on the row count)."""
+def _table(module: Any, keep: list[torch.Tensor]) -> _Table | None:
+    """The C view of an embedding table: the native kernel's tiled weight of a `QuantEmbedding` (its head's),
+    or a float32 `nn.Embedding`'s weight; None for any other (the step then takes embeddings from Python)."""
+    if isinstance(module, QuantEmbedding):
+        q = _linear(module.head, keep)
+        return None if q is None else _Table(q, None, q.n)
+    if isinstance(module, nn.Embedding) and module.weight.dtype == torch.float32 and not module.weight.is_cuda:
+        weight = module.weight.detach().contiguous()
+        keep.append(weight)
+        return _Table(_Linear(), weight.data_ptr(), weight.shape[0])
+    return None
+
+
+def _head(model: Any, keep: list[torch.Tensor]) -> _Table:
+    """The output head as the C step's table, computing each row on its own: the native quantized kernel's
+    tiled weight where the head is quantized for it, else a float32 weight for helexa's dense head
+    (dequantised once, if it is quantized for torch's kernels, whose order depends on the row count)."""
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
     if isinstance(head, QuantEmbedding):
         head = head.head
-    if isinstance(head, QuantLinear) and head.cpu_matmul is not None and head.cpu_matmul.kernel == "native":
-        quantized = head
-        return lambda rows: quantized(rows).float()
+    if isinstance(head, QuantLinear):
+        q = _linear(head, keep)
+        if q is not None:
+            return _Table(q, None, q.n)
     weight = head.weight_q.dequantize(torch.float32) if isinstance(head, QuantLinear) else head.weight.detach().float()
     weight = weight.contiguous()
     keep.append(weight)
-    return lambda rows: native.dense_head(rows.contiguous(), weight)
+    return _Table(_Linear(), weight.data_ptr(), weight.shape[0])
 
 
 def paged_attention(

@@ -57,11 +57,20 @@ typedef struct {
     int64_t kv_half;                               /* 1: the caches hold float16 */
 } hx_layer;
 
+/* A (rows, E) table of the model's vocabulary: the token embedding or the output head. Quantized and
+ * tiled (q.weight set: q.n rows, q.k = E), or float32 (dense, rows x E); neither: the caller embeds. */
+typedef struct {
+    hx_linear q;
+    const float *dense;
+    int64_t rows;
+} hx_table;
+
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
     double eps;
     const float *final_norm; /* (E,) */
     const hx_layer *layers;
+    hx_table embed, head;
 } hx_model;
 
 static void *scratch(size_t floats) { return aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64); }
@@ -706,14 +715,14 @@ int helexa_paged_attention(const float *q, void *k_cache, void *v_cache, int64_t
                   out, H * D);
 }
 
-/* One step: x (T, E) holds the new tokens' embeddings on entry (the residual stream, updated in place);
- * out (T, E) receives the final-normed hidden states. positions (T,) int64; inv_freq (D/2,) the RoPE
- * frequencies; slots (T,) int64; query_start_loc (B + 1,), block_tables (B, table_stride) and seq_lens
- * (B,) int32, as for helexa_paged_attention. Returns 0, -1 when scratch memory could not be
+/* Every decoder layer of one step: x (T, E) holds the new tokens' embeddings on entry and their residual
+ * stream after the last layer on return (updated in place). positions (T,) int64; inv_freq (D/2,) the
+ * RoPE frequencies; slots (T,) int64; query_start_loc (B + 1,), block_tables (B, table_stride) and
+ * seq_lens (B,) int32, as for helexa_paged_attention. Returns 0, -1 when scratch memory could not be
  * allocated, -2 when the metadata is inconsistent. */
-int helexa_step(const hx_model *m, int64_t T, float *x, const int64_t *positions, const float *inv_freq,
-                const int64_t *slots, int64_t B, const int32_t *query_start_loc, const int32_t *block_tables,
-                int64_t table_stride, const int32_t *seq_lens, float *out) {
+static int decoder(const hx_model *m, int64_t T, float *x, const int64_t *positions, const float *inv_freq,
+                   const int64_t *slots, int64_t B, const int32_t *query_start_loc, const int32_t *block_tables,
+                   int64_t table_stride, const int32_t *seq_lens) {
     const int64_t E = m->hidden, H = m->heads, KVH = m->kv_heads, D = m->head_dim, I = m->intermediate;
     const int64_t QS = H * D, KS = KVH * D, QKV = QS + 2 * KS, BS = m->block_size;
     const float scale = 1.0f / sqrtf((float)D);
@@ -759,7 +768,6 @@ int helexa_step(const hx_model *m, int64_t T, float *x, const int64_t *positions
             for (int64_t i = 0; i < n * E; i++) x[t0 * E + i] += down[i]; /* its rows' residual: no other piece reads x */
         }
     }
-    rms_norm_rows(x, m->final_norm, T, E, m->eps, out);
 done:
     free(h);
     free(qkv);
@@ -786,7 +794,7 @@ static inline float dense_dot(const float *x, const float *w, int64_t k) {
 /* y (M, N) = x (M, K) @ w (N, K).T in float32 for a dense output head, each (row, column) by dense_dot
  * whatever M is (torch's matmul may pick its summation order by the batch's shape). Tasks are blocks
  * of HEAD_COLS columns; within one, 2 columns x 4 rows share their loads. */
-void helexa_dense_head(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
+static void dense_head(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
 #pragma omp parallel for schedule(static) num_threads(helexa_threads())
     for (int64_t n0 = 0; n0 < N; n0 += HEAD_COLS) {
         const int64_t n1 = n0 + HEAD_COLS < N ? n0 + HEAD_COLS : N;
@@ -815,6 +823,10 @@ void helexa_dense_head(const float *x, int64_t M, int64_t K, const float *w, int
                 for (int64_t m = m0; m < m1; m++) y[m * N + n] = dense_dot(x + m * K, w + n * K, K);
         }
     }
+}
+
+void helexa_dense_head(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
+    dense_head(x, M, K, w, N, y);
 }
 
 /* The index of the largest of x[0..n), n > 0, as torch's argmax gives it: the first of equal maxima
@@ -855,4 +867,53 @@ static int64_t argmax_of(const float *x, int64_t n) {
 void helexa_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out) {
 #pragma omp parallel for schedule(static) if (rows >= 4) num_threads(helexa_threads())
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_of(x + r * stride, cols);
+}
+
+/* One step of the whole model, token ids to logits: the rows' embeddings looked up in m->embed (or, when
+ * m->embed has no table, copied from x_in (T, E), which is only read), every decoder layer (`decoder`),
+ * then for each of the S rows `rows` (S,) int64 of the step, in that order, its final-normed hidden state
+ * through m->head into logits (S, V) float32. Each of these is the per-row computation the Python side
+ * used to run around the decoder: the lookup is helexa_dequantize_rows' (or a float32 row's copy), the
+ * norm is rms_norm's, the head is the quantized GEMM's (`linear`) or dense_head's, each row on its own;
+ * so a row's logits do not depend on the other rows of the call. Returns 0, -1 when scratch memory could
+ * not be allocated, -2 when the metadata is inconsistent (or a row is outside [0, T)), -3 when a token id
+ * is outside the embedding's rows; on an error nothing is written to logits. */
+int helexa_forward(const hx_model *m, int64_t T, const int64_t *ids, const float *x_in, const int64_t *positions,
+                   const float *inv_freq, const int64_t *slots, int64_t B, const int32_t *query_start_loc,
+                   const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, int64_t S,
+                   const int64_t *rows, float *logits) {
+    const int64_t E = m->hidden;
+    const hx_table *emb = &m->embed, *head = &m->head;
+    for (int64_t s = 0; s < S; s++)
+        if (rows[s] < 0 || rows[s] >= T) return -2;
+    float *x = scratch((size_t)(T * E)), *picked = scratch((size_t)((S > 0 ? S : 1) * E));
+    int rc = 0;
+    if (!x || !picked) {
+        rc = -1;
+        goto done;
+    }
+    if (emb->q.weight) {
+        const hx_linear *q = &emb->q;
+        rc = helexa_dequantize_rows(q->int4 ? (const uint8_t *)q->weight : NULL, q->int4 ? NULL : (const int8_t *)q->weight,
+                                    q->scales, q->zero_terms, q->half, q->n, q->k, q->group, ids, T, x);
+    } else if (emb->dense) {
+        for (int64_t t = 0; t < T && !rc; t++)
+            if (ids[t] < 0 || ids[t] >= emb->rows) rc = -3;
+            else memcpy(x + t * E, emb->dense + ids[t] * E, sizeof(float) * (size_t)E);
+    } else {
+        memcpy(x, x_in, sizeof(float) * (size_t)(T * E));
+    }
+    if (rc) goto done;
+    rc = decoder(m, T, x, positions, inv_freq, slots, B, query_start_loc, block_tables, table_stride, seq_lens);
+    if (rc || S == 0) goto done;
+    for (int64_t s = 0; s < S; s++) rms_norm(x + rows[s] * E, m->final_norm, E, m->eps, picked + s * E);
+    if (head->q.weight) {
+        if (linear(&head->q, picked, S, E, logits)) rc = -1;
+    } else {
+        dense_head(picked, S, E, head->dense, head->rows, logits);
+    }
+done:
+    free(x);
+    free(picked);
+    return rc;
 }

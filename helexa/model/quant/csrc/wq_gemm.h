@@ -11,6 +11,11 @@
 int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q4, const int8_t *q8,
                     const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y);
 
+/* Rows `ids` (R,) of a tiled weight dequantised into x (R, K) float32 (an embedding lookup). Returns 0, or
+ * -3 (x not written) when an id is outside [0, N). See wq_gemm.c. */
+int helexa_dequantize_rows(const uint8_t *q4, const int8_t *q8, const void *scales, const void *zero_terms,
+                           int64_t half, int64_t N, int64_t K, int64_t G, const int64_t *ids, int64_t R, float *x);
+
 /* 8 floats from float32 (half = 0) or float16 (half = 1) values at index i (F16C's exact widening). */
 static inline __m256 hx_load8(const void *p, int64_t i, const int half) {
     if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
