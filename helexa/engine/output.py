@@ -35,14 +35,18 @@ def append_token(seq: Sequence, samples: SampleResult, row: int, eos_token_ids: 
     reason = finish_reason(token, num_output, seq.granted_max_tokens, params, eos_token_ids)
     text = ""
     if reason != "stop":
-        result = seq.stop_checker.feed(seq.detokenizer.push(token))
-        text = result.emit
-        if result.stopped:
-            reason = "stop"
-        elif reason is not None:
-            text += seq.stop_checker.feed(seq.detokenizer.flush()).emit
-            if not seq.stop_checker.stopped:
-                text += seq.stop_checker.flush()
+        checker, delta = seq.stop_checker, seq.detokenizer.push(token)
+        if not checker.watching:  # no stop strings (most requests): the text is the detokenizer's
+            text = delta + seq.detokenizer.flush() if reason is not None else delta
+        else:
+            result = checker.feed(delta)
+            text = result.emit
+            if result.stopped:
+                reason = "stop"
+            elif reason is not None:
+                text += checker.feed(seq.detokenizer.flush()).emit
+                if not checker.stopped:
+                    text += checker.flush()
     logprobs: tuple[TokenLogprob, ...] = ()
     if params.logprobs is not None:
         logprob = samples.logprobs[row]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from helexa.admission import Ticket
@@ -57,26 +57,17 @@ class Sequence:
     dropped_tokens: int = 0  # computed tokens a preemption dropped; those the cache no longer holds are recomputed
     draft_state: DraftState | None = None  # speculative decoding: its prompt-lookup index and draft length
     loading: bool = False  # its next full blocks may be in a tier below the pool: loaded (a chunk a step) first
+    # The request's own, copied once (it is frozen): every step reads these for every sequence, several times.
+    request_id: str = field(init=False)
+    params: SamplingParams = field(init=False)
+    stream: RequestStream = field(init=False)
+    constraint: TokenConstraint | None = field(init=False)
+    prompt_len: int = field(init=False)
 
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
-
-    @property
-    def stream(self) -> RequestStream:
-        return self.request.stream
-
-    @property
-    def constraint(self) -> TokenConstraint | None:
-        return self.request.constraint
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt)
+    def __post_init__(self) -> None:
+        request = self.request
+        self.request_id, self.params, self.stream = request.request_id, request.params, request.stream
+        self.constraint, self.prompt_len = request.constraint, len(request.prompt)
 
     @property
     def num_tokens(self) -> int:

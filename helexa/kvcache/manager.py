@@ -344,28 +344,36 @@ class KVManager:
     def offer_all(self, offers: Iterable[tuple[str, int]]) -> None:
         """`offer(key, num_computed)` for each pair, in order, under one hold of the lock (a step's offers)."""
         with self._lock:
+            holdings, cache = self._holdings, self._cache
+            if cache is None:
+                return
             for key, num_computed in offers:
-                self.offer(key, num_computed)
+                self._offer(key, holdings[key], cache, num_computed)
 
     def offer(self, key: str, num_computed: int) -> None:
         """Index the request's full blocks among its first `num_computed` tokens that it has not offered yet,
         in order. A block whose content is new passes to the index (the request holds it through the index
         from then on); one whose content is indexed already stays the request's own."""
         with self._lock:
-            h, cache = self._holdings[key], self._cache
-            if cache is None or h.table is None or not h.offering:
+            if self._cache is not None:
+                self._offer(key, self._holdings[key], self._cache, num_computed)
+
+    @staticmethod
+    def _offer(key: str, h: _Holding, cache: PrefixCache, num_computed: int) -> None:
+        """`offer` under the lock."""
+        if h.table is None or not h.offering:
+            return
+        bs = cache.block_size
+        full = min(num_computed, h.table.num_tokens) // bs
+        if full <= h.offered:  # no new full block (most steps): no copy of the table's ids
+            return
+        ids = h.table.block_ids
+        for i in range(h.offered, full):
+            node = cache.insert(ids[i], h.tokens[i * bs : (i + 1) * bs], h.parent, key, salt=h.salt)
+            if node is None:  # a hash collision with other content: it indexes nothing more
+                h.offering = False
                 return
-            bs = cache.block_size
-            full = min(num_computed, h.table.num_tokens) // bs
-            if full <= h.offered:  # no new full block (most steps): no copy of the table's ids
-                return
-            ids = h.table.block_ids
-            for i in range(h.offered, full):
-                node = cache.insert(ids[i], h.tokens[i * bs : (i + 1) * bs], h.parent, key, salt=h.salt)
-                if node is None:  # a hash collision with other content: it indexes nothing more
-                    h.offering = False
-                    return
-                h.parent, h.offered = node, i + 1
+            h.parent, h.offered = node, i + 1
 
     def trim(self, key: str, num_tokens: int) -> None:
         """Forget the request's slots past its first `num_tokens` tokens (a speculative draft's rejected

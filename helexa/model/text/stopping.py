@@ -34,6 +34,11 @@ class StopChecker:
         self._stopped = False
 
     @property
+    def watching(self) -> bool:
+        """True when there are stop strings to look for (else `feed` emits every delta as it comes)."""
+        return bool(self._stops)
+
+    @property
     def stopped(self) -> bool:
         """True once a stop string has been found; later text is ignored."""
         return self._stopped
