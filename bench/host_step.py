@@ -53,7 +53,7 @@ PARTS = {
 }
 
 
-def _measure(model: str, seqs: int, mode: str, steps: int) -> dict[str, float]:
+def _measure(model: str, seqs: int, mode: str, steps: int, **engine_args: object) -> dict[str, float]:
     """Medians over `steps` decode steps of `seqs` sequences (after a warm-up), in ms: of the whole step, of the
     forward, of each part, and of the host work (step minus forward). (Medians: the machine's other tenants
     add outliers.)"""
@@ -66,7 +66,7 @@ def _measure(model: str, seqs: int, mode: str, steps: int) -> dict[str, float]:
     torch.set_num_threads(1)  # the host's own thread; the forward's threads do not matter here
     overrides = {} if mode == "default" else {"speculative": mode}
     config = EngineConfig.of(model=model, device="cpu", max_num_seqs=64, block_size=16, num_blocks=4096,
-                             max_num_batched_tokens=4096, **overrides)  # fmt: skip
+                             max_num_batched_tokens=4096, **overrides, **engine_args)  # fmt: skip
     engine = Engine(config)
     try:
         seconds: dict[str, float] = defaultdict(float)

@@ -130,7 +130,8 @@ class ModelRunner:
     def _eager_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, logits_indices: torch.Tensor
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, attn, self._kv_caches, logits_indices)
+        # A step's logits are sampled (to host lists) before the next step runs: they may share one buffer.
+        return self.model(input_ids, positions, attn, self._kv_caches, logits_indices, reuse_logits=True)
 
     @torch.inference_mode()
     def calibrate(self, prefill_tokens: int, decode_seqs: int, max_model_len: int) -> tuple[float, float] | None:

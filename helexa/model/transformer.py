@@ -285,6 +285,7 @@ class CausalLM(nn.Module):
         attn: AttentionMetadata,
         kv_caches: list[_Pair],
         logits_indices: torch.Tensor,
+        reuse_logits: bool = False,
     ) -> torch.Tensor:
         """One step of a flattened varlen batch: logits (S, V) float32 of the rows to sample.
 
@@ -292,6 +293,8 @@ class CausalLM(nn.Module):
         step's metadata; kv_caches: one (k_cache, v_cache) per layer, each (NB, BS, KVH, D) in the
         model dtype, into which the new tokens' K/V are written; logits_indices: (S,) int64 rows.
         Tensor-parallel ranks other than 0 return an empty (S, 0): the logits are gathered to rank 0.
+        `reuse_logits`: the caller reads these logits before its next call, so the fused CPU step may return
+        them in a buffer that call overwrites (no fresh pages a step); every other path returns its own.
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
@@ -305,7 +308,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"logits_indices must be [S], got {tuple(logits_indices.shape)}")
 
         if self.native_step is not None:  # it embeds the tokens itself, a piece of the step at a time
-            logits = self.native_step(input_ids, positions, attn, kv_caches, logits_indices)  # or None: the layers
+            logits = self.native_step(input_ids, positions, attn, kv_caches, logits_indices, reuse_logits)
             if logits is not None:
                 return logits  # (S, V)
         hidden = self.model.embed_tokens(input_ids)  # (T, E)

@@ -19,8 +19,21 @@ def test_host_step_parts_add_up(tiny_model_dir: Path, mode: str, monkeypatch: py
     import host_step
 
     row = host_step._measure(str(tiny_model_dir), 4, mode, steps=6)
-    assert set(row) == {"step", "host", "forward", "other", *host_step.PARTS}
+    assert set(row) == {"step", "host", "forward", "forward python", "other", *host_step.PARTS}
     assert 0 < row["forward"] < row["step"] and 0 < row["host"] < row["step"]
+    assert row["forward python"] == 0  # torch layers: the whole forward is the model's compute
     assert row["events"] > 0 and row["kv tables"] > 0 and row["pack inputs"] > 0 and row["sample to host"] > 0
     assert (row["drafts"] > 0) == (mode == "default")  # drafts are proposed only with speculation on
     assert sum(row[p] for p in host_step.PARTS) <= row["host"] * 1.5  # medians of parts vs the host's median
+
+
+def test_host_step_counts_the_python_around_a_fused_step(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a model on the fused CPU step, the model's compute is the native calls alone: the Python around them
+    is host work, in its own part, and the host work is the step less those calls."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    sys.modules.pop("host_step", None)
+    import host_step
+
+    row = host_step._measure(str(tiny_model_dir), 4, "off", steps=6, quantization="int4")
+    assert 0 < row["forward python"] < row["forward"] < row["step"]
+    assert row["host"] >= row["forward python"]  # each step's host work holds its forward's Python

@@ -512,3 +512,31 @@ def test_a_token_outside_the_vocabulary_is_an_index_error(quantized) -> None:
     with pytest.raises(IndexError, match=f"token id {vocab + 3} is out of range"):
         quantized.native_step(step.input_ids, step.positions, step.attn, cache.kv_caches, step.logits_indices)
     assert all(torch.equal(a, b) for a, b in zip(pool, [t for pair in cache.kv_caches for t in pair]))
+
+
+def test_logits_the_caller_is_done_with_reuse_one_buffer(quantized, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `reuse_logits` the step's logits are rows of one buffer the step keeps (grown when a step has more
+    rows, never past `REUSED_LOGITS_BYTES`), the same bits as logits of their own; without it, and past the
+    cap, each call's logits are their own."""
+    cache = PagedCache(quantized.config, num_blocks=16, block_size=4)
+    step = cache.step({0: [5, 9, 17, 3, 44], 1: [60, 2]}, all_logits=True)
+    pool = [t.clone() for pair in cache.kv_caches for t in pair]
+
+    def run(rows: list[int], reuse: bool) -> torch.Tensor:
+        for t, saved in zip([t for pair in cache.kv_caches for t in pair], pool):  # the same step each time
+            t.copy_(saved)
+        return quantized(step.input_ids, step.positions, step.attn, cache.kv_caches, torch.tensor(rows), reuse)
+
+    own = run([6, 1], False)
+    first = run([6, 1], True)
+    assert torch.equal(first, own) and first.data_ptr() != own.data_ptr()
+    kept = first.clone()
+    again = run([6], True)  # fewer rows: the same buffer, overwritten
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again[0], kept[0])
+    grown = run([0, 1, 2, 3, 4, 5, 6], True)  # more rows: a larger buffer
+    assert grown.shape[0] == 7 and torch.equal(grown[[6, 1]], own)
+    assert run([2], False).data_ptr() != grown.data_ptr()
+    monkeypatch.setattr(native_step, "REUSED_LOGITS_BYTES", 4 * grown.shape[1])  # one row at most
+    assert run([6], True).data_ptr() == grown.data_ptr()
+    over = [run([6, 1], True), run([6, 1], True)]  # two rows: past the cap, each its own
+    assert len({grown.data_ptr(), *(t.data_ptr() for t in over)}) == 3 and torch.equal(over[0], own)
