@@ -141,6 +141,36 @@ def test_long_context_decode_rows_are_the_same_bits_whatever_the_task_grouping(c
     torch.testing.assert_close(got[1], want.float(), rtol=1e-5, atol=1e-5)
 
 
+def test_calls_from_several_threads_keep_their_own_buffers() -> None:
+    """The C step keeps each calling thread's working buffers between its calls (grown, never shared):
+    threads calling at once, each over inputs of a different size, every call poisoning its buffers for the
+    next, get the bits each gets alone."""
+    import threading
+
+    cases = []
+    for i in range(4):
+        g = torch.Generator().manual_seed(i)
+        lens = [300 + 150 * i, 7, 129 + i][: 2 + i % 2]
+        inputs = _paged_inputs(g, lens, [1, 7, 3][: len(lens)], 8, 2, 64, 16)
+        cases.append((inputs, paged_attention(*inputs)))
+    failures: list[str] = []
+
+    def run(i: int) -> None:
+        inputs, want = cases[i]
+        for _ in range(15):
+            if not torch.equal(paged_attention(*inputs), want):
+                failures.append(f"thread {i}")
+                return
+            paged_attention(*cases[(i + 1) % 4][0])  # another size in between, in the same thread
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures and not any(t.is_alive() for t in threads)
+
+
 def test_paged_attention_checks_its_inputs() -> None:
     q, cache = torch.randn(1, 2, 12), torch.randn(4, 4, 2, 12)  # D = 12: not a multiple of 8
     tables, lens, starts = torch.ones(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.tensor([0, 1])

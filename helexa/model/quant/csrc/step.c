@@ -34,6 +34,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -74,6 +75,53 @@ typedef struct {
 } hx_model;
 
 static void *scratch(size_t floats) { return aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64); }
+
+/* A call's large working buffers come from arenas kept per calling thread, one per use (`hx_slot`), grown
+ * when a call needs more and never shrunk, instead of fresh memory each call. glibc maps every block of
+ * 2 MiB or more afresh (helexa.heap sets the threshold, so freed steps give their memory back), and a
+ * fresh mapping's pages fault in as the call first writes them: ~2.5 us a 4 KiB page on the VMs measured,
+ * which made attention over 16 sequences of 8k tokens at the 1B shape ~25% slower (its partials are 8.6 MiB
+ * a layer). A thread's arenas hold its largest call's bytes until the thread exits (then they are freed).
+ * No two buffers of one call share a slot, and a thread runs one call at a time, so nothing is shared. */
+enum hx_slot { S_X, S_PICKED, S_H, S_QKV, S_GU, S_DOWN, S_COS, S_SIN, S_TASK, S_PART_BASE, S_PART, S_SLOTS };
+typedef struct {
+    void *p;
+    size_t bytes;
+} hx_arena;
+static pthread_key_t arena_key;
+static pthread_once_t arena_once = PTHREAD_ONCE_INIT;
+static int arena_key_ok = 0;
+
+static void arenas_free(void *v) {
+    hx_arena *all = (hx_arena *)v;
+    for (int i = 0; i < S_SLOTS; i++) free(all[i].p);
+    free(all);
+}
+
+static void arena_key_make(void) { arena_key_ok = pthread_key_create(&arena_key, arenas_free) == 0; }
+
+/* At least `bytes` (64-byte aligned) of this thread's arena `slot`, or NULL when it cannot grow (the
+ * arena then holds nothing). Its contents are whatever the thread's last call left. */
+static void *arena(enum hx_slot slot, size_t bytes) {
+    pthread_once(&arena_once, arena_key_make);
+    if (!arena_key_ok) return NULL;
+    hx_arena *all = (hx_arena *)pthread_getspecific(arena_key);
+    if (!all) {
+        all = (hx_arena *)calloc(S_SLOTS, sizeof(hx_arena));
+        if (!all || pthread_setspecific(arena_key, all)) {
+            free(all);
+            return NULL;
+        }
+    }
+    hx_arena *a = &all[slot];
+    if (a->bytes < bytes) {
+        free(a->p);
+        a->bytes = ((bytes + 63) / 64) * 64;
+        a->p = aligned_alloc(64, a->bytes);
+        if (!a->p) a->bytes = 0;
+    }
+    return a->p;
+}
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -560,15 +608,10 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
             tasks += KVH * ((qlen + QTILE - 1) / QTILE);
         }
     }
-    hx_task *task = (hx_task *)malloc(sizeof(hx_task) * (size_t)(tasks > 0 ? tasks : 1));
-    int64_t *part_base = (int64_t *)malloc(sizeof(int64_t) * (size_t)(T > 0 ? T : 1)); /* split rows' first partial */
-    float *part = scratch((size_t)((parts > 0 ? parts : 1) * P));
-    if (!task || !part_base || !part) {
-        free(task);
-        free(part_base);
-        free(part);
-        return -1;
-    }
+    hx_task *task = (hx_task *)arena(S_TASK, sizeof(hx_task) * (size_t)(tasks > 0 ? tasks : 1));
+    int64_t *part_base = (int64_t *)arena(S_PART_BASE, sizeof(int64_t) * (size_t)(T > 0 ? T : 1)); /* split rows' first partial */
+    float *part = (float *)arena(S_PART, sizeof(float) * (size_t)((parts > 0 ? parts : 1) * P));
+    if (!task || !part_base || !part) return -1;
     const int64_t span = chunks >= CHUNKS_PER_THREAD * helexa_threads() ? KVH : 1; /* KV heads per chunk task */
     int64_t nt = 0, np = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -668,9 +711,6 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
             }
         }
     }
-    free(task);
-    free(part_base);
-    free(part);
     return failed ? -1 : 0;
 }
 
@@ -731,10 +771,12 @@ static int decoder(const hx_model *m, int64_t T, float *x, const int64_t *positi
      * h the input norm's output, then the attention's (read by the output projection), then the post-norm's;
      * qkv the projected q|k|v, then the output projection's. The MLP's own buffers are per piece. */
     const int64_t mlp_rows = T < MLP_ROWS ? T : MLP_ROWS;
-    float *h = scratch((size_t)(T * (E > QS ? E : QS))), *qkv = scratch((size_t)(T * (QKV > E ? QKV : E)));
-    float *gu = scratch((size_t)(mlp_rows * 2 * I)); /* per row: gate | up, then activations | up */
-    float *down = scratch((size_t)(mlp_rows * E));
-    float *cos_t = scratch((size_t)(T * D)), *ssin_t = scratch((size_t)(T * D));
+    const size_t f = sizeof(float);
+    float *h = (float *)arena(S_H, f * (size_t)(T * (E > QS ? E : QS)));
+    float *qkv = (float *)arena(S_QKV, f * (size_t)(T * (QKV > E ? QKV : E)));
+    float *gu = (float *)arena(S_GU, f * (size_t)(mlp_rows * 2 * I)); /* per row: gate | up, then activations | up */
+    float *down = (float *)arena(S_DOWN, f * (size_t)(mlp_rows * E));
+    float *cos_t = (float *)arena(S_COS, f * (size_t)(T * D)), *ssin_t = (float *)arena(S_SIN, f * (size_t)(T * D));
     int rc = 0;
     if (!h || !qkv || !gu || !down || !cos_t || !ssin_t) {
         rc = -1;
@@ -769,12 +811,6 @@ static int decoder(const hx_model *m, int64_t T, float *x, const int64_t *positi
         }
     }
 done:
-    free(h);
-    free(qkv);
-    free(gu);
-    free(down);
-    free(cos_t);
-    free(ssin_t);
     return rc;
 }
 
@@ -886,7 +922,8 @@ int helexa_forward(const hx_model *m, int64_t T, const int64_t *ids, const float
     const hx_table *emb = &m->embed, *head = &m->head;
     for (int64_t s = 0; s < S; s++)
         if (rows[s] < 0 || rows[s] >= T) return -2;
-    float *x = scratch((size_t)(T * E)), *picked = scratch((size_t)((S > 0 ? S : 1) * E));
+    float *x = (float *)arena(S_X, sizeof(float) * (size_t)(T * E));
+    float *picked = (float *)arena(S_PICKED, sizeof(float) * (size_t)((S > 0 ? S : 1) * E));
     int rc = 0;
     if (!x || !picked) {
         rc = -1;
@@ -913,7 +950,5 @@ int helexa_forward(const hx_model *m, int64_t T, const int64_t *ids, const float
         dense_head(picked, S, E, head->dense, head->rows, logits);
     }
 done:
-    free(x);
-    free(picked);
     return rc;
 }
