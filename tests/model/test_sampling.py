@@ -221,6 +221,46 @@ def test_logprobs_are_raw_model_logprobs() -> None:
     assert out.token_ids[2] == int(logits[2].argmax())
 
 
+def test_filtered_rows_draw_from_their_candidates_with_the_right_frequencies() -> None:
+    """Over a large vocabulary a top-p row's kept tokens are found among its best candidates and drawn in rank
+    order: their frequencies follow the renormalised probabilities, and nothing outside them is drawn."""
+    vocab, n = 5000, 6000
+    probs = torch.tensor([0.35, 0.25, 0.15, 0.1, 0.08, 0.04, 0.02, 0.01])  # 0.98 of the mass; top_p 0.9 keeps 5
+    row = torch.full((vocab,), math.log(0.02 / (vocab - 8)))
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(2))[:8]
+    row[ids] = probs.log()
+    torch.manual_seed(0)
+    out = Sampler().sample(row.expand(n, vocab).contiguous(), [SamplingParams(temperature=1.0, top_p=0.9)] * n)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=vocab).float() / n
+    assert set(torch.nonzero(counts).flatten().tolist()) == set(ids[:5].tolist())
+    assert torch.allclose(counts[ids[:5]], probs[:5] / probs[:5].sum(), atol=0.03)
+
+
+def test_each_row_draws_alone_whichever_path_its_batch_takes() -> None:
+    """A batch mixing rows drawn from their candidates, rows without filters (their whole row) and a filtered
+    row no candidate set settles (a flat top-p: the full sort), with greedy rows between: each seeded row's
+    token is the one it draws alone."""
+    g = torch.Generator().manual_seed(5)
+    vocab = 3000
+    logits = torch.randn(5, vocab, generator=g) * torch.tensor([[4.0], [0.01], [4.0], [3.0], [4.0]])
+    params = [
+        SamplingParams(temperature=0.9, seed=1),  # whole row
+        SamplingParams(temperature=1.0, top_p=0.999, seed=2),  # flat: the full sort
+        SamplingParams(temperature=0.0),  # greedy
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=3),  # candidates
+        SamplingParams(temperature=1.2, seed=4),  # whole row
+    ]
+
+    def gens() -> list[torch.Generator | None]:
+        return [None if p.seed is None else make_generator(p.seed, "cpu") for p in params]
+
+    batch_gens, alone_gens = gens(), gens()
+    for _ in range(10):
+        together = Sampler().sample(logits, params, batch_gens).token_ids
+        alone = [Sampler().sample(logits[i : i + 1], [p], [alone_gens[i]]).token_ids[0] for i, p in enumerate(params)]
+        assert together == alone
+
+
 @pytest.mark.parametrize("quantised", [False, True])
 def test_candidate_filter_path_equals_full_sort(quantised: bool) -> None:
     """The topk fast path keeps exactly the tokens the full stable sort keeps, ties and fallbacks included."""
@@ -244,8 +284,16 @@ def test_candidate_filter_path_equals_full_sort(quantised: bool) -> None:
         SamplingParams(temperature=1.0, top_p=0.8, min_p=0.01),
         SamplingParams(temperature=1.0, min_p=0.5),
     ]
-    fast = Sampler._apply_filters(logits, params)
+    groups, rest = Sampler()._filter_candidates(logits, params, list(range(len(params))))
+    fast = torch.full_like(logits, -math.inf)
+    for index, ids, kept in groups:
+        fast[index] = fast[index].scatter_(1, ids, kept)
+    if rest:
+        fast[rest] = _filter_sorted_rows(logits[rest], [params[i] for i in rest])
+    assert sum(len(index) for index, _, _ in groups) >= 5  # most rows settle on candidates
     full = _filter_sorted_rows(logits, params)
+    full[[i for i, p in enumerate(params) if not p.uses_filters]] = -math.inf  # the candidates are filtered rows'
+    fast[[i for i, p in enumerate(params) if not p.uses_filters]] = -math.inf
     assert torch.equal(fast.isfinite(), full.isfinite())
     assert torch.equal(fast[fast.isfinite()], full[full.isfinite()])
 
