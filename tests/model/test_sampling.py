@@ -347,3 +347,27 @@ def test_logit_bias_bans_and_forces_tokens_and_leaves_logprobs_raw() -> None:
 def test_bad_logit_bias_is_refused(bias: object) -> None:
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=bias)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 33, 200])
+@pytest.mark.parametrize("into", [False, True], ids=["new", "out"])
+def test_masked_logits_sets_exactly_the_forbidden_tokens(vocab: int, into: bool) -> None:
+    """Bit j of word w forbids token 32 w + j where clear; rows with every bit set are copied unchanged, the
+    words past the vocabulary are ignored, the input is left alone; into `out` when given."""
+    from helexa.model.sampling.bitmask import allocate_bitmask, masked_logits
+
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g)
+    before = logits.clone()
+    bitmask = allocate_bitmask(5, vocab + 40)  # wider than the vocabulary: the extra words are ignored
+    for row in (0, 2, 3):
+        bitmask[row] = torch.randint(-(2**31), 2**31, (bitmask.shape[1],), generator=g, dtype=torch.int64).int()
+    out = torch.full((5, vocab), float("nan")) if into else None
+    got = masked_logits(logits, bitmask, out)
+    want = logits.clone()
+    for row in range(5):
+        for token in range(vocab):
+            if not (int(bitmask[row, token // 32]) >> (token % 32)) & 1:
+                want[row, token] = -math.inf
+    assert torch.equal(got, want) and torch.equal(logits, before)
+    assert (got is out) if into else (got is not logits)

@@ -4,6 +4,9 @@ every token allowed until a `TokenConstraint` fills its row) and `masked_logits`
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch
 
 __all__ = ["allocate_bitmask", "masked_logits"]
@@ -14,19 +17,33 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
 
 
-def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` (S, V) with the tokens `bitmask` forbids set to -inf, as a new tensor (the input is not
-    changed). `bitmask`: (S, W) int32 on the host, W >= ceil(V / 32), one row per logits row, every bit set
-    in a row without a constraint (`allocate_bitmask`); such rows are copied unchanged. One host-to-device
-    copy of the constrained rows' words; the bits are unpacked on the logits' device."""
+def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`logits` (S, V) with the tokens `bitmask` forbids set to -inf: written into `out` ((S, V), not the
+    logits' memory) when given, else a new tensor (the input is not changed; with no constrained row, the
+    input itself). `bitmask`: (S, W) int32 on the host, W >= ceil(V / 32), bit j of word w for token 32 w + j,
+    one row per logits row, every bit set in a row without a constraint (`allocate_bitmask`); such rows are
+    copied unchanged. One host-to-device copy of the constrained rows' words; each byte of them becomes its
+    8 tokens' flags through a 256-entry table on the logits' device (no (S, V) int32 expansion)."""
     vocab = logits.shape[1]
     words = bitmask[:, : -(-vocab // 32)]  # (S, ceil(V / 32))
     rows = (words != -1).any(dim=1).nonzero().flatten().tolist()  # host tensor: no device sync
     if not rows:
         return logits
-    index = torch.tensor(rows, device=logits.device)  # (R,)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # (32,)
-    row_words = words[rows].to(logits.device, non_blocking=True)  # (R, ceil(V / 32))
-    allowed = ((row_words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]  # (R, V)
-    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))  # (R, V)
-    return logits.index_copy(0, index, masked)
+    device = logits.device
+    out = logits.clone() if out is None else out.copy_(logits)
+    row_bytes = words[rows].contiguous().view(torch.uint8).view(len(rows), -1, 4)  # (R, W, 4): each word's bytes
+    if sys.byteorder == "big":  # the words' low byte first, as bit j of a word is token 32 w + j
+        row_bytes = row_bytes.flip(-1)
+    row_bytes = row_bytes.to(device, non_blocking=True).flatten(1).long()  # (R, 4W)
+    allowed = _byte_bits(device)[row_bytes].flatten(1)[:, :vocab]  # (R, V) bool
+    if len(rows) == logits.shape[0]:
+        return out.masked_fill_(~allowed, float("-inf"))
+    index = torch.tensor(rows, device=device)  # (R,)
+    return out.index_copy_(0, index, out.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+
+
+@functools.cache
+def _byte_bits(device: torch.device) -> torch.Tensor:
+    """(256, 8) bool: bit k of each byte value, on `device` (made once per device)."""
+    values = torch.arange(256, dtype=torch.int32)
+    return ((values[:, None] >> torch.arange(8, dtype=torch.int32)) & 1).bool().to(device)

@@ -100,7 +100,7 @@ class Sampler:
         if any(p.logit_bias for p in params):
             logits = _with_bias(logits, params)
         if bitmask is not None:
-            logits = masked_logits(logits, bitmask)
+            logits = masked_logits(logits, bitmask, self._buffer("masked", rows, vocab, device))
         greedy = [p.is_greedy for p in params]
         if all(greedy):
             sampled = self._argmax(logits)  # (S,)
