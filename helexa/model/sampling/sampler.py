@@ -201,15 +201,15 @@ class Sampler:
         if whole:
             whole.sort()
             every = len(whole) == rows  # no gather or scatter (a batch of unfiltered rows: the common case)
-            index = None if every else torch.tensor(whole, device=device)
-            part = scaled if index is None else scaled.index_select(0, index)  # (R, V)
+            at = None if every else torch.tensor(whole, device=device)
+            part = scaled if at is None else scaled.index_select(0, at)  # (R, V)
             weights = part.sub_(part.amax(dim=-1, keepdim=True)).exp_()  # (R, V): the row's own scale; dropped: 0
             cdf = torch.cumsum(weights, dim=-1, out=self._buffer("cdf", len(whole), vocab, device))  # (R, V)
-            target = (draws if index is None else draws.index_select(0, index))[:, None] * cdf[:, -1:]  # (R, 1)
+            target = (draws if at is None else draws.index_select(0, at))[:, None] * cdf[:, -1:]  # (R, 1)
             tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max_(vocab - 1)  # (R,)
-            if index is None:
+            if at is None:
                 return tokens
-            sampled[index] = tokens
+            sampled[at] = tokens
         return sampled
 
     def _filter_candidates(
