@@ -63,6 +63,7 @@ def _measure(model: str, seqs: int, mode: str, steps: int, **engine_args: object
     from helexa.engine.engine import Engine
     from helexa.model.sampling import SamplingParams
 
+    threads = torch.get_num_threads()  # put back, with the library below, when this measurement ends
     torch.set_num_threads(1)  # the host's own thread; the forward's threads do not matter here
     overrides = {} if mode == "default" else {"speculative": mode}
     config = EngineConfig.of(model=model, device="cpu", max_num_seqs=64, block_size=16, num_blocks=4096,
@@ -88,10 +89,10 @@ def _measure(model: str, seqs: int, mode: str, steps: int, **engine_args: object
         for name, (owner, attr) in {**PARTS, "forward": ("runner", "_forward")}.items():
             setattr(owners[owner], attr, timed(name, getattr(owners[owner], attr)))
         fused = getattr(engine.runner.model, "native_step", None) is not None
-        if fused:  # the model's compute is the native library's calls (a baseline tree's names too)
-            from helexa.model.quant import native
+        from helexa.model.quant import native
 
-            library = native.library
+        library = native.library  # put back when this measurement ends
+        if fused:  # the model's compute is the native library's calls (a baseline tree's names too)
 
             class Timed:
                 def __init__(self, lib: object) -> None:
@@ -135,6 +136,8 @@ def _measure(model: str, seqs: int, mode: str, steps: int, **engine_args: object
             raise SystemExit(f"{seqs - len(engine._running)} of {seqs} sequences ended during the timed steps")
         return {name: statistics.median(values) * 1e3 for name, values in per_step.items()}
     finally:
+        native.library = library  # type: ignore[method-assign]
+        torch.set_num_threads(threads)
         engine.shutdown()
 
 

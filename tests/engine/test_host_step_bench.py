@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,6 +35,10 @@ def test_host_step_counts_the_python_around_a_fused_step(tiny_model_dir: Path, m
     sys.modules.pop("host_step", None)
     import host_step
 
+    from helexa.model.quant import native
+
+    library, threads = native.library, torch.get_num_threads()
     row = host_step._measure(str(tiny_model_dir), 4, "off", steps=6, quantization="int4")
+    assert native.library is library and torch.get_num_threads() == threads  # nothing left patched
     assert 0 < row["forward python"] < row["forward"] < row["step"]
     assert row["host"] >= row["forward python"]  # each step's host work holds its forward's Python
