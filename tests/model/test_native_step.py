@@ -511,6 +511,56 @@ def test_the_step_embeds_and_samples_in_c_as_python_would(quantized, monkeypatch
         assert all(torch.equal(a, b) for a, b in zip(_kv(got_cache, *key), _kv(want_cache, *key))), f"K/V of {key}"
 
 
+@pytest.mark.parametrize("tie", [False, True], ids=["own head", "tied"])
+def test_a_gguf_models_lookup_and_head_in_c_are_its_modules_bits(tmp_path: Path, tie: bool) -> None:
+    """A GGUF model's embedding and head are tiled quantized tables (tied: one table), read by the C call
+    itself: its lookup gives the `QuantEmbedding`'s rows bit for bit (every position's logits and K/V the
+    same with the lookup left to Python), and its head gives the `QuantLinear` head's logits of the same
+    final-normed rows bit for bit (read out through an identity head, whose dot products are exact)."""
+    from helexa.model.quant import QuantEmbedding
+    from helexa.model.weights.gguf import convert_gguf
+    from tests.support.gguf import Q, write_tiny_gguf
+
+    path, _ = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", Q.Q4_1, tie=tie)
+    model = load_model(convert_gguf(path, tmp_path / "hf", progress=False), dtype="float32", attention_backend="torch")
+    step = model.native_step
+    assert isinstance(model.model.embed_tokens, QuantEmbedding) and step is not None
+    assert step._model.embed.q.weight and step._model.head.q.weight  # both tables are the kernel's tiles
+    rng = random.Random(1)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in enumerate((23, 6))}
+    schedule = [{0: 20, 1: 5}, {0: 3, 1: 1}]
+    want, want_cache = _schedule_run(model, prompts, schedule)
+    python_lookup, why = native_step_for(model)
+    assert python_lookup is not None, why
+    python_lookup._embed, python_lookup._model.embed = model.model.embed_tokens, native_step._Table()
+    model.native_step = python_lookup
+    try:
+        got, got_cache = _schedule_run(model, prompts, schedule)
+    finally:
+        model.native_step = step
+    for key, row in want.items():
+        assert torch.equal(got[key], row), f"logits of {key} differ"
+        assert all(torch.equal(a, b) for a, b in zip(_kv(got_cache, *key), _kv(want_cache, *key))), f"K/V of {key}"
+    # The head: the same step through an identity head gives the final-normed rows themselves.
+    rows_out, why = native_step_for(model)
+    assert rows_out is not None, why
+    identity = torch.eye(hidden)
+    rows_out._keep.append(identity)
+    rows_out._model.head = native_step._Table(native_step._Linear(), identity.data_ptr(), hidden)
+    rows_out._vocab = hidden
+    cache = PagedCache(model.config, num_blocks=16, block_size=4)
+    inputs = cache.step(prompts, all_logits=True)
+    pool = [t.clone() for pair in cache.kv_caches for t in pair]
+    logits = step(inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, inputs.logits_indices)
+    for t, saved in zip([t for pair in cache.kv_caches for t in pair], pool):
+        t.copy_(saved)
+    normed = rows_out(inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, inputs.logits_indices)
+    assert logits is not None and normed is not None and normed.shape == (logits.shape[0], hidden)
+    head = model.model.embed_tokens.head if tie else model.lm_head
+    assert torch.equal(logits, head(normed))
+
+
 def test_the_sampled_rows_come_back_in_the_order_asked(quantized) -> None:
     """`logits_indices` may name the step's rows in any order, and a row more than once: each logits row is
     that step row's, bit for bit; a row outside the step is an error that writes nothing to the pool."""

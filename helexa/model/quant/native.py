@@ -41,7 +41,6 @@ __all__ = [
     "argmax_rows",
     "available",
     "build",
-    "dense_head",
     "dequantize_rows",
     "int4_gemm",
     "int8_gemm",
@@ -137,8 +136,6 @@ def load_path(path: isa.KernelPath) -> tuple[ctypes.CDLL | None, str]:
     lib.helexa_paged_attention.restype = ctypes.c_int
     lib.helexa_forward.argtypes = [p, i64, p, p, p, p, p, i64, p, p, i64, p, i64, p, p]
     lib.helexa_forward.restype = ctypes.c_int
-    lib.helexa_dense_head.argtypes = [p, i64, i64, p, i64, p]
-    lib.helexa_dense_head.restype = None
     lib.helexa_argmax_rows.argtypes = [p, i64, i64, i64, p]
     lib.helexa_argmax_rows.restype = None
     lib.helexa_dequantize_rows.argtypes = [p, p, p, p, i64, i64, i64, i64, p, i64, p]
@@ -375,18 +372,3 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     library().helexa_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out
-
-
-def dense_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (M, K) @ weight (N, K).T -> (M, N) float32 for a dense float32 output head, each (row, column)
-    summed in one fixed order whatever M is (torch's matmul may choose its order by the shape)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != (n, k) or x.is_cuda:
-        raise ValueError(
-            f"dense_head takes CPU float32 x (M, K) and weight (N, K); got {tuple(x.shape)}, {tuple(weight.shape)}"
-        )
-    x, weight = x.contiguous(), weight.contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
-    library().helexa_dense_head(x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr())
-    return y

@@ -777,16 +777,12 @@ static int decoder(const hx_model *m, int64_t T, float *x, const int64_t *positi
     float *gu = (float *)arena(S_GU, f * (size_t)(mlp_rows * 2 * I)); /* per row: gate | up, then activations | up */
     float *down = (float *)arena(S_DOWN, f * (size_t)(mlp_rows * E));
     float *cos_t = (float *)arena(S_COS, f * (size_t)(T * D)), *ssin_t = (float *)arena(S_SIN, f * (size_t)(T * D));
-    int rc = 0;
-    if (!h || !qkv || !gu || !down || !cos_t || !ssin_t) {
-        rc = -1;
-        goto done;
-    }
+    if (!h || !qkv || !gu || !down || !cos_t || !ssin_t) return -1;
     rope_tables(positions, inv_freq, T, D, cos_t, ssin_t);
     for (int64_t li = 0; li < m->num_layers; li++) {
         const hx_layer *L = m->layers + li;
         rms_norm_rows(x, L->input_norm, T, E, m->eps, h);
-        if ((rc = linear(&L->qkv, h, T, E, qkv))) goto done;
+        if (linear(&L->qkv, h, T, E, qkv)) return -1;
 #pragma omp parallel for schedule(static) if (T >= ROWS_PAR) num_threads(helexa_threads())
         for (int64_t t = 0; t < T; t++) {
             float *row = qkv + t * QKV;
@@ -795,23 +791,23 @@ static int decoder(const hx_model *m, int64_t T, float *x, const int64_t *positi
                 rope_head(row + QS + hd * D, L->k_norm, m->eps, cos_t + t * D, ssin_t + t * D, D);
             write_cache(L, slots[t], BS, row + QS, row + QS + KS, KVH, D);
         }
-        rc = attend(qkv, QKV, L, query_start_loc, block_tables, table_stride, seq_lens, B, H, KVH, D, BS, scale, h, QS);
-        if (rc) goto done;
-        if ((rc = linear(&L->o, h, T, QS, qkv))) goto done;
+        const int rc =
+            attend(qkv, QKV, L, query_start_loc, block_tables, table_stride, seq_lens, B, H, KVH, D, BS, scale, h, QS);
+        if (rc) return rc;
+        if (linear(&L->o, h, T, QS, qkv)) return -1;
         for (int64_t i = 0; i < T * E; i++) x[i] += qkv[i];
         rms_norm_rows(x, L->post_norm, T, E, m->eps, h);
         for (int64_t t0 = 0; t0 < T; t0 += MLP_ROWS) { /* the MLP, MLP_ROWS rows at a time (see there) */
             const int64_t n = T - t0 < MLP_ROWS ? T - t0 : MLP_ROWS;
-            if ((rc = linear(&L->gate_up, h + t0 * E, n, E, gu))) goto done;
+            if (linear(&L->gate_up, h + t0 * E, n, E, gu)) return -1;
 #pragma omp parallel for schedule(static) if (n >= ROWS_PAR) num_threads(helexa_threads())
             for (int64_t t = 0; t < n; t++) /* in place: each row's activations over its gate half */
                 silu_mul(gu + t * 2 * I, gu + t * 2 * I + I, I, gu + t * 2 * I);
-            if ((rc = linear(&L->down, gu, n, 2 * I, down))) goto done;
+            if (linear(&L->down, gu, n, 2 * I, down)) return -1;
             for (int64_t i = 0; i < n * E; i++) x[t0 * E + i] += down[i]; /* its rows' residual: no other piece reads x */
         }
     }
-done:
-    return rc;
+    return 0;
 }
 
 #define HEAD_COLS 64 /* output columns per task of the dense head: their weight stays in cache across the rows */
@@ -859,10 +855,6 @@ static void dense_head(const float *x, int64_t M, int64_t K, const float *w, int
                 for (int64_t m = m0; m < m1; m++) y[m * N + n] = dense_dot(x + m * K, w + n * K, K);
         }
     }
-}
-
-void helexa_dense_head(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y) {
-    dense_head(x, M, K, w, N, y);
 }
 
 /* The index of the largest of x[0..n), n > 0, as torch's argmax gives it: the first of equal maxima
@@ -924,11 +916,8 @@ int helexa_forward(const hx_model *m, int64_t T, const int64_t *ids, const float
         if (rows[s] < 0 || rows[s] >= T) return -2;
     float *x = (float *)arena(S_X, sizeof(float) * (size_t)(T * E));
     float *picked = (float *)arena(S_PICKED, sizeof(float) * (size_t)((S > 0 ? S : 1) * E));
+    if (!x || !picked) return -1;
     int rc = 0;
-    if (!x || !picked) {
-        rc = -1;
-        goto done;
-    }
     if (emb->q.weight) {
         const hx_linear *q = &emb->q;
         rc = helexa_dequantize_rows(q->int4 ? (const uint8_t *)q->weight : NULL, q->int4 ? NULL : (const int8_t *)q->weight,
@@ -940,15 +929,11 @@ int helexa_forward(const hx_model *m, int64_t T, const int64_t *ids, const float
     } else {
         memcpy(x, x_in, sizeof(float) * (size_t)(T * E));
     }
-    if (rc) goto done;
+    if (rc) return rc;
     rc = decoder(m, T, x, positions, inv_freq, slots, B, query_start_loc, block_tables, table_stride, seq_lens);
-    if (rc || S == 0) goto done;
+    if (rc || S == 0) return rc;
     for (int64_t s = 0; s < S; s++) rms_norm(x + rows[s] * E, m->final_norm, E, m->eps, picked + s * E);
-    if (head->q.weight) {
-        if (linear(&head->q, picked, S, E, logits)) rc = -1;
-    } else {
-        dense_head(picked, S, E, head->dense, head->rows, logits);
-    }
-done:
-    return rc;
+    if (head->q.weight) return linear(&head->q, picked, S, E, logits);
+    dense_head(picked, S, E, head->dense, head->rows, logits);
+    return 0;
 }
