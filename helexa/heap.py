@@ -25,7 +25,9 @@ off: larger blocks are mapped and returned at `free`. Measured on a 2-vCPU EPYC 
 this and the fused step's per-piece embeddings, a 1B model's peak over its resident set after load through
 the peers benchmark went from 113 to 41 MiB, 16-stream decode unchanged within noise. At 1 MiB the default
 model's 16-stream decode lost ~15% (its logits and the sampler's vocabulary-wide rows, 1.5-3 MiB a step,
-were mapped and unmapped every step), so the threshold is 2 MiB.
+were mapped and unmapped every step), so the threshold is 2 MiB. A block past it is still new pages, faulted
+in as it is written, every time: the buffers a step needs every time (the fused step's logits and working
+memory, the sampler's rows) are kept instead (`helexa.model.buffers`, and the C step's per-thread arenas).
 
 `HeapLevel` is the steps' side of the same: blocks under that size still come from the heap, and an engine
 checks after every step whether what they left behind has piled up (see there).

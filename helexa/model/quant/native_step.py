@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from helexa.kvcache.metadata import AttentionMetadata
+from helexa.model.buffers import KeptBuffers
 from helexa.model.quant import native
 from helexa.model.quant.linear import QuantEmbedding, QuantLinear
 
@@ -157,7 +158,7 @@ class NativeStep:
         self._vocab = tables[1].rows  # the logits' columns
         self._inv_freq = model.inv_freq.detach().float().cpu().contiguous()  # (D/2,) RoPE frequencies
         self._bound: tuple[Any, ...] = ()  # the (k, v) pairs the layers point to
-        self._logits = torch.empty(0, self._vocab)  # (rows, V): reused logits (`reuse_logits`), grown on demand
+        self._kept = KeptBuffers()  # the logits of a caller that reuses them (`reuse_logits`)
         native.library()  # built and loaded now: the first step pays nothing
 
     def _bind_caches(self, kv_caches: list[Any]) -> bool:
@@ -214,13 +215,11 @@ class NativeStep:
         return logits
 
     def _logits_for(self, s: int, reuse: bool) -> torch.Tensor:
-        """(s, V) float32 for a step's logits: rows of the kept buffer when `reuse` and it fits the cap (the
-        buffer grown to them first), else a tensor of its own."""
-        if not reuse or s * self._vocab * 4 > REUSED_LOGITS_BYTES:
+        """(s, V) float32 for a step's logits: the kept buffer's rows when `reuse` (up to `REUSED_LOGITS_BYTES`),
+        else a tensor of their own."""
+        if not reuse:
             return torch.empty(s, self._vocab)
-        if self._logits.shape[0] < s:
-            self._logits = torch.empty(s, self._vocab)
-        return self._logits[:s]
+        return self._kept.get("logits", s, self._vocab, REUSED_LOGITS_BYTES)
 
     def _forward(
         self,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from helexa.model.buffers import KeptBuffers
 from helexa.model.quant import native
 from helexa.model.sampling.bitmask import masked_logits
 from helexa.model.sampling.params import SamplingParams
@@ -34,8 +35,7 @@ __all__ = ["SampleResult", "Sampler", "make_generator"]
 # candidates tries the next size, then a full sort): on 16 rows of a 49k vocabulary a top-64 takes 0.6 ms,
 # a top-1024 4 ms.
 _CANDIDATES = (64, 1024)
-# The sampler's (S, V) working buffers are kept between calls up to this size each (fresh ones of 2 MiB or
-# more are new pages every step, faulted in as they are written: ~0.6-0.9 ms each for 16 rows of 49k).
+# The sampler's (S, V) working buffers are kept between calls up to this size each (`helexa.model.buffers`).
 _KEPT_WORK_BYTES = 16 << 20
 
 
@@ -65,18 +65,11 @@ class Sampler:
 
     def __init__(self, native_argmax: bool = False) -> None:
         self._native_argmax = native_argmax
-        self._work: dict[str, torch.Tensor] = {}  # working buffers by use, reused by the next call
+        self._work = KeptBuffers()  # the (S, V) working buffers, reused by the next call
 
     def _buffer(self, use: str, rows: int, cols: int, device: torch.device) -> torch.Tensor:
-        """A (rows, cols) float32 buffer on `device` for `use`: the one kept for it (grown when too small), or a
-        fresh one past `_KEPT_WORK_BYTES`. Its contents are whatever the last call left."""
-        n = rows * cols
-        if n * 4 > _KEPT_WORK_BYTES:
-            return torch.empty(rows, cols, device=device)
-        buf = self._work.get(use)
-        if buf is None or buf.numel() < n or buf.device != device:
-            buf = self._work[use] = torch.empty(n, device=device)
-        return buf[:n].view(rows, cols)
+        """A (rows, cols) float32 working buffer for `use`, kept between calls up to `_KEPT_WORK_BYTES`."""
+        return self._work.get(use, rows, cols, _KEPT_WORK_BYTES, device)
 
     def sample(
         self,
