@@ -17,8 +17,9 @@ where a tree has them outside the call, counts as host work: the "forward's Pyth
     python bench/host_step.py --baseline HEAD~3      # and another commit's tree, in alternation, same run
     python bench/host_step.py --model smollm2-135m-instruct
     python bench/host_step.py --quick                # fewer steps and rounds (a smoke run)
+    python bench/host_step.py --model smollm2-135m-instruct --sampling penalties   # how every row samples
 
-Writes `bench/out/host_step.md` and `bench/out/host_step.png`.
+Writes `bench/out/host_step.md` and `bench/out/host_step.png` (`host_step_<sampling>.*` for another sampling).
 """
 
 from __future__ import annotations
@@ -51,9 +52,19 @@ PARTS = {
     "sample to host": ("runner", "_sample_rows"),
     "events": ("engine", "_postprocess"),
 }
+# How every sequence samples (`--sampling`): SamplingParams besides max_tokens and ignore_eos.
+SAMPLING: dict[str, dict[str, object]] = {
+    "greedy": {"temperature": 0.0},
+    "temperature": {"temperature": 1.0},
+    "top-p": {"temperature": 0.7, "top_p": 0.9},
+    "penalties": {"temperature": 0.0, "frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.1},
+    "logprobs": {"temperature": 0.0, "logprobs": 5},
+}
 
 
-def _measure(model: str, seqs: int, mode: str, steps: int, **engine_args: object) -> dict[str, float]:
+def _measure(
+    model: str, seqs: int, mode: str, steps: int, sampling: str = "greedy", **engine_args: object
+) -> dict[str, float]:
     """Medians over `steps` decode steps of `seqs` sequences (after a warm-up), in ms: of the whole step, of the
     forward, of each part, and of the host work (step minus forward). (Medians: the machine's other tenants
     add outliers.)"""
@@ -110,7 +121,7 @@ def _measure(model: str, seqs: int, mode: str, steps: int, **engine_args: object
         prompt_len = 20 + 3 * len(phrase) + 1
         # Room for every step to keep a whole draft, within the context and 64 reservations of the pool.
         max_tokens = min(10 * steps + 40, engine.max_model_len - prompt_len - 1, 4096 // seqs * 16 - prompt_len - 16)
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **SAMPLING[sampling])  # type: ignore[arg-type]
         for i in range(seqs):
             prompt = [rng.randrange(3, min(vocab, 4000)) for _ in range(20)] + phrase * 3 + [i + 3]
             engine.submit(prompt, params)
@@ -145,14 +156,14 @@ def _worker(args: argparse.Namespace) -> None:
     """One tree's measurements, as JSON on stdout (run in the tree's own interpreter path)."""
     import helexa
 
-    results = {f"{mode}/{n}": _measure(args.model, n, mode, args.steps) for mode in MODES for n in SEQS}
+    results = {f"{mode}/{n}": _measure(args.model, n, mode, args.steps, args.sampling) for mode in MODES for n in SEQS}
     print("RESULT " + json.dumps({"helexa": helexa.__file__, "results": results}))
 
 
 def _run_tree(tree: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, str(ROOT / "bench" / "host_step.py"), "--worker", "--model", args.model,
-           "--steps", str(args.steps)]  # fmt: skip
+           "--steps", str(args.steps), "--sampling", args.sampling]  # fmt: skip
     done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"the run in {tree} failed:\n{done.stderr[-3000:]}")
@@ -185,6 +196,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="runs per tree, alternating; the median (default 3; --quick 2)")
     parser.add_argument("--baseline", help="a commit to measure in the same run (a temporary git worktree)")
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (a smoke run)")
+    parser.add_argument("--sampling", choices=SAMPLING, default="greedy", help="how every sequence samples")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -228,7 +240,8 @@ def _report(results: dict[str, dict[str, dict[str, float]]], args: argparse.Name
         "# Host work per engine step (step minus the model's compute), ms",
         "",
         f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; model {model}; {args.steps} decode steps per case "
-        f"after prefill and 8 warm-up steps, greedy, 1 torch thread; each a median over the steps, then over "
+        f"after prefill and 8 warm-up steps, sampling {args.sampling} ({_sampling_text(args.sampling)}), "
+        f"1 torch thread; each a median over the steps, then over "
         f"{args.rounds} round(s) per tree{alternation}. The bar: < 1 ms at 64 sequences.",
         "",
         "| speculative | sequences | " + " | ".join(f"host ms ({n})" for n in names)
@@ -247,8 +260,13 @@ def _report(results: dict[str, dict[str, dict[str, float]]], args: argparse.Name
     text = "\n".join(lines) + "\n"
     print(text)
     OUT.mkdir(exist_ok=True)
-    (OUT / "host_step.md").write_text(text)
-    _plot(results, OUT / "host_step.png")
+    stem = "host_step" if args.sampling == "greedy" else f"host_step_{args.sampling}"
+    (OUT / f"{stem}.md").write_text(text)
+    _plot(results, OUT / f"{stem}.png")
+
+
+def _sampling_text(name: str) -> str:
+    return ", ".join(f"{k} {v}" for k, v in SAMPLING[name].items())
 
 
 def _plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:

@@ -289,7 +289,7 @@ class ModelRunner:
             logits,
             [r.seq.params for r in rows],
             [r.seq.generator for r in rows],
-            prompt_ids=[r.seq.prompt_ids for r in rows] if need_history else None,
+            prompt_ids=[r.seq.prompt_array for r in rows] if need_history else None,
             output_ids=[r.seq.output_ids + list(r.ahead) for r in rows] if need_history else None,
             bitmask=bitmask,
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from helexa.admission import Ticket
 from helexa.engine.speculative.drafter import DraftState
 from helexa.engine.stream import RequestStream
@@ -63,6 +65,7 @@ class Sequence:
     stream: RequestStream = field(init=False)
     constraint: TokenConstraint | None = field(init=False)
     prompt_len: int = field(init=False)
+    _prompt_array: np.ndarray | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         request = self.request
@@ -87,6 +90,16 @@ class Sequence:
     @property
     def prompt_ids(self) -> list[int]:
         return self.token_ids[: self.prompt_len]
+
+    @property
+    def prompt_array(self) -> np.ndarray:
+        """The prompt's ids as a read-only int64 array, built at the first call and kept (the sampler's
+        repetition penalty reads a row's whole prompt every step)."""
+        if self._prompt_array is None:
+            array = np.asarray(self.request.prompt, dtype=np.int64)
+            array.flags.writeable = False
+            self._prompt_array = array
+        return self._prompt_array
 
     @property
     def output_ids(self) -> list[int]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helexa.model.sampling import Sampler, SamplingParams, make_generator
+from helexa.model.sampling.sampler import _apply_penalties
 
 V = 64
 
@@ -183,11 +184,71 @@ def test_penalties_match_hand_computation() -> None:
                 expected[r, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
         for t in set(output[r]):  # frequency and presence: output tokens only
             expected[r, t] -= p.frequency_penalty * output[r].count(t) + p.presence_penalty
-    got = Sampler()._apply_penalties(logits, params, prompt, output)
+    got = logits.clone()
+    _apply_penalties(got, params, prompt, output, torch.empty_like(logits))
     torch.testing.assert_close(got, expected)
     out = Sampler().sample(logits, params, prompt_ids=prompt, output_ids=output)
     assert out.token_ids == expected.argmax(-1).tolist()
     assert out.token_ids != top
+
+
+def _dense_penalties(logits, params, prompt, output):  # every token of every row: the reference
+    rows, vocab = logits.shape
+
+    def counts(ids_by_row):
+        out = torch.zeros(rows, vocab)
+        for r, ids in enumerate(ids_by_row):
+            for t in ids:
+                out[r, t] += 1
+        return out
+
+    out_counts = counts([ids if p.uses_penalties else () for ids, p in zip(output, params)])
+    seen = (counts([ids if p.repetition_penalty != 1 else () for ids, p in zip(prompt, params)]) > 0) | (out_counts > 0)
+    penalty = torch.tensor([p.repetition_penalty for p in params])[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    frequency = torch.tensor([p.frequency_penalty for p in params])[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params])[:, None]
+    return logits - frequency * out_counts - presence * (out_counts > 0).float()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_penalties_touch_only_seen_tokens_and_equal_a_dense_pass_bit_for_bit(seed: int) -> None:
+    """Random rows, prompts and outputs (repeats, tokens in both, rows without penalties, negative penalties):
+    the in-place pass over the seen tokens gives every logit the bits a pass over the whole vocabulary gives,
+    through a sampler whose kept buffers hold another call's leftovers; the caller's logits stay unchanged."""
+    g = torch.Generator().manual_seed(seed)
+    rows = 6
+    logits = torch.randn(rows, V, generator=g) * 4
+    raw = logits.clone()
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, V, (n,), generator=g).tolist()
+
+    prompt = [ids(int(torch.randint(0, 40, (1,), generator=g))) for _ in range(rows)]
+    output = [ids(int(torch.randint(0, 30, (1,), generator=g))) for _ in range(rows)]
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=-0.4),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, frequency_penalty=-1.5),
+        SamplingParams(temperature=0, repetition_penalty=0.8),
+        SamplingParams(temperature=0, presence_penalty=2.0, logit_bias={3: 5.0}),
+        SamplingParams(temperature=0, repetition_penalty=1.1, presence_penalty=0.25),
+    ]
+    expected = _dense_penalties(logits, params, prompt, output)
+    got = logits.clone()
+    _apply_penalties(got, params, prompt, output, torch.randn(rows, V, generator=g))
+    assert torch.equal(got, expected)
+    sampler = Sampler()
+    sampler.sample(
+        torch.randn(rows, V, generator=g),
+        [SamplingParams(temperature=0, presence_penalty=2.0)] * rows,
+        output_ids=[list(range(V))] * rows,
+    )  # fills the kept buffers with another call's values
+    biased = expected.clone()
+    biased[4, 3] += 5.0
+    out = sampler.sample(logits, params, prompt_ids=prompt, output_ids=output)
+    assert out.token_ids == biased.argmax(-1).tolist()
+    assert torch.equal(logits, raw)
 
 
 def test_penalties_need_ids() -> None:
@@ -197,6 +258,10 @@ def test_penalties_need_ids() -> None:
         Sampler().sample(_logits(1), [SamplingParams(repetition_penalty=1.2)], output_ids=[[1]])
     with pytest.raises(ValueError, match="penalty token ids"):
         Sampler().sample(_logits(1), [SamplingParams(presence_penalty=1.0)], output_ids=[[V + 3]])
+    with pytest.raises(ValueError, match="penalty token ids"):  # the vocabulary's size itself is outside
+        Sampler().sample(_logits(1), [SamplingParams(presence_penalty=1.0)], output_ids=[[V]])
+    with pytest.raises(ValueError, match="penalty token ids"):
+        Sampler().sample(_logits(1), [SamplingParams(repetition_penalty=1.2)], prompt_ids=[[-1]], output_ids=[[1]])
 
 
 # ---------------------------------------------------------------------------- logprobs

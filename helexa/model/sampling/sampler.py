@@ -22,6 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from helexa.model.buffers import KeptBuffers
@@ -29,7 +30,10 @@ from helexa.model.quant import native
 from helexa.model.sampling.bitmask import masked_logits
 from helexa.model.sampling.params import SamplingParams
 
-__all__ = ["SampleResult", "Sampler", "make_generator"]
+__all__ = ["SampleResult", "Sampler", "TokenIds", "make_generator"]
+
+# One row's token ids for the penalties: a list of ints, or an int64 array its owner converted once.
+TokenIds = Sequence[int] | np.ndarray
 
 # Tokens per row the filters examine, smallest first (a row whose kept set is not provably inside its
 # candidates tries the next size, then a full sort): on 16 rows of a 49k vocabulary a top-64 takes 0.6 ms,
@@ -76,8 +80,8 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None = None,
-        prompt_ids: Sequence[Sequence[int]] | None = None,
-        output_ids: Sequence[Sequence[int]] | None = None,
+        prompt_ids: Sequence[TokenIds] | None = None,
+        output_ids: Sequence[TokenIds] | None = None,
         bitmask: torch.Tensor | None = None,
     ) -> SampleResult:
         """One token per row of `logits` `[S, V]` float32 under `params[i]` (`logits` is not changed).
@@ -87,11 +91,16 @@ class Sampler:
         constrained row's `TokenConstraint`): the tokens each row may sample; logprobs never see it."""
         rows, vocab = self._check(logits, params, generators)
         device = logits.device
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
-        if any(p.uses_penalties for p in params):
-            logits = self._apply_penalties(logits, params, prompt_ids, output_ids)
-        if any(p.logit_bias for p in params):
-            logits = _with_bias(logits, params)
+        raw_logprobs = None
+        if any(p.logprobs is not None for p in params):
+            raw_logprobs = torch.log_softmax(logits, dim=-1, out=self._buffer("logprobs", rows, vocab, device))
+        penalised = any(p.uses_penalties for p in params)
+        if penalised or any(p.logit_bias for p in params):
+            logits = self._buffer("adjusted", rows, vocab, device).copy_(logits)  # changed in place below
+            if penalised:
+                scratch = self._buffer("counts", rows, vocab, device)
+                _apply_penalties(logits, params, prompt_ids, output_ids, scratch)
+            _add_bias(logits, params)
         if bitmask is not None:
             logits = masked_logits(logits, bitmask, self._buffer("masked", rows, vocab, device))
         greedy = [p.is_greedy for p in params]
@@ -126,31 +135,6 @@ class Sampler:
             if p.seed is not None and not p.is_greedy and g is None:
                 raise ValueError(f"row {i} has seed={p.seed} but no generator (create one with make_generator)")
         return rows, vocab
-
-    @staticmethod
-    def _apply_penalties(
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        prompt_ids: Sequence[Sequence[int]] | None,
-        output_ids: Sequence[Sequence[int]] | None,
-    ) -> torch.Tensor:
-        rows, vocab = logits.shape
-        device = logits.device
-        if output_ids is None or len(output_ids) != rows:
-            raise ValueError("penalties need output_ids: one list of generated token ids per row")
-        needs = [p.uses_penalties for p in params]
-        out_counts = _token_counts([ids if n else () for ids, n in zip(output_ids, needs)], vocab, device)  # (S, V)
-        repetition = [p.repetition_penalty for p in params]
-        if any(r != 1 for r in repetition):
-            if prompt_ids is None or len(prompt_ids) != rows:
-                raise ValueError("repetition_penalty needs prompt_ids: one list of prompt token ids per row")
-            rep_rows = [ids if r != 1 else () for ids, r in zip(prompt_ids, repetition)]
-            seen = (_token_counts(rep_rows, vocab, device) > 0) | (out_counts > 0)  # (S, V) bool
-            penalty = torch.tensor(repetition, device=device)[:, None]  # (S, 1)
-            logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]  # (S, 1)
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]  # (S, 1)
-        return logits - frequency * out_counts - presence * (out_counts > 0).float()
 
     def _draw(
         self,
@@ -265,9 +249,68 @@ class Sampler:
         return SampleResult([int(row[0]) for row in packed], logprobs, top_logprobs)
 
 
-def _with_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """`logits` `[S, V]` plus each row's `logit_bias` (a new tensor). A token id outside `[0, V)` raises
-    ValueError (the request's own error)."""
+def _apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[TokenIds] | None,
+    output_ids: Sequence[TokenIds] | None,
+    scratch: torch.Tensor,
+) -> None:
+    """Each row's penalties applied to `logits` `[S, V]` float32 in place, touching only the tokens a row has
+    seen: repetition over its prompt and output tokens (a positive logit divided by it, a negative one
+    multiplied), then `x - frequency * count - presence` over its output tokens. A token's new value is computed
+    by the same float32 operations, in the same order, as a dense pass over every token would compute it, and
+    every other logit is left as it was. A token id outside `[0, V)` raises ValueError before anything changes.
+    `scratch` (`[S, V]` float32, any contents, on the logits' device) holds the counts."""
+    rows, vocab = logits.shape
+    device = logits.device
+    if output_ids is None or len(output_ids) != rows:
+        raise ValueError("penalties need output_ids: one list of generated token ids per row")
+    needs = [p.uses_penalties for p in params]
+    repetition = [p.repetition_penalty for p in params]
+    out_at, out_row = _positions([ids if n else () for ids, n in zip(output_ids, needs)], vocab)  # (N,) each
+    rep_at = rep_row = None
+    if any(r != 1 for r in repetition):
+        if prompt_ids is None or len(prompt_ids) != rows:
+            raise ValueError("repetition_penalty needs prompt_ids: one list of prompt token ids per row")
+        prompt_at, prompt_row = _positions([ids if r != 1 else () for ids, r in zip(prompt_ids, repetition)], vocab)
+        rep_at, rep_row = torch.cat((prompt_at, out_at)), torch.cat((prompt_row, out_row))
+    flat = logits.view(-1)
+    if rep_at is not None and rep_row is not None and rep_at.numel():
+        # a token seen twice gets the same value twice: where it was written from does not matter
+        at = rep_at.to(device, non_blocking=True)
+        penalty = torch.tensor(repetition, device=device)[rep_row.to(device, non_blocking=True)]  # (N,)
+        seen = flat[at]
+        flat[at] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    if not out_at.numel():
+        return
+    at, row = out_at.to(device, non_blocking=True), out_row.to(device, non_blocking=True)
+    counts = scratch.view(-1)
+    counts[at] = 0  # only the positions read below: the rest of `scratch` is never looked at
+    counts.index_put_((at,), torch.ones_like(at, dtype=torch.float32), accumulate=True)
+    count = counts[at]  # (N,): how often each position's token occurs in its row's output
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[row]  # (N,)
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[row]  # (N,)
+    flat[at] = flat[at] - frequency * count - presence * (count > 0).float()
+
+
+def _positions(rows: Sequence[TokenIds], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(at, row)`, int64 on the host: every token id of every row as its flat index `row * V + id` into a
+    row-major `[S, V]`, and its row, in row order. A row may be a list of ints or an int64 array (taken as is:
+    a long prompt's ids are converted once by their owner, not every step). Raises ValueError for an id outside
+    `[0, V)`."""
+    arrays = [np.asarray(r, dtype=np.int64) for r in rows]
+    ids = torch.from_numpy(np.concatenate(arrays)) if arrays else torch.zeros(0, dtype=torch.int64)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"penalty token ids must be in [0, {vocab_size}) (the logits' vocabulary)")
+    lengths = torch.tensor([len(a) for a in arrays], dtype=torch.int64)
+    row = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    return row * vocab_size + ids, row
+
+
+def _add_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Each row's `logit_bias` added to its tokens' logits in `logits` `[S, V]`, in place. A token id outside
+    `[0, V)` raises ValueError (the request's own error) before anything changes."""
     vocab = logits.shape[1]
     rows, ids, values = [], [], []
     for i, p in enumerate(params):
@@ -277,23 +320,9 @@ def _with_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.
             rows.append(i)
             ids.append(token_id)
             values.append(bias)
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
-    return logits.index_put(index, torch.tensor(values, device=logits.device), accumulate=True)
-
-
-def _token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """`[S, V]` float32 counts of each token id per row, via one scatter_add over padded ids."""
-    width = max((len(r) for r in rows), default=0)
-    padded = torch.full((len(rows), max(width, 1)), vocab_size, dtype=torch.int64)  # (S, L) on host; pad = V
-    for i, row in enumerate(rows):
-        if row:
-            padded[i, : len(row)] = torch.as_tensor(row, dtype=torch.int64)
-    if width and (int(padded.min()) < 0 or int(padded.max()) > vocab_size):
-        raise ValueError(f"penalty token ids must be in [0, {vocab_size}) (the logits' vocabulary)")
-    padded = padded.to(device, non_blocking=True)
-    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)  # (S, V+1)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab_size]  # (S, V): the padding column dropped
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
+        logits.index_put_(index, torch.tensor(values, device=logits.device), accumulate=True)
 
 
 def _filter_sorted(
