@@ -85,7 +85,7 @@ class ModelRunner:
         # Checkpoints often pad the embedding past the tokenizer's vocabulary; those ids can never be
         # detokenised, so sampling only ever sees the tokenizer's columns.
         self.sample_vocab_size = loaded.sample_vocab_size
-        self.sampler = Sampler(native_argmax=self.device.type == "cpu" and native.available())
+        self.sampler = Sampler(native=self.device.type == "cpu" and native.available())
         self._kv_caches = loaded.pool.kv_caches()
         self.graphs: DecodeGraphs | None = None  # `use_cuda_graphs`: decode steps replayed from CUDA graphs
 

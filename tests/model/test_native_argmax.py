@@ -68,10 +68,10 @@ def test_the_samplers_greedy_rows_take_the_native_argmax_and_torchs_tokens() -> 
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(native, "argmax_rows", counting)
-        fast = Sampler(native_argmax=True).sample(logits, params).token_ids
+        fast = Sampler(native=True).sample(logits, params).token_ids
         plain = Sampler().sample(logits, params).token_ids
     assert calls == [logits.shape] and fast == plain == logits.argmax(dim=-1).tolist()
     mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1)] * 4
     gens = [None if p.is_greedy else torch.Generator().manual_seed(i) for i, p in enumerate(mixed)]
-    greedy_rows = Sampler(native_argmax=True).sample(logits, mixed, gens).token_ids[0::2]
+    greedy_rows = Sampler(native=True).sample(logits, mixed, gens).token_ids[0::2]
     assert greedy_rows == logits.argmax(dim=-1).tolist()[0::2]

@@ -39,6 +39,7 @@ from helexa.model.weights.pull import helexa_home
 
 __all__ = [
     "argmax_rows",
+    "logprobs_rows",
     "available",
     "build",
     "dequantize_rows",
@@ -138,6 +139,8 @@ def load_path(path: isa.KernelPath) -> tuple[ctypes.CDLL | None, str]:
     lib.helexa_forward.restype = ctypes.c_int
     lib.helexa_argmax_rows.argtypes = [p, i64, i64, i64, p]
     lib.helexa_argmax_rows.restype = None
+    lib.helexa_logprobs_rows.argtypes = [p, i64, i64, i64, i64, p, p, p]
+    lib.helexa_logprobs_rows.restype = ctypes.c_int
     lib.helexa_dequantize_rows.argtypes = [p, p, p, p, i64, i64, i64, i64, p, i64, p]
     lib.helexa_dequantize_rows.restype = ctypes.c_int
     return lib, ""
@@ -372,3 +375,32 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     library().helexa_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out
+
+
+TOP_LOGPROBS_MAX = 64  # the most top tokens `logprobs_rows` returns per row (csrc/step.c's HX_TOP_MAX)
+
+
+def logprobs_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The log-softmax of each row of a CPU float32 x (S, V), V > 0, rows contiguous (a slice of columns
+    too), without writing it: `(shift, ids, values)` with `shift` (S, 2) each row's maximum and the log of its
+    sum of exp(x - maximum), so that token t's log-probability is `(x[t] - shift[:, 0]) - shift[:, 1]`; `ids`
+    (S, k) int64 the k largest values' columns, largest first, equal values by the lower column; `values`
+    (S, k) their log-probabilities by that formula. Each row alone, the same on every kernel path within
+    ~1e-6 of torch's `log_softmax` (another exp). None where a row holds a NaN (the caller takes torch's
+    path). `0 <= k <= min(V, TOP_LOGPROBS_MAX)`."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.is_cuda or x.shape[1] == 0 or x.stride(1) != 1:
+        raise ValueError(
+            f"logprobs_rows takes a CPU float32 (S, V > 0) with contiguous rows, got {x.dtype} {tuple(x.shape)}"
+        )
+    if not 0 <= k <= min(x.shape[1], TOP_LOGPROBS_MAX):
+        raise ValueError(f"logprobs_rows takes 0 <= k <= {min(x.shape[1], TOP_LOGPROBS_MAX)}, got {k}")
+    rows = x.shape[0]
+    shift = torch.empty(rows, 2)
+    ids = torch.empty(rows, k, dtype=torch.int64)
+    values = torch.empty(rows, k)
+    rc = library().helexa_logprobs_rows(
+        x.data_ptr(), rows, x.shape[1], x.stride(0), k, shift.data_ptr(), ids.data_ptr(), values.data_ptr()
+    )
+    if rc < 0:
+        raise RuntimeError(f"helexa_logprobs_rows failed ({rc})")
+    return None if rc else (shift, ids, values)

@@ -63,12 +63,13 @@ class Sampler:
     """Holds nothing between calls but its working buffers (each call overwrites what it reads): one thread
     calls `sample` at a time (the engine's, once a step).
 
-    `native_argmax`: greedy rows of CPU logits take their token from helexa's native kernel
-    (`native.argmax_rows`, which must be available: the same indices as torch's argmax, 5-7x as fast over a
-    49k vocabulary); otherwise, and for logits elsewhere, from torch's argmax."""
+    `native`: CPU logits go through helexa's native row kernels, which must be available: greedy rows take
+    their token from `native.argmax_rows` (the same indices as torch's argmax, 5-7x as fast over a 49k
+    vocabulary) and logprobs come from `native.logprobs_rows` (no (S, V) log-softmax written; within ~1e-6
+    of torch's); otherwise, and for logits elsewhere, torch's argmax and `log_softmax`."""
 
-    def __init__(self, native_argmax: bool = False) -> None:
-        self._native_argmax = native_argmax
+    def __init__(self, native: bool = False) -> None:
+        self._native = native
         self._work = KeptBuffers()  # the (S, V) working buffers, reused by the next call
 
     def _buffer(self, use: str, rows: int, cols: int, device: torch.device) -> torch.Tensor:
@@ -91,9 +92,8 @@ class Sampler:
         constrained row's `TokenConstraint`): the tokens each row may sample; logprobs never see it."""
         rows, vocab = self._check(logits, params, generators)
         device = logits.device
-        raw_logprobs = None
-        if any(p.logprobs is not None for p in params):
-            raw_logprobs = torch.log_softmax(logits, dim=-1, out=self._buffer("logprobs", rows, vocab, device))
+        top_n = max(p.logprobs or 0 for p in params)
+        raw_logprobs = self._raw_logprobs(logits, top_n) if any(p.logprobs is not None for p in params) else None
         penalised = any(p.uses_penalties for p in params)
         if penalised or any(p.logit_bias for p in params):
             logits = self._buffer("adjusted", rows, vocab, device).copy_(logits)  # changed in place below
@@ -112,9 +112,23 @@ class Sampler:
                 sampled = torch.where(torch.tensor(greedy, device=device), self._argmax(logits), sampled)  # (S,)
         return self._to_host(sampled, raw_logprobs, params)
 
+    def _raw_logprobs(self, logits: torch.Tensor, top_n: int) -> _RawLogprobs:
+        """The raw logits' log-probabilities, for `_to_host`: the native kernel's shift and top `top_n` where
+        `native` and it takes these logits (and no row holds a NaN), else torch's whole `log_softmax` (into a
+        kept buffer) and its `topk`."""
+        rows, vocab = logits.shape
+        if self._native and logits.device.type == "cpu" and logits.stride(-1) == 1 and vocab:
+            if top_n <= min(vocab, native.TOP_LOGPROBS_MAX):
+                found = native.logprobs_rows(logits, top_n)
+                if found is not None:
+                    return _RawLogprobs(logits, None, *found)
+        table = torch.log_softmax(logits, dim=-1, out=self._buffer("logprobs", rows, vocab, logits.device))
+        values, ids = table.topk(top_n, dim=-1)  # (S, n) each
+        return _RawLogprobs(logits, table, None, ids, values)
+
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's argmax (S,) int64: the native kernel's where `native_argmax` and it takes these logits."""
-        if self._native_argmax and logits.device.type == "cpu" and logits.stride(-1) == 1 and logits.shape[-1]:
+        """Each row's argmax (S,) int64: the native kernel's where `native` and it takes these logits."""
+        if self._native and logits.device.type == "cpu" and logits.stride(-1) == 1 and logits.shape[-1]:
             return native.argmax_rows(logits)
         return logits.argmax(dim=-1)
 
@@ -228,16 +242,15 @@ class Sampler:
 
     @staticmethod
     def _to_host(
-        sampled: torch.Tensor, raw_logprobs: torch.Tensor | None, params: Sequence[SamplingParams]
+        sampled: torch.Tensor, raw_logprobs: _RawLogprobs | None, params: Sequence[SamplingParams]
     ) -> SampleResult:
         rows = sampled.shape[0]
         if raw_logprobs is None:
             return SampleResult(sampled.tolist(), [None] * rows, [None] * rows)
-        top_n = max(p.logprobs or 0 for p in params)
-        parts = [sampled[:, None].double(), raw_logprobs.gather(1, sampled[:, None]).double()]
+        top_n = raw_logprobs.ids.shape[1]
+        parts = [sampled[:, None].double(), raw_logprobs.picked(sampled).double()]
         if top_n:
-            top_values, top_ids = raw_logprobs.topk(top_n, dim=-1)  # (S, n) each
-            parts += [top_ids.double(), top_values.double()]
+            parts += [raw_logprobs.ids.double(), raw_logprobs.values.double()]
         # One transfer: ids travel as float64, exact for any vocabulary below 2**53.
         packed = torch.cat(parts, dim=1).tolist()  # (S, 2 + 2n)
         logprobs: list[float | None] = []
@@ -247,6 +260,26 @@ class Sampler:
             top = None if p.logprobs is None else [(int(row[2 + j]), row[2 + top_n + j]) for j in range(p.logprobs)]
             top_logprobs.append(top)
         return SampleResult([int(row[0]) for row in packed], logprobs, top_logprobs)
+
+
+@dataclass(frozen=True)
+class _RawLogprobs:
+    """The raw logits' log-probabilities a step reports: each row's top n (`ids`, `values`, (S, n), most likely
+    first) and, by `picked`, its sampled token's. From torch's whole log-softmax (`table`), or from the native
+    kernel's per-row maximum and log-sum (`shift`, (S, 2)) over the `raw` logits, which stay unchanged."""
+
+    raw: torch.Tensor
+    table: torch.Tensor | None
+    shift: torch.Tensor | None
+    ids: torch.Tensor
+    values: torch.Tensor
+
+    def picked(self, sampled: torch.Tensor) -> torch.Tensor:
+        """(S, 1): the log-probability of each row's token `sampled` (S,), by the same formula as `values`."""
+        if self.table is not None:
+            return self.table.gather(1, sampled[:, None])
+        assert self.shift is not None
+        return (self.raw.gather(1, sampled[:, None]) - self.shift[:, :1]) - self.shift[:, 1:]
 
 
 def _apply_penalties(

@@ -897,6 +897,88 @@ void helexa_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stri
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_of(x + r * stride, cols);
 }
 
+/* Log-probabilities of one row x (n > 0 floats): *mx its maximum, *logsum log of the sum of exp(x - *mx)
+ * (exp8's, 8 lanes in order, then the tail by expf), and its k (0 <= k <= min(n, HX_TOP_MAX)) largest
+ * values' indices in ids, largest first, equal values by the lower index, with their log-probabilities
+ * (x - *mx) - *logsum in vals. One pass finds the maximum and the k (a value enters the list only when it
+ * beats the list's smallest), a second sums. Returns 1 where the row holds a NaN (the outputs then mean
+ * nothing), else 0. A row whose maximum is not finite gives NaN sums, as a softmax does. */
+#define HX_TOP_MAX 64
+static int logprobs_of(const float *x, int64_t n, int64_t k, float *mx, float *logsum, int64_t *ids, float *vals) {
+    float bv[HX_TOP_MAX];
+    int64_t bi[HX_TOP_MAX], c = 0, i = 0;
+    float m = -INFINITY;
+    int nan = 0;
+    for (; i < n && c < k; i++) { /* the first k values, insertion-sorted (after equal ones: lower index first) */
+        const float v = x[i];
+        if (v != v) nan = 1;
+        else if (v > m) m = v;
+        int64_t j = c++;
+        for (; j > 0 && bv[j - 1] < v; j--) bv[j] = bv[j - 1], bi[j] = bi[j - 1];
+        bv[j] = v, bi[j] = i;
+    }
+    float thr = k ? bv[k - 1] : INFINITY; /* what a value must beat to enter the list */
+    __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        top = _mm256_max_ps(top, v);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(thr), _CMP_GT_OQ));
+        while (hit) {
+            const int64_t at = i + __builtin_ctz((unsigned)hit);
+            hit &= hit - 1;
+            const float xv = x[at];
+            if (!(xv > thr)) continue; /* the list moved on within these 8 */
+            int64_t j = k - 1;
+            for (; j > 0 && bv[j - 1] < xv; j--) bv[j] = bv[j - 1], bi[j] = bi[j - 1];
+            bv[j] = xv, bi[j] = at;
+            thr = bv[k - 1];
+        }
+    }
+    for (; i < n; i++) {
+        const float v = x[i];
+        if (v != v) {
+            nan = 1;
+            continue;
+        }
+        if (v > m) m = v;
+        if (v > thr) {
+            int64_t j = k - 1;
+            for (; j > 0 && bv[j - 1] < v; j--) bv[j] = bv[j - 1], bi[j] = bi[j - 1];
+            bv[j] = v, bi[j] = i;
+            thr = bv[k - 1];
+        }
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    if (nan || _mm256_movemask_ps(unordered)) return 1;
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) sum8 = _mm256_add_ps(sum8, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), mv)));
+    float sum = hsum(sum8);
+    for (; j < n; j++) sum += expf(x[j] - m);
+    const float ls = logf(sum);
+    for (int64_t t = 0; t < k; t++) ids[t] = bi[t], vals[t] = (bv[t] - m) - ls;
+    *mx = m;
+    *logsum = ls;
+    return 0;
+}
+
+/* logprobs_of for every row of x (rows, cols), rows `stride` floats apart, the rows in parallel from 4 of
+ * them: shift (rows, 2) gets each row's maximum and log-sum, ids and vals (rows, k) its k largest. Returns
+ * 0, -2 when k is outside [0, min(cols, HX_TOP_MAX)], or 1 when a row holds a NaN. */
+int helexa_logprobs_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t k, float *shift,
+                         int64_t *ids, float *vals) {
+    if (k < 0 || k > cols || k > HX_TOP_MAX || cols <= 0) return -2;
+    int nan = 0;
+#pragma omp parallel for schedule(static) if (rows >= 4) num_threads(helexa_threads()) reduction(| : nan)
+    for (int64_t r = 0; r < rows; r++)
+        nan |= logprobs_of(x + r * stride, cols, k, shift + 2 * r, shift + 2 * r + 1, ids + r * k, vals + r * k);
+    return nan;
+}
+
 /* One step of the whole model, token ids to logits: the rows' embeddings looked up in m->embed (or, when
  * m->embed has no table, copied from x_in (T, E), which is only read), every decoder layer (`decoder`),
  * then for each of the S rows `rows` (S,) int64 of the step, in that order, its final-normed hidden state
