@@ -10,7 +10,7 @@ import torch
 
 from helexa.model.quant import native
 from helexa.model.sampling import Sampler, SamplingParams
-from tests.support.kernel_paths import kernel_paths, use_kernel_path
+from tests.support.kernel_paths import kernel_paths, require_native, use_kernel_path
 
 
 def _hard_rows(cols: int, g: torch.Generator) -> torch.Tensor:
@@ -45,8 +45,7 @@ def test_argmax_rows_gives_torchs_indices(path: str, cols: int, monkeypatch: pyt
 
 
 def test_argmax_rows_refuses_what_it_does_not_take() -> None:
-    if not native.available():
-        pytest.skip(f"helexa's CPU kernel is unavailable: {native.unavailable_reason()}")
+    require_native()
     for bad in (torch.zeros(2, 0), torch.zeros(4, 3).t(), torch.zeros(3, dtype=torch.float64).view(1, 3),
                 torch.zeros(3)):  # fmt: skip
         with pytest.raises(ValueError, match="argmax_rows takes"):
@@ -54,8 +53,7 @@ def test_argmax_rows_refuses_what_it_does_not_take() -> None:
 
 
 def test_the_samplers_greedy_rows_take_the_native_argmax_and_torchs_tokens() -> None:
-    if not native.available():
-        pytest.skip(f"helexa's CPU kernel is unavailable: {native.unavailable_reason()}")
+    require_native()
     g = torch.Generator().manual_seed(3)
     logits = _hard_rows(4099, g)[:8]
     params = [SamplingParams(temperature=0.0)] * 8

@@ -12,7 +12,7 @@ import torch
 
 from helexa.model.quant import isa, native
 from helexa.model.sampling import Sampler, SamplingParams
-from tests.support.kernel_paths import kernel_paths, use_kernel_path
+from tests.support.kernel_paths import kernel_paths, require_native, use_kernel_path
 
 
 def _rows(cols: int, g: torch.Generator) -> torch.Tensor:
@@ -73,8 +73,7 @@ def test_logprobs_rows_are_torchs_log_softmax_and_top_tokens(
 
 
 def test_logprobs_rows_leave_a_row_with_a_nan_to_torch_and_refuse_what_they_do_not_take() -> None:
-    if not native.available():
-        pytest.skip(f"helexa's CPU kernel is unavailable: {native.unavailable_reason()}")
+    require_native()
     x = torch.randn(6, 300)
     x[3, 299] = math.nan
     assert native.logprobs_rows(x, 5) is None
@@ -90,8 +89,7 @@ def test_logprobs_rows_leave_a_row_with_a_nan_to_torch_and_refuse_what_they_do_n
 
 
 def test_the_samplers_logprobs_through_the_native_kernel_match_torchs() -> None:
-    if not native.available():
-        pytest.skip(f"helexa's CPU kernel is unavailable: {native.unavailable_reason()}")
+    require_native()
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(6, 4099, generator=g) * 3
     params = [

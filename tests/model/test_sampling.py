@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from helexa.model.quant import native
 from helexa.model.sampling import Sampler, SamplingParams, make_generator
 from helexa.model.sampling.sampler import _apply_penalties
 
@@ -301,10 +302,13 @@ def test_filtered_rows_draw_from_their_candidates_with_the_right_frequencies() -
     assert torch.allclose(counts[ids[:5]], probs[:5] / probs[:5].sum(), atol=0.03)
 
 
-def test_each_row_draws_alone_whichever_path_its_batch_takes() -> None:
-    """A batch mixing rows drawn from their candidates, rows without filters (their whole row) and a filtered
-    row no candidate set settles (a flat top-p: the full sort), with greedy rows between: each seeded row's
-    token is the one it draws alone."""
+@pytest.mark.parametrize("native_rows", [False, True])
+def test_each_row_draws_alone_whichever_path_its_batch_takes(native_rows: bool) -> None:
+    """A batch mixing rows drawn from their candidates, rows without filters (their whole row; through the
+    native kernel with `native_rows`) and a filtered row no candidate set settles (a flat top-p: the full
+    sort), with greedy rows between: each seeded row's token is the one it draws alone."""
+    if native_rows and not native.available():
+        pytest.skip(f"helexa's CPU kernel is unavailable: {native.unavailable_reason()}")
     g = torch.Generator().manual_seed(5)
     vocab = 3000
     logits = torch.randn(5, vocab, generator=g) * torch.tensor([[4.0], [0.01], [4.0], [3.0], [4.0]])
@@ -321,8 +325,9 @@ def test_each_row_draws_alone_whichever_path_its_batch_takes() -> None:
 
     batch_gens, alone_gens = gens(), gens()
     for _ in range(10):
-        together = Sampler().sample(logits, params, batch_gens).token_ids
-        alone = [Sampler().sample(logits[i : i + 1], [p], [alone_gens[i]]).token_ids[0] for i, p in enumerate(params)]
+        sampler = Sampler(native=native_rows)
+        together = sampler.sample(logits, params, batch_gens).token_ids
+        alone = [sampler.sample(logits[i : i + 1], [p], [alone_gens[i]]).token_ids[0] for i, p in enumerate(params)]
         assert together == alone
 
 

@@ -41,6 +41,12 @@ def use_kernel_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert native.kernel_path() == name
 
 
+def require_native() -> None:
+    """Skip, saying why, where helexa's native CPU kernels are unavailable (on the path this CPU picks)."""
+    if not native.available():
+        pytest.skip(f"helexa's CPU kernel is unavailable: {native.unavailable_reason()}")
+
+
 def use_emulated_amx(monkeypatch: pytest.MonkeyPatch) -> ctypes.CDLL:
     """Make the native kernels run on the `avx512_amx` path's source built with its tile operations
     emulated in C (csrc/amx.h, HX_AMX_EMULATE) for this test, and return that library; skip, saying

@@ -39,6 +39,7 @@ from helexa.model.weights.pull import helexa_home
 
 __all__ = [
     "argmax_rows",
+    "draw_rows",
     "logprobs_rows",
     "available",
     "build",
@@ -141,6 +142,8 @@ def load_path(path: isa.KernelPath) -> tuple[ctypes.CDLL | None, str]:
     lib.helexa_argmax_rows.restype = None
     lib.helexa_logprobs_rows.argtypes = [p, i64, i64, i64, i64, p, p, p]
     lib.helexa_logprobs_rows.restype = ctypes.c_int
+    lib.helexa_draw_rows.argtypes = [p, i64, i64, p, i64, p, p, p]
+    lib.helexa_draw_rows.restype = ctypes.c_int
     lib.helexa_dequantize_rows.argtypes = [p, p, p, p, i64, i64, i64, i64, p, i64, p]
     lib.helexa_dequantize_rows.restype = ctypes.c_int
     return lib, ""
@@ -404,3 +407,41 @@ def logprobs_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, 
     if rc < 0:
         raise RuntimeError(f"helexa_logprobs_rows failed ({rc})")
     return None if rc else (shift, ids, values)
+
+
+DRAW_MAX_COLUMNS = 64 * 8192  # the widest row `draw_rows` takes (csrc/step.c's HX_DRAW_BLOCK x HX_DRAW_BLOCKS)
+
+
+def draw_rows(x: torch.Tensor, which: list[int], temperature: list[float], u: torch.Tensor) -> torch.Tensor | None:
+    """One token (len(which),) int64 for each row `which[i]` of a CPU float32 x (S, V), rows contiguous (a slice
+    of columns too), at `temperature[i]` > 0 by the uniform `u[i]` in [0, 1) (float32): the first column whose
+    running sum of exp(x / t - max) (in blocks of 64 columns, then the crossing block's columns in order)
+    exceeds u times the row's total; never a column of weight 0. Each row alone, the same token on every
+    kernel path. None where a row holds a NaN or has no finite maximum (the caller takes torch's path). V
+    at most `DRAW_MAX_COLUMNS`."""
+    if (
+        x.dtype != torch.float32
+        or x.dim() != 2
+        or x.is_cuda
+        or not 0 < x.shape[1] <= DRAW_MAX_COLUMNS
+        or x.stride(1) != 1
+    ):
+        raise ValueError(
+            f"draw_rows takes a CPU float32 (S, 0 < V <= {DRAW_MAX_COLUMNS}) with contiguous rows, "
+            f"got {x.dtype} {tuple(x.shape)}"
+        )
+    count = len(which)
+    if len(temperature) != count or u.shape != (count,) or u.dtype != torch.float32 or u.is_cuda:
+        raise ValueError(f"draw_rows needs one temperature and one float32 CPU draw per row: {count} rows")
+    if any(not 0 <= i < x.shape[0] for i in which) or any(not t > 0 for t in temperature):
+        raise ValueError("draw_rows takes rows of x and temperatures > 0")
+    rows = torch.tensor(which, dtype=torch.int64)
+    temps = torch.tensor(temperature, dtype=torch.float32)
+    u = u.contiguous()
+    out = torch.empty(count, dtype=torch.int64)
+    rc = library().helexa_draw_rows(
+        x.data_ptr(), x.shape[1], x.stride(0), rows.data_ptr(), count, temps.data_ptr(), u.data_ptr(), out.data_ptr()
+    )
+    if rc < 0:
+        raise RuntimeError(f"helexa_draw_rows failed ({rc})")
+    return None if rc else out

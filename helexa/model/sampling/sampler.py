@@ -112,12 +112,16 @@ class Sampler:
                 sampled = torch.where(torch.tensor(greedy, device=device), self._argmax(logits), sampled)  # (S,)
         return self._to_host(sampled, raw_logprobs, params)
 
+    def _takes_native(self, logits: torch.Tensor) -> bool:
+        """Whether these logits go through the native row kernels: `native`, on the CPU, rows contiguous."""
+        return self._native and logits.device.type == "cpu" and logits.stride(-1) == 1 and logits.shape[-1] > 0
+
     def _raw_logprobs(self, logits: torch.Tensor, top_n: int) -> _RawLogprobs:
         """The raw logits' log-probabilities, for `_to_host`: the native kernel's shift and top `top_n` where
         `native` and it takes these logits (and no row holds a NaN), else torch's whole `log_softmax` (into a
         kept buffer) and its `topk`."""
         rows, vocab = logits.shape
-        if self._native and logits.device.type == "cpu" and logits.stride(-1) == 1 and vocab:
+        if self._takes_native(logits):
             if top_n <= min(vocab, native.TOP_LOGPROBS_MAX):
                 found = native.logprobs_rows(logits, top_n)
                 if found is not None:
@@ -128,7 +132,7 @@ class Sampler:
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's argmax (S,) int64: the native kernel's where `native` and it takes these logits."""
-        if self._native and logits.device.type == "cpu" and logits.stride(-1) == 1 and logits.shape[-1]:
+        if self._takes_native(logits):
             return native.argmax_rows(logits)
         return logits.argmax(dim=-1)
 
@@ -164,7 +168,9 @@ class Sampler:
         unnormalised probabilities exp(x - max) exceeds `u` times their total. On the CPU a filtered row's
         kept tokens are found among its best candidates (`_filter_candidates`) and summed in rank order; a row
         without filters, or whose kept set is not provably among its candidates, sums its whole row in token
-        order after the full filters. Each row's token depends on its own logits, parameters and `u` alone."""
+        order after the full filters. Where `native` takes the logits, a row without filters is drawn by
+        `native.draw_rows` instead (the same rule over its own exp and block-wise sums; torch's path for a row
+        with a NaN). Each row's token depends on its own logits, parameters and `u` alone."""
         rows, vocab = logits.shape
         device = logits.device
         own = [(i, g) for i, g in enumerate(generators) if g is not None and not greedy[i]]
@@ -173,11 +179,22 @@ class Sampler:
             draws.uniform_()
         for i, g in own:
             draws[i : i + 1].uniform_(generator=g)
-        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
-        scaled = torch.div(logits, temperature[:, None], out=self._buffer("scaled", rows, vocab, device))  # (S, V)
         sampled = torch.zeros(rows, dtype=torch.int64, device=device)
         filtered = [i for i, p in enumerate(params) if p.uses_filters and not greedy[i]]
         whole = [i for i, p in enumerate(params) if not p.uses_filters and not greedy[i]]
+        if whole and self._takes_native(logits) and vocab <= native.DRAW_MAX_COLUMNS:
+            plain = torch.tensor(whole, device=device)
+            drawn = native.draw_rows(
+                logits, whole, [params[i].temperature for i in whole], draws.index_select(0, plain)
+            )
+            if drawn is not None:
+                if len(whole) == rows:  # no gather or scatter (a batch of unfiltered rows: the common case)
+                    return drawn
+                sampled[plain], whole = drawn, []
+        if not filtered and not whole:
+            return sampled
+        temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
+        scaled = torch.div(logits, temperature[:, None], out=self._buffer("scaled", rows, vocab, device))  # (S, V)
         if filtered and device.type == "cpu":
             groups, rest = self._filter_candidates(scaled, params, filtered)
             for index, ids, kept in groups:  # (R,), (R, K) token ids, (R, K) kept values ranked, -inf dropped

@@ -979,6 +979,88 @@ int helexa_logprobs_rows(const float *x, int64_t rows, int64_t cols, int64_t str
     return nan;
 }
 
+/* The 8 values of x from column j of n, divided by t unless t is 1, -inf past n. */
+static inline __m256 scaled8(const float *x, int64_t j, int64_t n, float t) {
+    __m256 v;
+    if (j + 8 <= n) {
+        v = _mm256_loadu_ps(x + j);
+    } else {
+        float lanes[8];
+        for (int l = 0; l < 8; l++) lanes[l] = j + l < n ? x[j + l] : -INFINITY;
+        v = _mm256_loadu_ps(lanes);
+    }
+    return t == 1.0f ? v : _mm256_div_ps(v, _mm256_set1_ps(t));
+}
+
+#define HX_DRAW_BLOCK 64 /* columns a block: the running sum walks whole blocks, then one block's columns */
+#define HX_DRAW_BLOCKS 8192 /* blocks a row may have (columns up to 524,288) */
+
+/* One token drawn from row x (n > 0 floats) at temperature t by the uniform u in [0, 1): with y = x / t
+ * (x itself at t = 1), m = max(y) and w = exp8(y - m) (0 under -87.3, so for -inf), blocks of 64 columns
+ * summed 8 lanes at a time then across the lanes (`hsum`), the blocks' sums added in order into the total;
+ * the token is the first column whose running sum (the blocks before it, then its block's columns one by
+ * one in order) exceeds u * total, or, where rounding leaves the target unreached, the last column of
+ * positive weight in the block (or row) where it ran out. A column of weight 0 is never drawn. Returns -1
+ * where the row holds a NaN or its maximum is not finite. */
+static int64_t draw_of(const float *x, int64_t n, float t, float u) {
+    __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += 8) {
+        const __m256 v = scaled8(x, j, n, t);
+        top = _mm256_max_ps(top, v);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[8], m = -INFINITY;
+    _mm256_storeu_ps(lanes, top);
+    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+    if (_mm256_movemask_ps(unordered) || !isfinite(m)) return -1;
+    const __m256 mv = _mm256_set1_ps(m);
+    float sums[HX_DRAW_BLOCKS];
+    const int64_t blocks = (n + HX_DRAW_BLOCK - 1) / HX_DRAW_BLOCK;
+    float total = 0.0f;
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256 s8 = _mm256_setzero_ps();
+        const int64_t end = (b + 1) * HX_DRAW_BLOCK < n ? (b + 1) * HX_DRAW_BLOCK : n;
+        for (int64_t j = b * HX_DRAW_BLOCK; j < end; j += 8) s8 = _mm256_add_ps(s8, exp8(_mm256_sub_ps(scaled8(x, j, n, t), mv)));
+        sums[b] = hsum(s8);
+        total += sums[b];
+    }
+    const float target = u * total;
+    float running = 0.0f;
+    int64_t b = 0, last = -1;
+    for (; b < blocks; b++) {
+        if (sums[b] > 0.0f) last = b;
+        if (running + sums[b] > target) break;
+        running += sums[b];
+    }
+    if (b == blocks) b = last; /* rounding: the last block of positive weight (the maximum's weight is 1) */
+    const int64_t start = b * HX_DRAW_BLOCK, end = start + HX_DRAW_BLOCK < n ? start + HX_DRAW_BLOCK : n;
+    float w[HX_DRAW_BLOCK];
+    for (int64_t j = start; j < end; j += 8) _mm256_storeu_ps(w + (j - start), exp8(_mm256_sub_ps(scaled8(x, j, n, t), mv)));
+    int64_t pick = -1;
+    for (int64_t j = start; j < end; j++) {
+        if (w[j - start] <= 0.0f) continue;
+        pick = j;
+        running += w[j - start];
+        if (running > target) break;
+    }
+    return pick;
+}
+
+/* draw_of for the `count` rows `which` of x (rows `stride` floats apart, `cols` columns each), row which[i]
+ * at temperature t[i] by u[i], into out[i], in parallel from 4 of them. Returns 0, -2 when cols is outside
+ * [1, 64 x 8,192], or 1 when a row held a NaN or had no finite maximum (its out is then -1). */
+int helexa_draw_rows(const float *x, int64_t cols, int64_t stride, const int64_t *which, int64_t count, const float *t,
+                     const float *u, int64_t *out) {
+    if (cols <= 0 || cols > (int64_t)HX_DRAW_BLOCK * HX_DRAW_BLOCKS) return -2;
+    int bad = 0;
+#pragma omp parallel for schedule(static) if (count >= 4) num_threads(helexa_threads()) reduction(| : bad)
+    for (int64_t i = 0; i < count; i++) {
+        out[i] = draw_of(x + which[i] * stride, cols, t[i], u[i]);
+        bad |= out[i] < 0;
+    }
+    return bad;
+}
+
 /* One step of the whole model, token ids to logits: the rows' embeddings looked up in m->embed (or, when
  * m->embed has no table, copied from x_in (T, E), which is only read), every decoder layer (`decoder`),
  * then for each of the S rows `rows` (S,) int64 of the step, in that order, its final-normed hidden state
