@@ -60,6 +60,7 @@ def test_logprobs_rows_are_torchs_log_softmax_and_top_tokens(
         shift, ids, values = found
         assert torch.equal(shift[:, 0], x.max(dim=-1).values)
         assert torch.equal(ids, _expected_top(x, k))
+        assert torch.equal(native.top_rows(x, k), ids)  # the same pass without the sum
         assert torch.equal(values, (x.gather(1, ids) - shift[:, :1]) - shift[:, 1:])  # one formula for every token
         torch.testing.assert_close(values.double(), reference.gather(1, ids), rtol=1e-6, atol=2e-6)
         every = (x - shift[:, :1]) - shift[:, 1:]
@@ -76,13 +77,15 @@ def test_logprobs_rows_leave_a_row_with_a_nan_to_torch_and_refuse_what_they_do_n
     require_native()
     x = torch.randn(6, 300)
     x[3, 299] = math.nan
-    assert native.logprobs_rows(x, 5) is None
+    assert native.logprobs_rows(x, 5) is None and native.top_rows(x, 5) is None
     x[3, 299] = 0.0
     x[2, 0] = math.nan  # among the first k values
     assert native.logprobs_rows(x, 5) is None
     for bad in (torch.zeros(2, 0), torch.zeros(4, 3).t(), torch.zeros(1, 3, dtype=torch.float64), torch.zeros(3)):
         with pytest.raises(ValueError, match="logprobs_rows takes"):
             native.logprobs_rows(bad, 1)
+        with pytest.raises(ValueError, match="top_rows takes"):
+            native.top_rows(bad, 1)
     for k in (-1, 4, native.TOP_LOGPROBS_MAX + 1):
         with pytest.raises(ValueError, match="0 <= k"):
             native.logprobs_rows(torch.zeros(2, 3 if k == 4 else 100), k)

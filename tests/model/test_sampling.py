@@ -287,16 +287,20 @@ def test_logprobs_are_raw_model_logprobs() -> None:
     assert out.token_ids[2] == int(logits[2].argmax())
 
 
-def test_filtered_rows_draw_from_their_candidates_with_the_right_frequencies() -> None:
+@pytest.mark.parametrize("native_rows", [False, True])
+def test_filtered_rows_draw_from_their_candidates_with_the_right_frequencies(native_rows: bool) -> None:
     """Over a large vocabulary a top-p row's kept tokens are found among its best candidates and drawn in rank
     order: their frequencies follow the renormalised probabilities, and nothing outside them is drawn."""
+    if native_rows and not native.available():
+        pytest.skip(f"helexa's CPU kernel is unavailable: {native.unavailable_reason()}")
     vocab, n = 5000, 6000
     probs = torch.tensor([0.35, 0.25, 0.15, 0.1, 0.08, 0.04, 0.02, 0.01])  # 0.98 of the mass; top_p 0.9 keeps 5
     row = torch.full((vocab,), math.log(0.02 / (vocab - 8)))
     ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(2))[:8]
     row[ids] = probs.log()
     torch.manual_seed(0)
-    out = Sampler().sample(row.expand(n, vocab).contiguous(), [SamplingParams(temperature=1.0, top_p=0.9)] * n)
+    sampler = Sampler(native=native_rows)
+    out = sampler.sample(row.expand(n, vocab).contiguous(), [SamplingParams(temperature=1.0, top_p=0.9)] * n)
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=vocab).float() / n
     assert set(torch.nonzero(counts).flatten().tolist()) == set(ids[:5].tolist())
     assert torch.allclose(counts[ids[:5]], probs[:5] / probs[:5].sum(), atol=0.03)
@@ -331,10 +335,15 @@ def test_each_row_draws_alone_whichever_path_its_batch_takes(native_rows: bool) 
         assert together == alone
 
 
+@pytest.mark.parametrize("native_rows", [False, True])
 @pytest.mark.parametrize("quantised", [False, True])
-def test_candidate_filter_path_equals_full_sort(quantised: bool) -> None:
-    """The topk fast path keeps exactly the tokens the full stable sort keeps, ties and fallbacks included."""
+def test_candidate_filter_path_equals_full_sort(quantised: bool, native_rows: bool) -> None:
+    """The candidates' fast path (torch's topk, or with `native_rows` the native kernel's ranked top tokens)
+    keeps exactly the tokens the full stable sort keeps, ties and fallbacks included."""
     from helexa.model.sampling.sampler import _filter_sorted_rows
+
+    if native_rows and not native.available():
+        pytest.skip(f"helexa's CPU kernel is unavailable: {native.unavailable_reason()}")
 
     gen = torch.Generator().manual_seed(11)
     vocab = 6000
@@ -354,7 +363,7 @@ def test_candidate_filter_path_equals_full_sort(quantised: bool) -> None:
         SamplingParams(temperature=1.0, top_p=0.8, min_p=0.01),
         SamplingParams(temperature=1.0, min_p=0.5),
     ]
-    groups, rest = Sampler()._filter_candidates(logits, params, list(range(len(params))))
+    groups, rest = Sampler(native=native_rows)._filter_candidates(logits, params, list(range(len(params))))
     fast = torch.full_like(logits, -math.inf)
     for index, ids, kept in groups:
         fast[index] = fast[index].scatter_(1, ids, kept)

@@ -41,6 +41,7 @@ __all__ = [
     "argmax_rows",
     "draw_rows",
     "logprobs_rows",
+    "top_rows",
     "available",
     "build",
     "dequantize_rows",
@@ -407,6 +408,24 @@ def logprobs_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, 
     if rc < 0:
         raise RuntimeError(f"helexa_logprobs_rows failed ({rc})")
     return None if rc else (shift, ids, values)
+
+
+def top_rows(x: torch.Tensor, k: int) -> torch.Tensor | None:
+    """`logprobs_rows`' `ids` alone (its one pass, no sum): (S, k) int64, each row's k largest values' columns,
+    largest first, equal values by the lower column. None where a row holds a NaN."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.is_cuda or x.shape[1] == 0 or x.stride(1) != 1:
+        raise ValueError(
+            f"top_rows takes a CPU float32 (S, V > 0) with contiguous rows, got {x.dtype} {tuple(x.shape)}"
+        )
+    if not 0 <= k <= min(x.shape[1], TOP_LOGPROBS_MAX):
+        raise ValueError(f"top_rows takes 0 <= k <= {min(x.shape[1], TOP_LOGPROBS_MAX)}, got {k}")
+    ids = torch.empty(x.shape[0], k, dtype=torch.int64)
+    rc = library().helexa_logprobs_rows(
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), k, None, ids.data_ptr(), None
+    )
+    if rc < 0:
+        raise RuntimeError(f"helexa_logprobs_rows failed ({rc})")
+    return None if rc else ids
 
 
 DRAW_MAX_COLUMNS = 64 * 8192  # the widest row `draw_rows` takes (csrc/step.c's HX_DRAW_BLOCK x HX_DRAW_BLOCKS)

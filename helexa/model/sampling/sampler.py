@@ -65,8 +65,10 @@ class Sampler:
 
     `native`: CPU logits go through helexa's native row kernels, which must be available: greedy rows take
     their token from `native.argmax_rows` (the same indices as torch's argmax, 5-7x as fast over a 49k
-    vocabulary) and logprobs come from `native.logprobs_rows` (no (S, V) log-softmax written; within ~1e-6
-    of torch's); otherwise, and for logits elsewhere, torch's argmax and `log_softmax`."""
+    vocabulary), rows without filters are drawn by `native.draw_rows`, a filtered row's first candidates
+    (and the log-sum-exp top-p measures against) come from `native.logprobs_rows` / `native.top_rows`, and
+    so do the logprobs (no (S, V) log-softmax written; within float32 precision of torch's); otherwise, and
+    for logits elsewhere, torch's operations."""
 
     def __init__(self, native: bool = False) -> None:
         self._native = native
@@ -224,7 +226,8 @@ class Sampler:
         self, scaled: torch.Tensor, params: Sequence[SamplingParams], rows: list[int]
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], list[int]]:
         """Top-k, then top-p, then min-p of the CPU rows `rows` of `scaled` (S, V), each on its best candidates
-        (a `topk` of each size of `_CANDIDATES` in turn, not a full sort): `(groups, rest)`, each group
+        (the largest of each size of `_CANDIDATES` in turn, `_ranked_candidates`, not a full sort): `(groups,
+        rest)`, each group
         `(index (R,), ids (R, K), kept (R, K))`, the rows' candidate token ids and their values ranked as the
         full stable sort ranks them (descending, ties by token id), a dropped one -inf. A row is kept where
         provably exact (its last candidate is dropped and lies strictly below every kept token, so every token
@@ -238,24 +241,45 @@ class Sampler:
                 break
             index = torch.tensor(todo)
             part = scaled if todo == list(range(scaled.shape[0])) else scaled.index_select(0, index)  # (R, V)
-            values, ids = part.topk(k, dim=-1)  # (R, K), descending
-            full_lse = None  # only top-p without top-k measures mass against the whole vocabulary
-            if any(params[i].top_p < 1 and params[i].top_k <= 0 for i in todo):
-                # torch's logsumexp, step for step, through a kept buffer instead of a fresh (R, V) one
-                top = part.amax(dim=-1, keepdim=True)  # (R, 1)
-                work = torch.sub(part, top, out=self._buffer("lse", len(todo), vocab, part.device))
-                full_lse = work.exp_().sum(dim=-1).log_().add_(top.squeeze(1))  # (R,)
-            ids, perm = ids.sort(dim=-1)  # ties broken by token id, as the full stable sort does
-            values, order = values.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+            # only top-p without top-k measures mass against the whole vocabulary (its log-sum-exp)
+            with_lse = any(params[i].top_p < 1 and params[i].top_k <= 0 for i in todo)
+            values, ids, full_lse = self._ranked_candidates(part, k, with_lse)  # (R, K), (R, K), (R,) or None
             kept = _filter_sorted(values, [params[i] for i in todo], full_lse)  # (R, K)
             alive = kept > -math.inf
             min_kept = torch.where(alive, kept, math.inf).amin(dim=-1)  # (R,)
             exact = (~alive[:, -1] & (min_kept > values[:, -1])).tolist()  # (R,)
             done = torch.tensor([j for j, ok in enumerate(exact) if ok], dtype=torch.int64)
             if done.numel():
-                groups.append((index[done], ids.gather(1, order)[done], kept[done]))
+                groups.append((index[done], ids[done], kept[done]))
             todo = [i for i, ok in zip(todo, exact) if not ok]
         return groups, todo
+
+    def _ranked_candidates(
+        self, part: torch.Tensor, k: int, with_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`(values, ids, lse)`: the k largest of each row of `part` (R, V) and their token ids (R, k), ranked as
+        the full stable sort ranks them (descending, equal values by token id), and, `with_lse`, each row's
+        log-sum-exp (R,) (else None). From the native kernel's one pass (and its sum) where `native` takes them
+        (k <= `native.TOP_LOGPROBS_MAX`, no NaN); else torch's `topk`, two sorts and `logsumexp`'s steps."""
+        if self._takes_native(part) and k <= native.TOP_LOGPROBS_MAX:
+            if with_lse:
+                found = native.logprobs_rows(part, k)
+                if found is not None:
+                    shift, ids, _ = found
+                    return part.gather(1, ids), ids, shift[:, 1] + shift[:, 0]  # log(sum exp(x - max)) + max
+            else:
+                top = native.top_rows(part, k)
+                if top is not None:
+                    return part.gather(1, top), top, None
+        values, ids = part.topk(k, dim=-1)  # (R, K), descending
+        ids, perm = ids.sort(dim=-1)  # ties broken by token id, as the full stable sort does
+        values, order = values.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+        full_lse = None
+        if with_lse:  # torch's logsumexp, step for step, through a kept buffer instead of a fresh (R, V) one
+            top_value = part.amax(dim=-1, keepdim=True)  # (R, 1)
+            work = torch.sub(part, top_value, out=self._buffer("lse", part.shape[0], part.shape[1], part.device))
+            full_lse = work.exp_().sum(dim=-1).log_().add_(top_value.squeeze(1))  # (R,)
+        return values, ids.gather(1, order), full_lse
 
     @staticmethod
     def _to_host(

@@ -901,8 +901,9 @@ void helexa_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stri
  * (exp8's, 8 lanes in order, then the tail by expf), and its k (0 <= k <= min(n, HX_TOP_MAX)) largest
  * values' indices in ids, largest first, equal values by the lower index, with their log-probabilities
  * (x - *mx) - *logsum in vals. One pass finds the maximum and the k (a value enters the list only when it
- * beats the list's smallest), a second sums. Returns 1 where the row holds a NaN (the outputs then mean
- * nothing), else 0. A row whose maximum is not finite gives NaN sums, as a softmax does. */
+ * beats the list's smallest), a second sums; with mx NULL only ids are written (no sum). Returns 1 where
+ * the row holds a NaN (the outputs then mean nothing), else 0. A row whose maximum is not finite gives NaN
+ * sums, as a softmax does. */
 #define HX_TOP_MAX 64
 static int logprobs_of(const float *x, int64_t n, int64_t k, float *mx, float *logsum, int64_t *ids, float *vals) {
     float bv[HX_TOP_MAX];
@@ -953,6 +954,10 @@ static int logprobs_of(const float *x, int64_t n, int64_t k, float *mx, float *l
     _mm256_storeu_ps(lanes, top);
     for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
     if (nan || _mm256_movemask_ps(unordered)) return 1;
+    if (!mx) {
+        for (int64_t t = 0; t < k; t++) ids[t] = bi[t];
+        return 0;
+    }
     const __m256 mv = _mm256_set1_ps(m);
     __m256 sum8 = _mm256_setzero_ps();
     int64_t j = 0;
@@ -967,15 +972,17 @@ static int logprobs_of(const float *x, int64_t n, int64_t k, float *mx, float *l
 }
 
 /* logprobs_of for every row of x (rows, cols), rows `stride` floats apart, the rows in parallel from 4 of
- * them: shift (rows, 2) gets each row's maximum and log-sum, ids and vals (rows, k) its k largest. Returns
- * 0, -2 when k is outside [0, min(cols, HX_TOP_MAX)], or 1 when a row holds a NaN. */
+ * them: shift (rows, 2) gets each row's maximum and log-sum, ids and vals (rows, k) its k largest; with
+ * shift NULL, ids alone (vals is not read). Returns 0, -2 when k is outside [0, min(cols, HX_TOP_MAX)], or
+ * 1 when a row holds a NaN. */
 int helexa_logprobs_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t k, float *shift,
                          int64_t *ids, float *vals) {
     if (k < 0 || k > cols || k > HX_TOP_MAX || cols <= 0) return -2;
     int nan = 0;
 #pragma omp parallel for schedule(static) if (rows >= 4) num_threads(helexa_threads()) reduction(| : nan)
     for (int64_t r = 0; r < rows; r++)
-        nan |= logprobs_of(x + r * stride, cols, k, shift + 2 * r, shift + 2 * r + 1, ids + r * k, vals + r * k);
+        nan |= shift ? logprobs_of(x + r * stride, cols, k, shift + 2 * r, shift + 2 * r + 1, ids + r * k, vals + r * k)
+                     : logprobs_of(x + r * stride, cols, k, NULL, NULL, ids + r * k, NULL);
     return nan;
 }
 
