@@ -29,7 +29,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +37,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from trees import alternate, run_worker  # noqa: E402
+
 OUT = ROOT / "bench" / "out"
 SEQS = (1, 16, 64)
 MODES = ("off", "default")
@@ -161,17 +163,8 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _run_tree(tree: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, str(ROOT / "bench" / "host_step.py"), "--worker", "--model", args.model,
-           "--steps", str(args.steps), "--sampling", args.sampling]  # fmt: skip
-    done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(f"the run in {tree} failed:\n{done.stderr[-3000:]}")
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    out = json.loads(line[len("RESULT ") :])
-    if not Path(out["helexa"]).resolve().is_relative_to(tree.resolve()):  # the tree's own code, not the installed one
-        raise SystemExit(f"the run in {tree} imported helexa from {out['helexa']}")
-    return out["results"]
+    argv = ["--model", args.model, "--steps", str(args.steps), "--sampling", args.sampling]
+    return run_worker(tree, ROOT / "bench" / "host_step.py", argv)["results"]
 
 
 def _tiny_model(root: Path) -> str:
@@ -208,21 +201,7 @@ def main() -> None:
             args.model = _tiny_model(Path(tmp) / "model")
         args.steps = args.steps or (30 if args.quick else 60)
         args.rounds = args.rounds or (2 if args.quick else 3)
-        trees = {"this tree": ROOT}
-        if args.baseline:
-            base = Path(tmp) / "baseline"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
-                           check=True, capture_output=True)  # fmt: skip
-            trees = {f"baseline {args.baseline}": base, **trees}
-        runs: dict[str, list] = {name: [] for name in trees}
-        try:
-            for r in range(args.rounds):
-                for name, tree in trees.items():
-                    print(f"round {r + 1}/{args.rounds}: {name} ...", flush=True)
-                    runs[name].append(_run_tree(tree, args))
-        finally:
-            if args.baseline:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+        runs = alternate(args.baseline, args.rounds, lambda tree: _run_tree(tree, args))
     results = {name: _median_runs(r) for name, r in runs.items()}
     args.model = label
     _report(results, args)
