@@ -1,8 +1,10 @@
 """Decode speed of the default model on the CPU under each way of sampling an OpenAI client asks for: greedy,
 temperature 1 (the SDK's default), temperature 0.7 with top-p 0.9, frequency/presence/repetition penalties,
 and logprobs with 5 top tokens. Chat prompts (different ones, no prefix-cache hits), EOS ignored,
-speculative decoding off (every step samples one row a sequence), at 1 and 16 streams: the aggregate decode
-tokens/s (tokens after the first over the time after the last first token), best of `--rounds`.
+speculative decoding off (every step samples one row a sequence; `--speculative default` for the engine's
+default: its drafts depend on each prompt's text, which differs between the rows), at 1 and 16 streams:
+the aggregate decode tokens/s (tokens after the first over the time after the last first token), best of
+`--rounds`.
 
 With `--baseline COMMIT` the same runs of another commit's tree (a temporary git worktree) alternate with
 this tree's in one run, each in a fresh process, and the table gives the ratio.
@@ -58,7 +60,8 @@ def _worker(args: argparse.Namespace) -> None:
     from helexa.model.quant import native
 
     streams = [int(n) for n in args.streams.split(",")]
-    llm = LLM(args.model, max_num_seqs=max(streams), speculative="off")
+    spec = {} if args.speculative == "default" else {"speculative": args.speculative}
+    llm = LLM(args.model, max_num_seqs=max(streams), **spec)
     try:
         tok = llm.tokenizer
         texts = [
@@ -87,7 +90,8 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _run_tree(tree: Path, args: argparse.Namespace) -> dict:
-    argv = ["--model", args.model, "--tokens", str(args.tokens), "--streams", args.streams]
+    argv = ["--model", args.model, "--tokens", str(args.tokens), "--streams", args.streams,
+            "--speculative", args.speculative]  # fmt: skip
     return run_worker(tree, ROOT / "bench" / "sampling.py", argv)
 
 
@@ -96,6 +100,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a model name or directory")
     parser.add_argument("--tokens", type=int, default=96, help="new tokens per stream")
     parser.add_argument("--streams", default="1,16", help="stream counts, comma-separated (at most 64)")
+    parser.add_argument("--speculative", default="off", help="off (default), ngram, suffix, or default (the engine's)")
     parser.add_argument("--rounds", type=int, default=2, help="runs per tree, alternating; each speed the best")
     parser.add_argument("--baseline", help="a commit to measure in the same run (a temporary git worktree)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -120,8 +125,8 @@ def _report(best: dict[str, dict[str, float]], path: str, args: argparse.Namespa
         "# Decode tokens/s by sampling, CPU",
         "",
         f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; kernel path {path}; model {args.model}; "
-        f"{args.tokens} new tokens a stream, EOS ignored, speculative decoding off; chat prompts; the best of "
-        f"{args.rounds} round(s) per tree" + (", trees run in alternation." if len(names) > 1 else "."),
+        f"{args.tokens} new tokens a stream, EOS ignored, speculative decoding {args.speculative}; chat prompts; "
+        f"the best of {args.rounds} round(s) per tree" + (", trees run in alternation." if len(names) > 1 else "."),
         "",
         "| sampling | streams | " + " | ".join(f"tok/s ({n})" for n in names)
         + (" | ratio |" if len(names) > 1 else " |") + " % of greedy (" + names[-1] + ") |",
