@@ -227,11 +227,11 @@ class Sampler:
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], list[int]]:
         """Top-k, then top-p, then min-p of the CPU rows `rows` of `scaled` (S, V), each on its best candidates
         (the largest of each size of `_CANDIDATES` in turn, `_ranked_candidates`, not a full sort): `(groups,
-        rest)`, each group
-        `(index (R,), ids (R, K), kept (R, K))`, the rows' candidate token ids and their values ranked as the
-        full stable sort ranks them (descending, ties by token id), a dropped one -inf. A row is kept where
-        provably exact (its last candidate is dropped and lies strictly below every kept token, so every token
-        outside would be dropped too); `rest` are the rows no size settled (for the full sort)."""
+        rest)`, each group `(index (R,), ids (R, K), kept (R, K))`, the rows' candidate token ids and their
+        values ranked as the full stable sort ranks them (descending, ties by token id), a dropped one -inf.
+        A row is kept where provably exact (its last candidate is dropped and lies strictly below every kept
+        token, so every token outside would be dropped too); `rest` are the rows no size settled (for the full
+        sort)."""
         vocab = scaled.shape[1]
         groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         todo = list(rows)

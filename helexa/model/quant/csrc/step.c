@@ -1027,7 +1027,8 @@ static int64_t draw_of(const float *x, int64_t n, float t, float u) {
     for (int64_t b = 0; b < blocks; b++) {
         __m256 s8 = _mm256_setzero_ps();
         const int64_t end = (b + 1) * HX_DRAW_BLOCK < n ? (b + 1) * HX_DRAW_BLOCK : n;
-        for (int64_t j = b * HX_DRAW_BLOCK; j < end; j += 8) s8 = _mm256_add_ps(s8, exp8(_mm256_sub_ps(scaled8(x, j, n, t), mv)));
+        for (int64_t j = b * HX_DRAW_BLOCK; j < end; j += 8)
+            s8 = _mm256_add_ps(s8, exp8(_mm256_sub_ps(scaled8(x, j, n, t), mv)));
         sums[b] = hsum(s8);
         total += sums[b];
     }
@@ -1042,7 +1043,8 @@ static int64_t draw_of(const float *x, int64_t n, float t, float u) {
     if (b == blocks) b = last; /* rounding: the last block of positive weight (the maximum's weight is 1) */
     const int64_t start = b * HX_DRAW_BLOCK, end = start + HX_DRAW_BLOCK < n ? start + HX_DRAW_BLOCK : n;
     float w[HX_DRAW_BLOCK];
-    for (int64_t j = start; j < end; j += 8) _mm256_storeu_ps(w + (j - start), exp8(_mm256_sub_ps(scaled8(x, j, n, t), mv)));
+    for (int64_t j = start; j < end; j += 8)
+        _mm256_storeu_ps(w + (j - start), exp8(_mm256_sub_ps(scaled8(x, j, n, t), mv)));
     int64_t pick = -1;
     for (int64_t j = start; j < end; j++) {
         if (w[j - start] <= 0.0f) continue;
