@@ -368,9 +368,11 @@ def test_candidate_filter_path_equals_full_sort(quantised: bool, native_rows: bo
     for index, ids, kept in groups:
         fast[index] = fast[index].scatter_(1, ids, kept)
     if rest:
-        fast[rest] = _filter_sorted_rows(logits[rest], [params[i] for i in rest])
+        fast[rest] = _filter_sorted_rows(logits[rest], [params[i] for i in rest], native_sort=native_rows)
     assert sum(len(index) for index, _, _ in groups) >= 5  # most rows settle on candidates
     full = _filter_sorted_rows(logits, params)
+    if native_rows:  # the native sort gives the full sort's filters bit for bit
+        assert torch.equal(_filter_sorted_rows(logits, params, native_sort=True), full)
     full[[i for i, p in enumerate(params) if not p.uses_filters]] = -math.inf  # the candidates are filtered rows'
     fast[[i for i, p in enumerate(params) if not p.uses_filters]] = -math.inf
     assert torch.equal(fast.isfinite(), full.isfinite())

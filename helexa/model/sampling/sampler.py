@@ -206,7 +206,9 @@ class Sampler:
                 sampled[index] = ids.gather(1, pick.clamp_max_(ids.shape[1] - 1)).squeeze(1)
             filtered = rest
         if filtered:  # the full filters (a stable sort of each row), then the whole row as below
-            scaled[filtered] = _filter_sorted_rows(scaled[filtered], [params[i] for i in filtered])
+            rest_rows = scaled[filtered]  # (R, V), contiguous
+            native_sort = self._takes_native(rest_rows)
+            scaled[filtered] = _filter_sorted_rows(rest_rows, [params[i] for i in filtered], native_sort)
             whole += filtered
         if whole:
             whole.sort()
@@ -428,8 +430,12 @@ def _filter_sorted(
     return sorted_logits
 
 
-def _filter_sorted_rows(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def _filter_sorted_rows(
+    scaled: torch.Tensor, params: Sequence[SamplingParams], native_sort: bool = False
+) -> torch.Tensor:
     """The filters over a full stable sort of each row (ties by token id); rows without filters come
-    back unchanged (sorting and scattering back moves no value)."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # (S, V) each
+    back unchanged (sorting and scattering back moves no value). `native_sort`: CPU rows sorted by
+    `native.sort_rows` (the same values and order as torch's stable sort; torch's for a row with a NaN)."""
+    found = native.sort_rows(scaled) if native_sort else None
+    sorted_logits, order = found if found is not None else scaled.sort(dim=-1, descending=True, stable=True)
     return torch.empty_like(scaled).scatter_(1, order, _filter_sorted(sorted_logits, params, None))

@@ -1070,6 +1070,74 @@ int helexa_draw_rows(const float *x, int64_t cols, int64_t stride, const int64_t
     return bad;
 }
 
+/* A float's key for an ascending integer sort that ranks the floats descending: -0.0 keyed as +0.0 (a sort
+ * ranks the two equal). */
+static inline uint32_t descending_key(float v) {
+    if (v == 0.0f) v = 0.0f;
+    uint32_t u;
+    memcpy(&u, &v, sizeof u);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u); /* ascending with the float */
+    return ~u;
+}
+
+/* Row x (n floats, no NaN) sorted descending, equal values in column order (a stable sort): its values into
+ * vals and their columns into ids. An LSD radix sort of the keys, 11 + 11 + 10 bits, each pass stable, in
+ * the scratch arrays key (2n) and col (2n). */
+static void sort_descending_of(const float *x, int64_t n, float *vals, int64_t *ids, uint32_t *key, int32_t *col) {
+    uint32_t *ka = key, *kb = key + n;
+    int32_t *ca = col, *cb = col + n;
+    for (int64_t i = 0; i < n; i++) ka[i] = descending_key(x[i]), ca[i] = (int32_t)i;
+    static const int shift[3] = {0, 11, 22};
+    for (int pass = 0; pass < 3; pass++) {
+        int64_t start[2048] = {0};
+        const int sh = shift[pass];
+        for (int64_t i = 0; i < n; i++) start[(ka[i] >> sh) & 2047]++;
+        int64_t at = 0;
+        for (int d = 0; d < 2048; d++) {
+            const int64_t c = start[d];
+            start[d] = at;
+            at += c;
+        }
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t to = start[(ka[i] >> sh) & 2047]++;
+            kb[to] = ka[i], cb[to] = ca[i];
+        }
+        uint32_t *kt = ka;
+        ka = kb, kb = kt;
+        int32_t *ct = ca;
+        ca = cb, cb = ct;
+    }
+    for (int64_t i = 0; i < n; i++) ids[i] = ca[i], vals[i] = x[ca[i]];
+}
+
+/* sort_descending_of for every row of x (rows, cols), rows `stride` floats apart, into vals and ids (rows,
+ * cols), the rows in parallel from 2 of them. Returns 0, -1 when scratch memory could not be allocated, -2
+ * when cols is outside [1, 2^31), or 1 when a row holds a NaN (nothing is sorted then). */
+int helexa_sort_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, float *vals, int64_t *ids) {
+    if (cols <= 0 || cols >= ((int64_t)1 << 31)) return -2;
+    int nan = 0;
+    for (int64_t r = 0; r < rows && !nan; r++)
+        for (int64_t i = 0; i < cols; i++)
+            if (x[r * stride + i] != x[r * stride + i]) {
+                nan = 1;
+                break;
+            }
+    if (nan) return 1;
+    int failed = 0;
+#pragma omp parallel if (rows >= 2) num_threads(helexa_threads()) reduction(| : failed)
+    {
+        uint32_t *key = (uint32_t *)malloc(sizeof(uint32_t) * 2 * (size_t)cols);
+        int32_t *col = (int32_t *)malloc(sizeof(int32_t) * 2 * (size_t)cols);
+        if (!key || !col) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            if (key && col) sort_descending_of(x + r * stride, cols, vals + r * cols, ids + r * cols, key, col);
+        free(key);
+        free(col);
+    }
+    return failed ? -1 : 0;
+}
+
 /* One step of the whole model, token ids to logits: the rows' embeddings looked up in m->embed (or, when
  * m->embed has no table, copied from x_in (T, E), which is only read), every decoder layer (`decoder`),
  * then for each of the S rows `rows` (S,) int64 of the step, in that order, its final-normed hidden state
