@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import random
 import threading
-import time
 
 import pytest
 
@@ -99,10 +98,8 @@ def test_unservable_rejected_at_once_without_touching_the_queue(caplog: pytest.L
     ]
     with caplog.at_level(logging.WARNING, logger="helexa.admission"):
         for prompt, max_tokens, text in cases:
-            t0 = time.perf_counter()
-            with pytest.raises(AdmissionRejected) as info:
+            with pytest.raises(AdmissionRejected) as info:  # raised by the call itself: never queued
                 c.submit(prompt, max_tokens)
-            assert time.perf_counter() - t0 < 0.05
             e = info.value
             assert (e.reason, *http(e)[:2], e.retry_after, e.permanent) == (
                 "kv_unservable",

