@@ -371,14 +371,22 @@ def int8_gemm(x: torch.Tensor, tiled: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return _run("helexa_int8_gemm", x, n, k, qt, scales)
 
 
+def _check_rows(x: torch.Tensor, name: str, max_cols: int | None = None) -> None:
+    """The row kernels' one input rule: a CPU float32 (S, V) with 0 < V (<= `max_cols`) whose rows are
+    contiguous (a slice of columns too); ValueError naming `name` otherwise."""
+    cols = x.shape[-1] if x.dim() else 0
+    if x.dtype != torch.float32 or x.dim() != 2 or x.is_cuda or x.stride(1) != 1 or not 0 < cols <= (max_cols or cols):
+        bound = f"0 < V <= {max_cols}" if max_cols else "V > 0"
+        raise ValueError(
+            f"{name} takes a CPU float32 (S, {bound}) with contiguous rows, got {x.dtype} {tuple(x.shape)}"
+        )
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` (S,) int64 for a CPU float32 x (S, V), V > 0, whose rows are contiguous (a
     slice of columns too): the same indices (the first of equal maxima; the first NaN where a row has
     one), from two vector passes over each row where torch's reduction walks it a value at a time."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.is_cuda or x.shape[1] == 0 or x.stride(1) != 1:
-        raise ValueError(
-            f"argmax_rows takes a CPU float32 (S, V > 0) with contiguous rows, got {x.dtype} {tuple(x.shape)}"
-        )
+    _check_rows(x, "argmax_rows")
     out = torch.empty(x.shape[0], dtype=torch.int64)
     library().helexa_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out
@@ -387,48 +395,47 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 TOP_LOGPROBS_MAX = 64  # the most top tokens `logprobs_rows` returns per row (csrc/step.c's HX_TOP_MAX)
 
 
-def logprobs_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The log-softmax of each row of a CPU float32 x (S, V), V > 0, rows contiguous (a slice of columns
-    too), without writing it: `(shift, ids, values)` with `shift` (S, 2) each row's maximum and the log of its
-    sum of exp(x - maximum), so that token t's log-probability is `(x[t] - shift[:, 0]) - shift[:, 1]`; `ids`
-    (S, k) int64 the k largest values' columns, largest first, equal values by the lower column; `values`
-    (S, k) their log-probabilities by that formula. Each row alone, the same on every kernel path within
-    ~1e-6 of torch's `log_softmax` (another exp). None where a row holds a NaN (the caller takes torch's
-    path). `0 <= k <= min(V, TOP_LOGPROBS_MAX)`."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.is_cuda or x.shape[1] == 0 or x.stride(1) != 1:
-        raise ValueError(
-            f"logprobs_rows takes a CPU float32 (S, V > 0) with contiguous rows, got {x.dtype} {tuple(x.shape)}"
-        )
+def _top_pass(
+    x: torch.Tensor, k: int, name: str, with_sum: bool
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
+    """helexa_logprobs_rows over x: `(shift, ids, values)` (shift and values None without `with_sum`), or
+    None where a row holds a NaN."""
+    _check_rows(x, name)
     if not 0 <= k <= min(x.shape[1], TOP_LOGPROBS_MAX):
-        raise ValueError(f"logprobs_rows takes 0 <= k <= {min(x.shape[1], TOP_LOGPROBS_MAX)}, got {k}")
+        raise ValueError(f"{name} takes 0 <= k <= {min(x.shape[1], TOP_LOGPROBS_MAX)}, got {k}")
     rows = x.shape[0]
-    shift = torch.empty(rows, 2)
     ids = torch.empty(rows, k, dtype=torch.int64)
-    values = torch.empty(rows, k)
+    shift, values = (torch.empty(rows, 2), torch.empty(rows, k)) if with_sum else (None, None)
     rc = library().helexa_logprobs_rows(
-        x.data_ptr(), rows, x.shape[1], x.stride(0), k, shift.data_ptr(), ids.data_ptr(), values.data_ptr()
-    )
+        x.data_ptr(), rows, x.shape[1], x.stride(0), k, None if shift is None else shift.data_ptr(),
+        ids.data_ptr(), None if values is None else values.data_ptr(),
+    )  # fmt: skip
     if rc < 0:
         raise RuntimeError(f"helexa_logprobs_rows failed ({rc})")
     return None if rc else (shift, ids, values)
 
 
+def logprobs_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The log-softmax of each row of a CPU float32 x (S, V), V > 0, rows contiguous (a slice of columns
+    too), without writing it: `(shift, ids, values)` with `shift` (S, 2) each row's maximum and the log of its
+    sum of exp(x - maximum), so that token t's log-probability is `(x[t] - shift[:, 0]) - shift[:, 1]`; `ids`
+    (S, k) int64 the k largest values' columns, largest first, equal values by the lower column; `values`
+    (S, k) their log-probabilities by that formula. Each row alone, the same on every kernel path, within
+    float32 precision of torch's `log_softmax` (another exp). None where a row holds a NaN (the caller takes
+    torch's path). `0 <= k <= min(V, TOP_LOGPROBS_MAX)`."""
+    found = _top_pass(x, k, "logprobs_rows", with_sum=True)
+    if found is None:
+        return None
+    shift, ids, values = found
+    assert shift is not None and values is not None
+    return shift, ids, values
+
+
 def top_rows(x: torch.Tensor, k: int) -> torch.Tensor | None:
     """`logprobs_rows`' `ids` alone (its one pass, no sum): (S, k) int64, each row's k largest values' columns,
     largest first, equal values by the lower column. None where a row holds a NaN."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.is_cuda or x.shape[1] == 0 or x.stride(1) != 1:
-        raise ValueError(
-            f"top_rows takes a CPU float32 (S, V > 0) with contiguous rows, got {x.dtype} {tuple(x.shape)}"
-        )
-    if not 0 <= k <= min(x.shape[1], TOP_LOGPROBS_MAX):
-        raise ValueError(f"top_rows takes 0 <= k <= {min(x.shape[1], TOP_LOGPROBS_MAX)}, got {k}")
-    ids = torch.empty(x.shape[0], k, dtype=torch.int64)
-    rc = library().helexa_logprobs_rows(
-        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), k, None, ids.data_ptr(), None
-    )
-    if rc < 0:
-        raise RuntimeError(f"helexa_logprobs_rows failed ({rc})")
-    return None if rc else ids
+    found = _top_pass(x, k, "top_rows", with_sum=False)
+    return None if found is None else found[1]
 
 
 DRAW_MAX_COLUMNS = 64 * 8192  # the widest row `draw_rows` takes (csrc/step.c's HX_DRAW_BLOCK x HX_DRAW_BLOCKS)
@@ -441,17 +448,7 @@ def draw_rows(x: torch.Tensor, which: list[int], temperature: list[float], u: to
     exceeds u times the row's total; never a column of weight 0. Each row alone, the same token on every
     kernel path. None where a row holds a NaN or has no finite maximum (the caller takes torch's path). V
     at most `DRAW_MAX_COLUMNS`."""
-    if (
-        x.dtype != torch.float32
-        or x.dim() != 2
-        or x.is_cuda
-        or not 0 < x.shape[1] <= DRAW_MAX_COLUMNS
-        or x.stride(1) != 1
-    ):
-        raise ValueError(
-            f"draw_rows takes a CPU float32 (S, 0 < V <= {DRAW_MAX_COLUMNS}) with contiguous rows, "
-            f"got {x.dtype} {tuple(x.shape)}"
-        )
+    _check_rows(x, "draw_rows", DRAW_MAX_COLUMNS)
     count = len(which)
     if len(temperature) != count or u.shape != (count,) or u.dtype != torch.float32 or u.is_cuda:
         raise ValueError(f"draw_rows needs one temperature and one float32 CPU draw per row: {count} rows")
@@ -474,10 +471,7 @@ def sort_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     of columns too): the same values and indices (equal values, -0.0 and +0.0 among them, in column order), by a
     radix sort (several times as fast as torch's stable sort over a 49k vocabulary). None where a row holds a
     NaN (the caller takes torch's sort)."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.is_cuda or x.shape[1] == 0 or x.stride(1) != 1:
-        raise ValueError(
-            f"sort_rows takes a CPU float32 (S, V > 0) with contiguous rows, got {x.dtype} {tuple(x.shape)}"
-        )
+    _check_rows(x, "sort_rows")
     values = torch.empty(x.shape)
     ids = torch.empty(x.shape, dtype=torch.int64)
     rc = library().helexa_sort_rows(

@@ -186,9 +186,8 @@ class Sampler:
         whole = [i for i, p in enumerate(params) if not p.uses_filters and not greedy[i]]
         if whole and self._takes_native(logits) and vocab <= native.DRAW_MAX_COLUMNS:
             plain = torch.tensor(whole, device=device)
-            drawn = native.draw_rows(
-                logits, whole, [params[i].temperature for i in whole], draws.index_select(0, plain)
-            )
+            u = draws if len(whole) == rows else draws.index_select(0, plain)  # (R,)
+            drawn = native.draw_rows(logits, whole, [params[i].temperature for i in whole], u)
             if drawn is not None:
                 if len(whole) == rows:  # no gather or scatter (a batch of unfiltered rows: the common case)
                     return drawn
