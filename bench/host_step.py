@@ -64,12 +64,56 @@ SAMPLING: dict[str, dict[str, object]] = {
 }
 
 
+class _Consumers:
+    """An asyncio loop on its own thread that reads every request's stream, as the engine core process's loop
+    does when it serves (each event made plain for its frame): the engine thread's wake-ups of that loop and
+    the interpreter the two threads share are then in the step's time, as they are when serving."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.pumps: list = []
+
+    def read(self, stream: object) -> None:
+        import asyncio
+
+        try:
+            from helexa.engine.core.wire import to_plain
+        except ImportError:  # a tree from before the engine core process
+            to_plain = repr
+
+        async def pump() -> None:
+            async for event in stream:  # type: ignore[attr-defined]
+                to_plain(event)
+
+        self.pumps.append(asyncio.run_coroutine_threadsafe(pump(), self.loop))
+
+    def close(self) -> None:
+        """After the engine's shutdown has ended every stream."""
+        for pump in self.pumps:
+            pump.result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        self.loop.close()
+
+
 def _measure(
-    model: str, seqs: int, mode: str, steps: int, sampling: str = "greedy", **engine_args: object
+    model: str,
+    seqs: int,
+    mode: str,
+    steps: int,
+    sampling: str = "greedy",
+    consumer: str = "loop",
+    **engine_args: object,
 ) -> dict[str, float]:
     """Medians over `steps` decode steps of `seqs` sequences (after a warm-up), in ms: of the whole step, of the
-    forward, of each part, and of the host work (step minus forward). (Medians: the machine's other tenants
-    add outliers.)"""
+    forward, of each part, and of the host work (step minus forward). `consumer`: "loop" reads the streams on an
+    asyncio loop in another thread, as serving does; "none" leaves the events in their streams. (Medians: the
+    machine's other tenants add outliers.)"""
     import torch
 
     from helexa.config import EngineConfig
@@ -82,6 +126,7 @@ def _measure(
     config = EngineConfig.of(model=model, device="cpu", max_num_seqs=64, block_size=16, num_blocks=4096,
                              max_num_batched_tokens=4096, **overrides, **engine_args)  # fmt: skip
     engine = Engine(config)
+    consumers = _Consumers() if consumer == "loop" else None
     try:
         seconds: dict[str, float] = defaultdict(float)
         timing = [False]
@@ -126,7 +171,9 @@ def _measure(
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **SAMPLING[sampling])  # type: ignore[arg-type]
         for i in range(seqs):
             prompt = [rng.randrange(3, min(vocab, 4000)) for _ in range(20)] + phrase * 3 + [i + 3]
-            engine.submit(prompt, params)
+            handle = engine.submit(prompt, params)
+            if consumers is not None:
+                consumers.read(handle.stream)
         while any(s.in_prefill for s in engine._running) or len(engine._running) < seqs:
             engine.step()
         for _ in range(8):
@@ -152,18 +199,24 @@ def _measure(
         native.library = library  # type: ignore[method-assign]
         torch.set_num_threads(threads)
         engine.shutdown()
+        if consumers is not None:
+            consumers.close()
 
 
 def _worker(args: argparse.Namespace) -> None:
     """One tree's measurements, as JSON on stdout (run in the tree's own interpreter path)."""
     import helexa
 
-    results = {f"{mode}/{n}": _measure(args.model, n, mode, args.steps, args.sampling) for mode in MODES for n in SEQS}
+    results = {
+        f"{mode}/{n}": _measure(args.model, n, mode, args.steps, args.sampling, args.consumer)
+        for mode in MODES
+        for n in SEQS
+    }
     print("RESULT " + json.dumps({"helexa": helexa.__file__, "results": results}))
 
 
 def _run_tree(tree: Path, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    argv = ["--model", args.model, "--steps", str(args.steps), "--sampling", args.sampling]
+    argv = ["--model", args.model, "--steps", str(args.steps), "--sampling", args.sampling, "--consumer", args.consumer]
     return run_worker(tree, ROOT / "bench" / "host_step.py", argv)["results"]
 
 
@@ -190,6 +243,9 @@ def main() -> None:
     parser.add_argument("--baseline", help="a commit to measure in the same run (a temporary git worktree)")
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (a smoke run)")
     parser.add_argument("--sampling", choices=SAMPLING, default="greedy", help="how every sequence samples")
+    parser.add_argument("--consumer", choices=("loop", "none"), default="loop",
+                        help="loop (default): every stream read on an asyncio loop in another thread, as when "
+                        "serving; none: the events left in their streams (the tables before 2026-12-06)")  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -220,7 +276,7 @@ def _report(results: dict[str, dict[str, dict[str, float]]], args: argparse.Name
         "",
         f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; model {model}; {args.steps} decode steps per case "
         f"after prefill and 8 warm-up steps, sampling {args.sampling} ({_sampling_text(args.sampling)}), "
-        f"1 torch thread; each a median over the steps, then over "
+        f"1 torch thread; {_CONSUMER_TEXT[args.consumer]}; each a median over the steps, then over "
         f"{args.rounds} round(s) per tree{alternation}. The bar: < 1 ms at 64 sequences.",
         "",
         "| speculative | sequences | " + " | ".join(f"host ms ({n})" for n in names)
@@ -242,6 +298,12 @@ def _report(results: dict[str, dict[str, dict[str, float]]], args: argparse.Name
     stem = "host_step" if args.sampling == "greedy" else f"host_step_{args.sampling}"
     (OUT / f"{stem}.md").write_text(text)
     _plot(results, OUT / f"{stem}.png")
+
+
+_CONSUMER_TEXT = {
+    "loop": "every stream read on an asyncio loop in another thread (as serving reads them)",
+    "none": "no stream read during the steps",
+}
 
 
 def _sampling_text(name: str) -> str:

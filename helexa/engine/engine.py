@@ -33,7 +33,7 @@ from helexa.engine.scheduler import ScheduledChunk, schedule
 from helexa.engine.sequence import Request, Sequence
 from helexa.engine.speculative import Drafter, SpecStats
 from helexa.engine.step_budget import MeasuredStepCost, StepBudget
-from helexa.engine.stream import RequestStream, TokenEvent
+from helexa.engine.stream import RequestStream, TokenEvent, Wakeups
 from helexa.engine.view import EngineView
 from helexa.heap import HeapLevel, release_free_pages, return_large_blocks, trim_heap
 from helexa.kvcache import BlockPool, KVBudget, KVManager
@@ -619,14 +619,32 @@ class Engine:
 
         A sequence whose draft was cut short forgets the rejected positions' slots first, so its table
         covers exactly its computed tokens; a sequence that ends inside its emitted tokens drops the rest
-        (they were never shown). The whole step's progress reaches admission before any sequence is
-        released, so its wait estimates never see half a step.
+        (they were never shown). The streams' async consumers are woken after the step's last event, each
+        event loop once (not once per event), also when this raises. The whole step's progress reaches
+        admission before any sequence is released, so its wait estimates never see half a step.
         """
         finished: list[tuple[Sequence, TokenEvent]] = []
-        eos, token_ids = self.tokenizer.eos_token_ids, sampled.samples.token_ids if sampled is not None else []
-        generated = 0
-        for gi, group in enumerate(inputs.groups if sampled is not None else []):
-            assert sampled is not None
+        wakeups = Wakeups()
+        try:
+            generated = self._emit(inputs, sampled, finished, wakeups) if sampled is not None else 0
+        finally:
+            wakeups.wake()
+        self.counters.generation_tokens += generated
+        ending = {id(seq) for seq, _ in finished}
+        self.admission.progress_all(
+            (seq.ticket, min(seq.num_computed, seq.prompt_len), seq.num_output)
+            for seq in self._running
+            if id(seq) not in ending
+        )
+        return finished
+
+    def _emit(
+        self, inputs: StepInputs, sampled: StepSamples, finished: list[tuple[Sequence, TokenEvent]], wakeups: Wakeups
+    ) -> int:
+        """`_postprocess`'s tokens: append and stream each group's emitted tokens (their consumers' wake-ups owed
+        to `wakeups`), add the sequences that ended to `finished`; returns the number of tokens appended."""
+        eos, token_ids, generated = self.tokenizer.eos_token_ids, sampled.samples.token_ids, 0
+        for gi, group in enumerate(inputs.groups):
             seq = group.seq
             if gi in sampled.failures:  # this request's own parameters broke its sampling
                 error = RequestFailed(
@@ -648,15 +666,8 @@ class Engine:
                     finished.append((seq, event))
                     seq.num_computed = min(seq.num_computed, seq.num_tokens)  # only the tokens it kept
                     break
-                stream.put(event)
-        self.counters.generation_tokens += generated
-        ending = {id(seq) for seq, _ in finished}
-        self.admission.progress_all(
-            (seq.ticket, min(seq.num_computed, seq.prompt_len), seq.num_output)
-            for seq in self._running
-            if id(seq) not in ending
-        )
-        return finished
+                stream.put(event, wakeups)
+        return generated
 
     def _propose_drafts(self) -> dict[Sequence, tuple[int, ...]]:
         """Speculative decoding: the draft each decoding sequence verifies this step; none while a prompt is

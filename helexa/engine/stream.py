@@ -44,6 +44,45 @@ class TokenEvent:
         return self.finish_reason is not None
 
 
+class Wakeups:
+    """The consumer event loops one producer thread owes a wake-up, gathered over a batch of `put`s (a step's
+    events, a frame's) and woken by `wake`: one `call_soon_threadsafe` per loop, however many streams and
+    events the batch held, where each `put` alone would write to its loop's self-pipe once.
+
+    Guarantees: after `wake` returns, every async consumer whose stream was put to since the last `wake` is
+    woken (as `put` alone would have done it). Until then such a consumer may not notice the events, so a
+    producer calls `wake` at the end of every batch, also when the batch fails (`try`/`finally`). Used by one
+    thread at a time.
+    """
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending: dict[asyncio.AbstractEventLoop, set[asyncio.Event]] = {}
+
+    def add(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Event) -> None:
+        """Owe `loop` the setting of `ready`."""
+        pending = self._pending.get(loop)
+        if pending is None:
+            self._pending[loop] = {ready}
+        else:
+            pending.add(ready)
+
+    def wake(self) -> None:
+        """Wake every loop owed a wake-up (once each) and forget them."""
+        pending, self._pending = self._pending, {}
+        for loop, ready in pending.items():
+            try:
+                loop.call_soon_threadsafe(_set_all, ready)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+                pass
+
+
+def _set_all(ready: set[asyncio.Event]) -> None:
+    for event in ready:
+        event.set()
+
+
 @dataclass
 class RequestStream:
     """A thread-safe, unbounded, single-consumer queue of `TokenEvent`s ending with a final event.
@@ -61,8 +100,10 @@ class RequestStream:
     _closed: bool = False
     _waiting: int = 0  # threads blocked in `get` (under `_cond`): `put` wakes only when there are any
 
-    def put(self, event: TokenEvent) -> None:
-        """Deliver `event`; events after the final one are dropped."""
+    def put(self, event: TokenEvent, wakeups: Wakeups | None = None) -> None:
+        """Deliver `event`; events after the final one are dropped. With `wakeups`, an async consumer's loop is
+        not woken here but owed to `wakeups` (the caller's `wake` wakes it); a thread blocked in `get` is
+        woken at once either way."""
         with self._cond:
             if self._closed:
                 return
@@ -73,6 +114,9 @@ class RequestStream:
                 self._cond.notify_all()
             loop, ready = self._loop, self._async_ready
         if loop is not None and ready is not None:
+            if wakeups is not None:
+                wakeups.add(loop, ready)
+                return
             try:
                 loop.call_soon_threadsafe(ready.set)
             except RuntimeError:  # the consumer's loop is closed: nobody is listening any more

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -11,6 +12,7 @@ from helexa.admission import AdmissionRejected
 from helexa.engine.interface import EngineClosed
 from helexa.model.sampling import SamplingParams
 from tests.support.engines import assert_released, drive, make_engine, random_prompts, tokens
+from tests.support.loops import CountingLoop
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -152,3 +154,42 @@ def test_shutdown_aborts_what_does_not_finish_in_grace(tiny_model_dir):
     events = list(h.stream)
     assert events[-1].finish_reason == "abort"
     assert_released(engine)
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_a_step_wakes_its_consumers_loop_once(tiny_model_dir, speculative):
+    """Four requests consumed on one event loop (as the server and the core process consume them): a step
+    wakes that loop once, not once per event (several a request with drafts); every token still arrives,
+    and the same tokens as consumed from threads."""
+    counting = CountingLoop()
+    try:
+        engine = make_engine(tiny_model_dir, speculative=speculative)
+        prompts = [[5, 6, 7, 8] * 4 + [9 + i] for i in range(4)]  # repeats: drafts find something to copy
+        handles = [engine.submit(p, GREEDY) for p in prompts]
+        got: dict[str, list[int]] = {h.request_id: [] for h in handles}
+
+        async def consume(handle) -> None:
+            async for event in handle.stream:
+                got[handle.request_id].extend(event.token_ids)
+
+        for handle in handles:
+            counting.bind(handle.stream)
+        futures = [asyncio.run_coroutine_threadsafe(consume(h), counting.loop) for h in handles]
+        steps, wakes = 0, []
+        while not all(f.done() for f in futures) and steps < 200:
+            before = counting.calls
+            engine.step()
+            steps += 1
+            wakes.append(counting.calls - before)
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), counting.loop).result(5)  # it has run
+        for future in futures:
+            future.result(5)
+        # one wake-up a step, and one per request for its final event, put after the step's blocks are offered
+        assert max(wakes) <= 1 + len(handles) and sum(wakes) <= steps + len(handles)
+        assert sum(1 for w in wakes if w > 1) <= len(handles)
+        reference = make_engine(tiny_model_dir, speculative=speculative)
+        expected = drive(reference, [reference.submit(p, GREEDY) for p in prompts])
+        assert [got[h.request_id] for h in handles] == [tokens(e) for e in expected.values()]
+        assert_released(engine)
+    finally:
+        counting.close()

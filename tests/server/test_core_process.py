@@ -4,6 +4,7 @@ counted), repeated deaths end poisoned, and no core outlives its server however 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -268,3 +269,43 @@ def test_the_server_s_side_of_a_core_never_loads_torch(tiny_model_dir: Path) -> 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_the_server_s_loop_is_woken_once_a_frame(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core sends a step's events in one frame; the server's side puts them into their streams and wakes
+    the event loop consuming them once for the frame, not once per event, and every token arrives."""
+    from helexa.engine.core import client as core_client
+    from helexa.model.sampling import SamplingParams
+    from tests.support.loops import CountingLoop
+
+    frames: list[int] = []  # the number of events in each events frame read
+    read = core_client.read_frame
+
+    def counted(sock: socket.socket):
+        frame = read(sock)
+        if frame[0] == "events":
+            frames.append(len(frame[1]))
+        return frame
+
+    monkeypatch.setattr(core_client, "read_frame", counted)
+    engine = EngineClient(tiny_engine_config(tiny_model_dir, num_blocks=128, max_num_seqs=4))
+    counting = CountingLoop()
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        handles = [engine.submit([5, 6, 7, 8 + i], params) for i in range(4)]
+        got: dict[str, list[int]] = {h.request_id: [] for h in handles}
+
+        async def consume(handle) -> None:
+            async for event in handle.stream:
+                got[handle.request_id].extend(event.token_ids)
+
+        futures = [asyncio.run_coroutine_threadsafe(consume(h), counting.loop) for h in handles]
+        counting.calls = 0  # those four calls started the consumers
+        for future in futures:
+            future.result(120)
+        assert all(len(ids) == 12 for ids in got.values())
+        assert sum(frames) >= 4 * 12 > len(frames)  # frames carry several events each
+        assert counting.calls <= len(frames)  # at most one wake-up a frame (a stream bound late is not owed one)
+    finally:
+        counting.close()
+        engine.shutdown()

@@ -49,7 +49,7 @@ from helexa.engine.faults import ModelHealth
 from helexa.engine.interface import DeviceFault, EngineClosed, EngineCounters, EngineError, RequestFailed, RequestHandle
 from helexa.engine.recovery import FaultRecovery
 from helexa.engine.sequence import Request
-from helexa.engine.stream import RequestStream, TokenEvent
+from helexa.engine.stream import RequestStream, TokenEvent, Wakeups
 from helexa.engine.view import EngineView
 from helexa.kvcache import KVBudget
 from helexa.model.config import ModelConfig
@@ -479,8 +479,12 @@ class EngineClient:
                 kind = frame[0]
                 if kind == "events":
                     self.recovery.succeeded()  # the core runs steps: its next death is the first in a row again
-                    for request_id, event, granted_at in frame[1]:
-                        self._deliver(request_id, from_plain(TokenEvent, event), granted_at)
+                    wakeups = Wakeups()  # the server's loop is woken once for the frame, not once per event
+                    try:
+                        for request_id, event, granted_at in frame[1]:
+                            self._deliver(request_id, from_plain(TokenEvent, event), granted_at, wakeups)
+                    finally:
+                        wakeups.wake()
                 elif kind == "reply":
                     _, call_id, ok, value = frame
                     with self._lock:
@@ -519,7 +523,7 @@ class EngineClient:
         place, secs, at = status
         return place, max(0.0, secs - (time.monotonic() - at))
 
-    def _deliver(self, request_id: str, event: TokenEvent, granted_at: float | None) -> None:
+    def _deliver(self, request_id: str, event: TokenEvent, granted_at: float | None, wakeups: Wakeups) -> None:
         with self._lock:
             remote = self._inflight.get(request_id)
             if remote is None:
@@ -546,11 +550,11 @@ class EngineClient:
             with self._lock:
                 self._inflight.pop(request_id, None)
             self._send_abort_quietly(request_id)
-            handle.stream.put(TokenEvent(finish_reason="error", error=error))
+            handle.stream.put(TokenEvent(finish_reason="error", error=error), wakeups)
             return
         if not event.finished:
             remote.delivered.append(event.token_ids)
-        handle.stream.put(event)
+        handle.stream.put(event, wakeups)
 
     def _send_abort_quietly(self, request_id: str) -> None:
         try:
