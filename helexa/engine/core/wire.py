@@ -54,13 +54,19 @@ def to_plain(value: Any) -> Any:
     """`value` as a plain tree (see the module doc); raises `TypeError` for a value with no plain form."""
     if value is None or type(value) in _SCALARS:
         return value
+    if type(value) is tuple or type(value) is list:  # exactly: a NamedTuple is a dict of its fields
+        return [v if v is None or type(v) in _SCALARS else to_plain(v) for v in value]
     if isinstance(value, enum.Enum):
         return to_plain(value.value)
     if isinstance(value, (bool, int, float, str, bytes)):
         return value
     names = _field_names(type(value))
     if names is not None and not isinstance(value, type):
-        return {name: to_plain(getattr(value, name)) for name in names}
+        plain = {}
+        for name in names:  # a token event's fields are mostly scalars: those skip the call
+            field = getattr(value, name)
+            plain[name] = field if field is None or type(field) in _SCALARS else to_plain(field)
+        return plain
     if isinstance(value, (list, tuple, set, frozenset)):
         return [to_plain(v) for v in value]
     if isinstance(value, dict):
