@@ -127,6 +127,11 @@ class RequestStream:
         """True once the final event has been put."""
         return self._closed
 
+    @property
+    def pending(self) -> int:
+        """Events put and not yet taken (a reading, for a consumer deciding whether to wait)."""
+        return len(self._events)
+
     def get(self, timeout: float | None = None) -> TokenEvent | None:
         """The next event, blocking up to `timeout` seconds; None on timeout."""
         with self._cond:

@@ -306,10 +306,9 @@ async def _stream(
     events: AsyncGenerator[tuple[Choice, TokenEvent], None],
     request: Request,
 ) -> AsyncGenerator[bytes, None]:
-    failed = False
+    failed, run = False, fmt.run
     try:
-        for chunk in fmt.start():
-            yield chunk
+        pending = list(fmt.start())  # written with the first event's chunks
         item: tuple[Choice, TokenEvent] | None = first
         while item is not None:
             choice, event = item
@@ -318,14 +317,17 @@ async def _stream(
                 logger.warning(
                     "request %s: stream ended with %s: %s", request_id_of(request.scope), error.code, error.message
                 )
-                yield sse(error.body())
+                pending.append(sse(error.body()))
                 failed = True
                 break
-            for chunk in fmt.event(choice, event):
-                yield chunk
+            pending.extend(fmt.event(choice, event))
+            if pending and not run.ready():  # several events of one step (a kept draft) go in one write
+                yield b"".join(pending)
+                pending.clear()
             item = await anext(events, None)
-        for chunk in fmt.end(failed):
-            yield chunk
+        pending.extend(fmt.end(failed))
+        if pending:
+            yield b"".join(pending)
     finally:
         await events.aclose()
         _observe(state, fmt.run)

@@ -121,6 +121,7 @@ class GenerationRun:
         self.admission_waits: list[float] = []
         self._done: set[int] = set()  # choices whose final event arrived
         self._seen: set[int] = set()  # choices that produced any event
+        self._waiting: Callable[[], int] = lambda: 0  # events arrived and not yet yielded by `events`
 
     @property
     def sampling(self) -> dict[str, Any]:
@@ -227,10 +228,13 @@ class GenerationRun:
             async for event in handle.stream:
                 queue.put_nowait((k, event))
 
-        tasks = [asyncio.ensure_future(pump(k, h)) for k, h in enumerate(self.handles)]
+        # One choice (most requests) is read from its stream directly; several are merged through the queue.
+        single = self.handles[0].stream if len(self.handles) == 1 else None
+        tasks = [] if single is not None else [asyncio.ensure_future(pump(k, h)) for k, h in enumerate(self.handles)]
+        self._waiting = (lambda: single.pending) if single is not None else queue.qsize
         try:
             while len(self._done) < len(self.handles):
-                k, event = await queue.get()
+                k, event = (0, await single.aget()) if single is not None else await queue.get()
                 if k in self._done:  # the abort's own final event, after a call ended the choice
                     continue
                 event = self._end_at_call(k, event)
@@ -250,6 +254,12 @@ class GenerationRun:
             for task in tasks:
                 task.cancel()
             self.abort()
+
+    def ready(self) -> bool:
+        """True when `events` has an event to yield at once (one that already arrived): a streaming response
+        then writes this event's chunks together with the next one's. (An event of a choice that already
+        ended is dropped by `events`, so with several choices this may say True once for one.)"""
+        return self._waiting() > 0
 
     def _end_at_call(self, k: int, event: TokenEvent) -> TokenEvent:
         """`event`, made final (`stop`) when choice `k`'s text now holds a call that ends the answer
