@@ -78,6 +78,17 @@ def test_engine_values_cross_unchanged() -> None:
     assert from_plain(TokenEvent, to_plain(event)) == event
 
 
+def test_a_field_of_the_wrong_plain_type_is_refused() -> None:
+    """A scalar field takes exactly its type (or None) as it is; anything else goes through its checks."""
+    plain = to_plain(TokenEvent(token_ids=(5,), text="x", finish_reason="stop", num_output_tokens=3))
+    for name, wrong in (("text", 5), ("finish_reason", 1), ("num_output_tokens", "3"), ("num_prompt_tokens", 2.5)):
+        with pytest.raises(TypeError):
+            from_plain(TokenEvent, {**plain, name: wrong})
+    assert from_plain(TokenEvent, {**plain, "finish_reason": None}).finish_reason is None
+    assert from_plain(Stats, {"hits": 3, "ratio": 2, "tier": "pool"}).ratio == 2.0  # an int for a float: made one
+    assert type(from_plain(Stats, {"hits": 3, "ratio": 2, "tier": "pool"}).ratio) is float
+
+
 def test_errors_cross_as_their_own_class_with_their_fields() -> None:
     rejected = AdmissionRejected("queue_full", "full: 4 of 4 waiting", 7, {"queue_depth": 4})
     back = from_plain(TokenEvent, to_plain(TokenEvent(finish_reason="error", error=rejected))).error

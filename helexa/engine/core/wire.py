@@ -189,22 +189,34 @@ def _union_decoder(args: tuple[Any, ...]) -> Callable[[Any], Any]:
 
 def _dataclass_decoder(tp: type) -> Callable[[Any], Any]:
     hints = _hints(tp)
-    fields = {f.name: (_decoder(hints.get(f.name, Any)), f.init) for f in dataclasses.fields(tp)}
+    fields = {
+        f.name: (_decoder(hints.get(f.name, Any)), f.init, _passing(hints.get(f.name, Any)))
+        for f in dataclasses.fields(tp)
+    }
 
     def decode(plain: Any) -> Any:
         init, late = {}, []
         for name, value in _fields(tp, plain, fields).items():
-            decoder, in_init = fields[name]
+            decoder, in_init, passing = fields[name]
+            if type(value) not in passing:  # (a scalar of the field's type is taken as it is, without a call)
+                value = decoder(value)
             if in_init:
-                init[name] = decoder(value)
+                init[name] = value
             else:
-                late.append((name, decoder(value)))
+                late.append((name, value))
         obj = tp(**init)
         for name, value in late:
             object.__setattr__(obj, name, value)
         return obj
 
     return decode
+
+
+def _passing(tp: Any) -> frozenset[type]:
+    """The plain types a field of type `tp` takes unchanged (what its decoder would return as it is): None
+    always, and `bool`, `int`, `str` or `bytes` where `tp` names exactly that type, alone or in a union."""
+    options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    return frozenset({type(None), *(o for o in options if o in (bool, int, str, bytes))})
 
 
 def _fields(tp: type, plain: Any, known: Mapping[str, Any]) -> dict[str, Any]:
