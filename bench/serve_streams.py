@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,6 +52,8 @@ def _start(tree: Path, model: Path) -> tuple[subprocess.Popen[str], str]:
     for line in proc.stdout:
         seen.append(line)
         if (match := re.search(r"serving .* on (http://127\.0\.0\.1:\d+)", line)) is not None:
+            # the rest of its log read and dropped: a full pipe would stall the server mid-load
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, match.group(1)
         if time.monotonic() > deadline:
             break
