@@ -41,24 +41,30 @@ LOADS = (1, 16, 64)
 _START_SECS = 120.0
 
 
-def _start(tree: Path, model: Path) -> tuple[subprocess.Popen[str], str]:
-    """`python -m helexa.server` on any free port, importing `tree`'s helexa; returns the process and its URL."""
+def _start(tree: Path, model: Path) -> tuple[subprocess.Popen[str], str, int]:
+    """`python -m helexa.server` on any free port, importing `tree`'s helexa; returns the process, its URL and
+    its engine core's pid (both read from its start-up log, as `bench/core_process.py` reads them)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     argv = [sys.executable, "-m", "helexa.server", "--model", str(model), "--port", "0", "--max-num-seqs",
             str(max(LOADS)), "--num-blocks", "4096", "--block-size", "16"]  # fmt: skip
     proc = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
-    deadline, seen = time.monotonic() + _START_SECS, []
+    deadline, seen, core = time.monotonic() + _START_SECS, [], None
     for line in proc.stdout:
         seen.append(line)
+        if (started := re.search(r"engine core: started \(pid (\d+)\)", line)) is not None:
+            core = int(started.group(1))
         if (match := re.search(r"serving .* on (http://127\.0\.0\.1:\d+)", line)) is not None:
+            if core is None:  # the engine on a thread of the server (HELEXA_ENGINE_PROCESS=0): not what is measured
+                break
             # the rest of its log read and dropped: a full pipe would stall the server mid-load
             threading.Thread(target=proc.stdout.read, daemon=True).start()
-            return proc, match.group(1)
+            return proc, match.group(1), core
         if time.monotonic() > deadline:
             break
     proc.kill()
-    raise SystemExit(f"the server in {tree} did not start:\n{''.join(seen[-20:])}")
+    tail = "".join(seen[-20:])
+    raise SystemExit(f"the server in {tree} did not start with its engine core in a process of its own:\n{tail}")
 
 
 async def _stream(client: httpx.AsyncClient, url: str, i: int, tokens: int) -> int:
@@ -82,21 +88,6 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def _core_pid(server: int) -> int:
-    """The engine core's process: the server's child running `helexa.engine.core`."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if parent == server and b"helexa.engine.core" in command:
-            return int(entry.name)
-    raise SystemExit(f"no engine core process under the server (pid {server})")
-
-
 async def _load(url: str, streams: int, tokens: int, pids: tuple[int, int]) -> dict[str, float]:
     """Over `streams` concurrent streams of `tokens` tokens each (after one warm-up stream): tokens a second,
     and the server's and the core's CPU microseconds a token."""
@@ -114,9 +105,9 @@ async def _load(url: str, streams: int, tokens: int, pids: tuple[int, int]) -> d
 
 
 def _measure(tree: Path, model: Path, tokens: int) -> dict[int, dict[str, float]]:
-    proc, url = _start(tree, model)
+    proc, url, core = _start(tree, model)
     try:
-        pids = (proc.pid, _core_pid(proc.pid))
+        pids = (proc.pid, core)
         return {n: asyncio.run(_load(url, n, tokens, pids)) for n in LOADS}
     finally:
         proc.terminate()
