@@ -65,40 +65,95 @@ SAMPLING: dict[str, dict[str, object]] = {
 
 
 class _Consumers:
-    """An asyncio loop on its own thread that reads every request's stream, as the engine core process's loop
-    does when it serves (each event made plain for its frame): the engine thread's wake-ups of that loop and
-    the interpreter the two threads share are then in the step's time, as they are when serving."""
+    """An asyncio loop on its own thread that reads every request's stream, each event made plain as for a frame
+    (`--consumer loop`: the tables of 2026-12-06 before `--consumer core`, which runs the core's own code)."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine: object) -> None:
         import asyncio
         import threading
 
+        self.engine = engine
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.pumps: list = []
 
-    def read(self, stream: object) -> None:
+    def submit(self, prompt: list[int], params: object) -> None:
         import asyncio
 
         try:
             from helexa.engine.core.wire import to_plain
         except ImportError:  # a tree from before the engine core process
             to_plain = repr
+        stream = self.engine.submit(prompt, params).stream  # type: ignore[attr-defined]
 
         async def pump() -> None:
-            async for event in stream:  # type: ignore[attr-defined]
+            async for event in stream:
                 to_plain(event)
 
         self.pumps.append(asyncio.run_coroutine_threadsafe(pump(), self.loop))
 
     def close(self) -> None:
-        """After the engine's shutdown has ended every stream."""
+        self.engine.shutdown()  # type: ignore[attr-defined]
         for pump in self.pumps:
             pump.result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=30)
         self.loop.close()
+
+
+class _Core:
+    """The engine core process's own serving code (`CoreServer`) in this process, on one end of a socket pair
+    (`--consumer core`): requests are submitted by call frames, and its event loop, on its own thread, reads
+    every stream and writes the events to the channel as frames, as it does when serving. A thread reads the
+    other end and drops the bytes unparsed (the server's process does that work when serving). Calls go out
+    with id 0 (no reply) but `shutdown`, whose reply is the last frame."""
+
+    _ENDS: list = []  # ends kept open until this process exits: the core's reader thread ends the process on EOF
+
+    def __init__(self, engine: object) -> None:
+        import socket
+        import threading
+
+        from helexa.engine.core.process import CoreServer
+
+        self.engine = engine
+        near, self.far = socket.socketpair()
+        self._ENDS.append((near, self.far))
+        self.server = CoreServer(engine, near)  # type: ignore[arg-type]
+        self.thread = threading.Thread(target=self.server.serve, daemon=True)
+        self.thread.start()
+        self.drain = threading.Thread(target=self._drop, daemon=True)
+        self.drain.start()
+        self.submitted = 0
+
+    def _drop(self) -> None:
+        try:
+            while self.far.recv(1 << 20):
+                pass
+        except OSError:
+            pass
+
+    def _call(self, method: str, *args: object) -> None:
+        from helexa.engine.core.wire import write_frame
+
+        write_frame(self.far, ("call", 0, method, list(args)))
+
+    def submit(self, prompt: list[int], params: object) -> None:
+        from helexa.engine.core.wire import to_plain
+
+        self.submitted += 1
+        self._call("submit", prompt, to_plain(params), f"bench-{self.submitted}", None, None)
+        deadline = time.monotonic() + 30
+        while len(self.engine._pending) < self.submitted:  # type: ignore[attr-defined]  # admitted in the core's thread
+            if time.monotonic() > deadline:
+                raise SystemExit("the core did not take a submitted request within 30 s")
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        """Shut the engine down through the core (every stream's last events go out), and its loop with it."""
+        self._call("shutdown", 0.0)
+        self.thread.join(timeout=30)
 
 
 def _measure(
@@ -107,12 +162,13 @@ def _measure(
     mode: str,
     steps: int,
     sampling: str = "greedy",
-    consumer: str = "loop",
+    consumer: str = "core",
     **engine_args: object,
 ) -> dict[str, float]:
     """Medians over `steps` decode steps of `seqs` sequences (after a warm-up), in ms: of the whole step, of the
-    forward, of each part, and of the host work (step minus forward). `consumer`: "loop" reads the streams on an
-    asyncio loop in another thread, as serving does; "none" leaves the events in their streams. (Medians: the
+    forward, of each part, and of the host work (step minus forward). `consumer`: "core" serves the requests
+    through the engine core process's own code (`_Core`), which reads every stream as serving does; "loop" reads
+    them on a bare asyncio loop (`_Consumers`); "none" leaves the events in their streams. (Medians: the
     machine's other tenants add outliers.)"""
     import torch
 
@@ -126,7 +182,7 @@ def _measure(
     config = EngineConfig.of(model=model, device="cpu", max_num_seqs=64, block_size=16, num_blocks=4096,
                              max_num_batched_tokens=4096, **overrides, **engine_args)  # fmt: skip
     engine = Engine(config)
-    consumers = _Consumers() if consumer == "loop" else None
+    consumers = {"core": _Core, "loop": _Consumers}[consumer](engine) if consumer != "none" else None
     try:
         seconds: dict[str, float] = defaultdict(float)
         timing = [False]
@@ -171,9 +227,10 @@ def _measure(
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **SAMPLING[sampling])  # type: ignore[arg-type]
         for i in range(seqs):
             prompt = [rng.randrange(3, min(vocab, 4000)) for _ in range(20)] + phrase * 3 + [i + 3]
-            handle = engine.submit(prompt, params)
             if consumers is not None:
-                consumers.read(handle.stream)
+                consumers.submit(prompt, params)
+            else:
+                engine.submit(prompt, params)
         while any(s.in_prefill for s in engine._running) or len(engine._running) < seqs:
             engine.step()
         for _ in range(8):
@@ -198,9 +255,10 @@ def _measure(
     finally:
         native.library = library  # type: ignore[method-assign]
         torch.set_num_threads(threads)
-        engine.shutdown()
         if consumers is not None:
-            consumers.close()
+            consumers.close()  # the engine's shutdown, then every stream's last event read
+        else:
+            engine.shutdown()
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -243,9 +301,11 @@ def main() -> None:
     parser.add_argument("--baseline", help="a commit to measure in the same run (a temporary git worktree)")
     parser.add_argument("--quick", action="store_true", help="fewer steps and rounds (a smoke run)")
     parser.add_argument("--sampling", choices=SAMPLING, default="greedy", help="how every sequence samples")
-    parser.add_argument("--consumer", choices=("loop", "none"), default="loop",
-                        help="loop (default): every stream read on an asyncio loop in another thread, as when "
-                        "serving; none: the events left in their streams (the tables before 2026-12-06)")  # fmt: skip
+    parser.add_argument("--consumer", choices=("core", "loop", "none"), default="core",
+                        help="core (default): the requests served by the engine core's own code on a socket "
+                        "pair, its loop reading every stream and writing frames, as when serving; loop: every "
+                        "stream read on a bare asyncio loop in another thread (the tables of 2026-12-06); none: "
+                        "the events left in their streams (the tables before)")  # fmt: skip
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -301,6 +361,8 @@ def _report(results: dict[str, dict[str, dict[str, float]]], args: argparse.Name
 
 
 _CONSUMER_TEXT = {
+    "core": "every request served by the engine core's own code (`CoreServer`) on a socket pair, its event loop "
+    "on another thread reading every stream and writing the events as frames (as serving reads them)",
     "loop": "every stream read on an asyncio loop in another thread (as serving reads them)",
     "none": "no stream read during the steps",
 }

@@ -7,7 +7,8 @@
 - `runner`     `ModelRunner`: the model and its KV pool (loaded, and on a fault reloaded, as one); each step's forward.
 - `output`     a sampled token → its `TokenEvent`: finish reason, detokenised and stop-trimmed text, logprobs.
 - `sequence`   `Request` (what rides through admission) and `Sequence` (a running request).
-- `stream`     `RequestStream`, `TokenEvent`: per-request events; `Wakeups`: a batch of puts, one wake-up a loop.
+- `stream`     `RequestStream`, `TokenEvent`: per-request events; `Wakeups`: a batch of puts, one wake-up a loop;
+               `StreamReader`: many streams read on one loop, a batch at a time.
 - `faults`     `ModelHealth` (the model's state), `FaultInjector` (`HELEXA_FAULT_INJECT`).
 - `core`       `EngineClient`: the engine in its own process (`HELEXA_ENGINE_PROCESS`); `start_engine` picks.
 """
@@ -39,6 +40,7 @@ _HOME = {
     "RequestStream": "helexa.engine.stream",
     "TokenEvent": "helexa.engine.stream",
     "TokenLogprob": "helexa.engine.stream",
+    "StreamReader": "helexa.engine.stream",
     "Wakeups": "helexa.engine.stream",
 }
 
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
         RequestHandle,
     )
     from helexa.engine.scheduler import ScheduledChunk, schedule
-    from helexa.engine.stream import RequestStream, TokenEvent, TokenLogprob, Wakeups
+    from helexa.engine.stream import RequestStream, StreamReader, TokenEvent, TokenLogprob, Wakeups
 
 
 __getattr__ = lazy_attributes(__name__, _HOME)
@@ -77,6 +79,7 @@ __all__ = [
     "RequestStream",
     "ScheduledChunk",
     "ServingEngine",
+    "StreamReader",
     "TokenEvent",
     "TokenLogprob",
     "Wakeups",

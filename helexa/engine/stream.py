@@ -1,12 +1,14 @@
-"""Per-request token streams: the engine thread produces, a thread or an asyncio task consumes."""
+"""Per-request token streams: the engine thread produces; a thread, an asyncio task or a `StreamReader` (many
+streams on one event loop) consumes."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,13 @@ class TokenEvent:
         return self.finish_reason is not None
 
 
+class Ready(Protocol):
+    """What an async consumer's loop is told when its stream has events: `set()`, called on that loop (an
+    `asyncio.Event`, or a `StreamReader`'s mark)."""
+
+    def set(self) -> None: ...
+
+
 class Wakeups:
     """The consumer event loops one producer thread owes a wake-up, gathered over a batch of `put`s (a step's
     events, a frame's) and woken by `wake`: one `call_soon_threadsafe` per loop, however many streams and
@@ -58,9 +67,9 @@ class Wakeups:
     __slots__ = ("_pending",)
 
     def __init__(self) -> None:
-        self._pending: dict[asyncio.AbstractEventLoop, set[asyncio.Event]] = {}
+        self._pending: dict[asyncio.AbstractEventLoop, set[Ready]] = {}
 
-    def add(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Event) -> None:
+    def add(self, loop: asyncio.AbstractEventLoop, ready: Ready) -> None:
         """Owe `loop` the setting of `ready`."""
         pending = self._pending.get(loop)
         if pending is None:
@@ -78,7 +87,7 @@ class Wakeups:
                 pass
 
 
-def _set_all(ready: set[asyncio.Event]) -> None:
+def _set_all(ready: set[Ready]) -> None:
     for event in ready:
         event.set()
 
@@ -96,7 +105,7 @@ class RequestStream:
     _events: deque = field(default_factory=deque, repr=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
-    _async_ready: asyncio.Event | None = field(default=None, repr=False)
+    _async_ready: Ready | None = field(default=None, repr=False)
     _closed: bool = False
     _waiting: int = 0  # threads blocked in `get` (under `_cond`): `put` wakes only when there are any
 
@@ -153,18 +162,38 @@ class RequestStream:
                 return
 
     async def aget(self) -> TokenEvent:
-        """The next event, awaiting it on the caller's event loop without blocking the loop."""
+        """The next event, awaiting it on the caller's event loop without blocking the loop. Raises
+        `RuntimeError` for a stream a `StreamReader` reads."""
         with self._cond:
             if self._loop is None:
                 self._loop = asyncio.get_running_loop()
                 self._async_ready = asyncio.Event()
-        assert self._async_ready is not None
+        ready = self._async_ready
+        if not isinstance(ready, asyncio.Event):
+            raise RuntimeError(f"stream {self.request_id!r} is read by a StreamReader, not awaited")
         while True:
             with self._cond:
                 if self._events:
                     return self._events.popleft()
-                self._async_ready.clear()
-            await self._async_ready.wait()
+                ready.clear()
+            await ready.wait()
+
+    def listen(self, loop: asyncio.AbstractEventLoop, ready: Ready) -> bool:
+        """Make the consumer `ready` on `loop`: each later `put` calls `ready.set()` there (a batch's puts once,
+        through `Wakeups`). Returns True when events are already waiting (put before this call: nobody was
+        told of them). Raises `RuntimeError` when the stream already has an async consumer."""
+        with self._cond:
+            if self._loop is not None:
+                raise RuntimeError(f"stream {self.request_id!r} already has an async consumer")
+            self._loop, self._async_ready = loop, ready
+            return bool(self._events)
+
+    def take(self) -> list[TokenEvent]:
+        """Every event put and not yet taken, in order, at once (empty when none); never waits."""
+        with self._cond:
+            events = list(self._events)
+            self._events.clear()
+        return events
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         while True:
@@ -172,3 +201,71 @@ class RequestStream:
             yield event
             if event.finished:
                 return
+
+
+class StreamReader:
+    """Reads many requests' streams on one event loop with no task per stream: after a batch of puts (an engine
+    step's, which wakes the loop once through `Wakeups`), `on_events` is called once, on the loop, with every
+    stream that has new events and those events.
+
+    Guarantees: each stream's events reach `on_events` in the order they were put, each exactly once, the
+    final one last; a stream is forgotten after its final event. Events put before `add` are delivered too.
+    `add` and `deliver` run on the loop's thread; `on_events` must not raise (what it raises propagates to
+    the loop's exception handler, and the events it was given are not delivered again).
+    """
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, on_events: Callable[[list[tuple[RequestStream, list[TokenEvent]]]], None]
+    ) -> None:
+        self._loop, self._on_events = loop, on_events
+        self._streams: dict[int, RequestStream] = {}  # by id (a stream compares by value)
+        self._marked: dict[int, RequestStream] = {}  # streams with news, in the order they were marked
+        self._scheduled = False
+
+    @property
+    def num_streams(self) -> int:
+        """Streams added whose final event has not been delivered."""
+        return len(self._streams)
+
+    def add(self, stream: RequestStream) -> None:
+        """Read `stream` from now on (raises `RuntimeError` when it already has an async consumer)."""
+        if stream.listen(self._loop, _Mark(self, stream)):
+            self.mark(stream)
+        self._streams[id(stream)] = stream
+
+    def mark(self, stream: RequestStream) -> None:
+        """`stream` has events: deliver them (with every other marked stream's) in one call, soon."""
+        self._marked[id(stream)] = stream
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self.deliver)
+
+    def deliver(self) -> None:
+        """Hand every marked stream's events to `on_events` now (nothing when none has any)."""
+        marked, self._marked, self._scheduled = self._marked, {}, False
+        batch = []
+        for key, stream in marked.items():
+            events = stream.take()
+            if events:
+                batch.append((stream, events))
+                if events[-1].finished:
+                    self._streams.pop(key, None)
+        if batch:
+            self._on_events(batch)
+
+    def deliver_all(self) -> None:
+        """Hand every stream's waiting events to `on_events` now, marked or not (a last look before closing)."""
+        self._marked.update(self._streams)
+        self.deliver()
+
+
+class _Mark:
+    """A `StreamReader`'s `Ready` for one stream: setting it marks the stream."""
+
+    __slots__ = ("_reader", "_stream")
+
+    def __init__(self, reader: StreamReader, stream: RequestStream) -> None:
+        self._reader, self._stream = reader, stream
+
+    def set(self) -> None:
+        self._reader.mark(self._stream)

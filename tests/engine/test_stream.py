@@ -4,7 +4,9 @@ import asyncio
 import threading
 import time
 
-from helexa.engine.stream import RequestStream, TokenEvent, Wakeups
+import pytest
+
+from helexa.engine.stream import RequestStream, StreamReader, TokenEvent, Wakeups
 from tests.support.loops import CountingLoop
 
 
@@ -118,3 +120,95 @@ def test_wakeups_leave_a_blocked_get_and_a_closed_loop_alone():
     wakeups = Wakeups()
     bound.put(TokenEvent(token_ids=(1,)), wakeups)
     wakeups.wake()  # the loop is closed: nothing raises
+
+
+class _Batches:
+    """`StreamReader`'s `on_events`, recording each call as {request id: token ids (-1 for a final event)}."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, list[int]]] = []
+
+    def __call__(self, batch: list[tuple[RequestStream, list[TokenEvent]]]) -> None:
+        ids = {s.request_id: [e.token_ids[0] if e.token_ids else -1 for e in events] for s, events in batch}
+        self.calls.append(ids)
+
+
+def _on_loop(counting: CountingLoop, fn, *args):
+    """Run `fn(*args)` on the loop's thread and return its result (after every callback scheduled before)."""
+
+    async def run():
+        return fn(*args)
+
+    return asyncio.run_coroutine_threadsafe(run(), counting.loop).result(5)
+
+
+def _settle(counting: CountingLoop) -> None:
+    """Until the loop has run what it was woken for, and the deliveries those callbacks scheduled."""
+    for _ in range(3):
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), counting.loop).result(5)
+
+
+def test_stream_reader_hands_a_batch_of_puts_over_in_one_call():
+    """Many streams read on one loop: a batch of puts (three events each, as a step with drafts emits) costs
+    one wake-up and reaches `on_events` in one call, each stream's events in order; a stream is forgotten
+    after its final event, and what is put to it afterwards is dropped."""
+    counting, batches = CountingLoop(), _Batches()
+    try:
+        reader = StreamReader(counting.loop, batches)
+        streams = [RequestStream(f"s{i}") for i in range(6)]
+        for stream in streams:
+            _on_loop(counting, reader.add, stream)
+        assert _on_loop(counting, lambda: reader.num_streams) == 6 and batches.calls == []
+        counting.calls = 0
+        wakeups = Wakeups()
+        for i in range(3):
+            for stream in streams:
+                stream.put(TokenEvent(token_ids=(i,)), wakeups)
+        wakeups.wake()
+        assert counting.calls == 1
+        _settle(counting)
+        assert batches.calls == [{s.request_id: [0, 1, 2] for s in streams}]
+        wakeups = Wakeups()
+        for stream in streams[:2]:  # two end; the others have nothing this time and are not in the call
+            stream.put(TokenEvent(token_ids=(3,)), wakeups)
+            stream.put(TokenEvent(finish_reason="stop"), wakeups)
+            stream.put(TokenEvent(token_ids=(4,)), wakeups)  # after the final event: dropped
+        wakeups.wake()
+        _settle(counting)
+        assert batches.calls[1] == {"s0": [3, -1], "s1": [3, -1]}
+        assert _on_loop(counting, lambda: reader.num_streams) == 4
+    finally:
+        counting.close()
+
+
+def test_stream_reader_delivers_what_was_put_before_it_listened_and_what_nobody_woke():
+    """Events put before `add` are delivered (nobody could be told of them); a put alone (no batch) wakes the
+    loop itself; `deliver_all` takes events whose batch was never woken. A stream has one async consumer:
+    a second, or awaiting a stream a reader reads, raises."""
+    counting, batches = CountingLoop(), _Batches()
+    try:
+        reader = StreamReader(counting.loop, batches)
+        early, late = RequestStream("early"), RequestStream("late")
+        early.put(TokenEvent(token_ids=(1,)))
+        _on_loop(counting, reader.add, early)
+        _on_loop(counting, reader.add, late)
+        _settle(counting)
+        assert batches.calls == [{"early": [1]}]
+        late.put(TokenEvent(token_ids=(2,)))  # no batch: its own wake-up
+        _settle(counting)
+        assert batches.calls[1] == {"late": [2]}
+        early.put(TokenEvent(token_ids=(3,)), Wakeups())  # owed to a batch nobody wakes
+        _settle(counting)
+        assert len(batches.calls) == 2
+        _on_loop(counting, reader.deliver_all)
+        assert batches.calls[2] == {"early": [3]}
+        with pytest.raises(RuntimeError, match="already has an async consumer"):
+            _on_loop(counting, reader.add, early)
+
+        async def awaited() -> TokenEvent:
+            return await late.aget()
+
+        with pytest.raises(RuntimeError, match="read by a StreamReader"):
+            asyncio.run_coroutine_threadsafe(awaited(), counting.loop).result(5)
+    finally:
+        counting.close()

@@ -273,7 +273,8 @@ def test_the_server_s_side_of_a_core_never_loads_torch(tiny_model_dir: Path) -> 
 
 def test_the_server_s_loop_is_woken_once_a_frame(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The core sends a step's events in one frame; the server's side puts them into their streams and wakes
-    the event loop consuming them once for the frame, not once per event, and every token arrives."""
+    the event loop consuming them once for the frame, not once per event, and every token arrives. A request
+    that queued learns when it was granted from its first event."""
     from helexa.engine.core import client as core_client
     from helexa.model.sampling import SamplingParams
     from tests.support.loops import CountingLoop
@@ -292,7 +293,9 @@ def test_the_server_s_loop_is_woken_once_a_frame(tiny_model_dir: Path, monkeypat
     counting = CountingLoop()
     try:
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        handles = [engine.submit([5, 6, 7, 8 + i], params) for i in range(4)]
+        handles = [engine.submit([5, 6, 7, 8 + i], params) for i in range(5)]  # the fifth waits for a row
+        queued = handles[4].ticket
+        assert queued.granted_at is None
         got: dict[str, list[int]] = {h.request_id: [] for h in handles}
 
         async def consume(handle) -> None:
@@ -304,7 +307,8 @@ def test_the_server_s_loop_is_woken_once_a_frame(tiny_model_dir: Path, monkeypat
         for future in futures:
             future.result(120)
         assert all(len(ids) == 12 for ids in got.values())
-        assert sum(frames) >= 4 * 12 > len(frames)  # frames carry several events each
+        assert queued.granted_at is not None and queued.granted_at > handles[0].ticket.granted_at
+        assert sum(frames) >= 5 * 12 > len(frames)  # frames carry several events each
         assert counting.calls <= len(frames)  # at most one wake-up a frame (a stream bound late is not owed one)
     finally:
         counting.close()

@@ -27,6 +27,7 @@ from helexa.engine.core.client import core_nice
 from helexa.engine.core.wire import ChannelClosed, encode_error, from_plain, read_frame, to_plain, write_frame
 from helexa.engine.engine import Engine
 from helexa.engine.interface import RequestHandle
+from helexa.engine.stream import RequestStream, StreamReader, TokenEvent
 from helexa.heap import freeze_heap
 from helexa.model.sampling import SamplingParams
 
@@ -53,8 +54,8 @@ class CoreServer:
         self._write_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._handles: dict[str, RequestHandle] = {}  # not yet ended, by request id
-        self._outbox: list[tuple[str, Any, float | None]] = []
-        self._pumps: set[asyncio.Task[None]] = set()
+        self._unstarted: set[str] = set()  # requests none of whose events has gone out yet
+        self._reader = StreamReader(self._loop, self._send_events)  # every stream, one frame a step
         self._health: tuple[str, str | None, float | None] | None = None
         self._replied_shutdown = False  # set before shutdown's reply: the channel's end is then no news
         self._calls: dict[str, Callable[..., Any]] = {
@@ -72,7 +73,8 @@ class CoreServer:
     # ------------------------------------------------------------------ serving
 
     def serve(self) -> None:
-        """Read calls on a thread, pump events on this one; return once the core should exit."""
+        """Read calls on a thread, send the streams' events from this one's loop; return once the core should
+        exit."""
         threading.Thread(target=self._read, name="helexa-core-reader", daemon=True).start()
         self._health_task = self._loop.create_task(self._watch_health())
         try:
@@ -126,7 +128,7 @@ class CoreServer:
             prompt, from_plain(SamplingParams, params), request_id, cache_salt=salt, prompt_cache_key=key
         )
         self._handles[handle.request_id] = handle
-        self._loop.call_soon_threadsafe(self._start_pump, handle)
+        self._loop.call_soon_threadsafe(self._read_stream, handle)
         return {
             "prompt_tokens": handle.prompt_tokens,
             "max_tokens": handle.max_tokens,
@@ -152,25 +154,26 @@ class CoreServer:
 
     # ------------------------------------------------------------------ events (the loop's thread)
 
-    def _start_pump(self, handle: RequestHandle) -> None:
-        task = self._loop.create_task(self._pump(handle))
-        self._pumps.add(task)
-        task.add_done_callback(self._pumps.discard)
+    def _read_stream(self, handle: RequestHandle) -> None:
+        self._unstarted.add(handle.request_id)
+        self._reader.add(handle.stream)
 
-    async def _pump(self, handle: RequestHandle) -> None:
-        first = True
-        async for event in handle.stream:
-            granted = handle.ticket.granted_at if first else None
-            first = False
-            if not self._outbox:
-                self._loop.call_soon(self._flush)  # after every stream woken in this round has queued its event
-            self._outbox.append((handle.request_id, to_plain(event), granted))
-        self._handles.pop(handle.request_id, None)
-
-    def _flush(self) -> None:
-        batch, self._outbox = self._outbox, []
-        if batch:
-            self._send(("events", batch))
+    def _send_events(self, batch: list[tuple[RequestStream, list[TokenEvent]]]) -> None:
+        """The events of a step (every stream's, one wake-up of this loop) as one frame; a request's first
+        carries the time its ticket was granted."""
+        frame: list[tuple[str, Any, float | None]] = []
+        for stream, events in batch:
+            request_id = stream.request_id
+            granted = None
+            if request_id in self._unstarted:
+                self._unstarted.discard(request_id)
+                granted = self._handles[request_id].ticket.granted_at
+            for event in events:
+                frame.append((request_id, to_plain(event), granted))
+                granted = None
+            if events[-1].finished:
+                self._handles.pop(request_id, None)
+        self._send(("events", frame))
 
     async def _watch_health(self) -> None:
         """Send the model's health when it changes, and the queue's places and estimates every `_QUEUE_EVERY`
@@ -191,9 +194,11 @@ class CoreServer:
 
     async def _finish(self, call_id: int) -> None:
         """After `shutdown`: every stream's last events go out, then the reply, then the loop stops."""
-        if self._pumps:
-            await asyncio.wait(set(self._pumps), timeout=10)
-        self._flush()
+        deadline = self._loop.time() + 10
+        self._reader.deliver_all()
+        while self._reader.num_streams and self._loop.time() < deadline:  # a final event not yet put
+            await asyncio.sleep(0.01)
+            self._reader.deliver_all()
         self._health_task.cancel()
         self._replied_shutdown = True
         self._send(("reply", call_id, True, None))
