@@ -45,6 +45,28 @@ class TokenEvent:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def compact(self) -> tuple[tuple[int, ...], str, str | None, int, int, int] | None:
+        """The event as a flat tuple of plain values, `(token_ids, text, finish_reason, num_prompt_tokens,
+        num_output_tokens, num_cached_tokens)`, for a channel that carries many (the engine core's frames): a
+        few times cheaper to make and read back than the event's dict of fields. None for an event with
+        logprobs or an error, which crosses in full. `from_compact` gives the same event back."""
+        if self.logprobs or self.error is not None:
+            return None
+        return (
+            self.token_ids,
+            self.text,
+            self.finish_reason,
+            self.num_prompt_tokens,
+            self.num_output_tokens,
+            self.num_cached_tokens,
+        )
+
+    @classmethod
+    def from_compact(cls, row: tuple[tuple[int, ...], str, str | None, int, int, int]) -> TokenEvent:
+        """The event `compact` gave `row` for (its values are taken as they are: the channel is private)."""
+        token_ids, text, finish_reason, num_prompt, num_output, num_cached = row
+        return cls(token_ids, text, (), finish_reason, None, num_prompt, num_output, num_cached)
+
 
 class Ready(Protocol):
     """What an async consumer's loop is told when its stream has events: `set()`, called on that loop (an

@@ -144,3 +144,28 @@ def test_the_switch_reads_only_clear_values() -> None:
     assert engine_process_enabled("") and not engine_process_enabled("", default=False)  # unset: the default
     with pytest.raises(ValueError, match="HELEXA_ENGINE_PROCESS"):
         engine_process_enabled("2")
+
+
+def test_a_token_event_crosses_compact_unless_it_has_logprobs_or_an_error() -> None:
+    """A step's events cross in their compact form, a flat tuple of every field but logprobs and error (a field
+    added to `TokenEvent` fails here until `compact` carries it); an event with logprobs or an error crosses in
+    full. Either way the frame's events read back equal."""
+    carried = {"token_ids", "text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens"}
+    assert {f.name for f in dataclasses.fields(TokenEvent)} == carried | {"logprobs", "error"}
+    plain = TokenEvent(
+        (7, 8), "é ", finish_reason="length", num_prompt_tokens=5, num_output_tokens=9, num_cached_tokens=3
+    )
+    compact = plain.compact()
+    assert compact is not None and TokenEvent.from_compact(compact) == plain
+    assert sorted(map(repr, compact)) == sorted(repr(getattr(plain, name)) for name in carried)
+    with_logprobs = TokenEvent((7,), "x", logprobs=(TokenLogprob(7, -0.25, ((7, -0.25), (9, -2.0))),))
+    with_error = TokenEvent(finish_reason="error", error=RequestFailed("sampling failed"))
+    assert with_logprobs.compact() is None and with_error.compact() is None
+    a, b = socket.socketpair()
+    with a, b:
+        events = [plain, with_logprobs, with_error]
+        write_frame(a, ("events", [e.compact() or to_plain(e) for e in events]))
+        _, got = read_frame(b)
+    back = [TokenEvent.from_compact(g) if type(g) is tuple else from_plain(TokenEvent, g) for g in got]
+    assert back[:2] == events[:2]
+    assert isinstance(back[2].error, RequestFailed) and str(back[2].error) == "sampling failed"

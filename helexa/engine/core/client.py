@@ -481,8 +481,13 @@ class EngineClient:
                     self.recovery.succeeded()  # the core runs steps: its next death is the first in a row again
                     wakeups = Wakeups()  # the server's loop is woken once for the frame, not once per event
                     try:
-                        for request_id, event, granted_at in frame[1]:
-                            self._deliver(request_id, from_plain(TokenEvent, event), granted_at, wakeups)
+                        for request_id, plain, granted_at in frame[1]:
+                            event = (
+                                TokenEvent.from_compact(plain)
+                                if type(plain) is tuple  # (marshal keeps a tuple a tuple; a full event is a dict)
+                                else from_plain(TokenEvent, plain)
+                            )
+                            self._deliver(request_id, event, granted_at, wakeups)
                     finally:
                         wakeups.wake()
                 elif kind == "reply":

@@ -168,8 +168,8 @@ class CoreServer:
             if request_id in self._unstarted:
                 self._unstarted.discard(request_id)
                 granted = self._handles[request_id].ticket.granted_at
-            for event in events:
-                frame.append((request_id, to_plain(event), granted))
+            for event in events:  # most events in their compact form; one with logprobs or an error in full
+                frame.append((request_id, event.compact() or to_plain(event), granted))
                 granted = None
             if events[-1].finished:
                 self._handles.pop(request_id, None)
