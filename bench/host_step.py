@@ -128,8 +128,9 @@ class _Core:
         self.submitted = 0
 
     def _drop(self) -> None:
+        buffer = bytearray(1 << 20)  # read into one buffer: no object made per read
         try:
-            while self.far.recv(1 << 20):
+            while self.far.recv_into(buffer):
                 pass
         except OSError:
             pass

@@ -251,9 +251,10 @@ class StreamReader:
 
     def add(self, stream: RequestStream) -> None:
         """Read `stream` from now on (raises `RuntimeError` when it already has an async consumer)."""
-        if stream.listen(self._loop, _Mark(self, stream)):
-            self.mark(stream)
+        waiting = stream.listen(self._loop, _Mark(self, id(stream)))
         self._streams[id(stream)] = stream
+        if waiting:
+            self.mark(stream)
 
     def mark(self, stream: RequestStream) -> None:
         """`stream` has events: deliver them (with every other marked stream's) in one call, soon."""
@@ -282,12 +283,15 @@ class StreamReader:
 
 
 class _Mark:
-    """A `StreamReader`'s `Ready` for one stream: setting it marks the stream."""
+    """A `StreamReader`'s `Ready` for one stream: setting it marks the stream (while the reader reads it). It
+    names the stream by key, not by reference: the stream holds it, and no cycle outlives the stream."""
 
-    __slots__ = ("_reader", "_stream")
+    __slots__ = ("_reader", "_key")
 
-    def __init__(self, reader: StreamReader, stream: RequestStream) -> None:
-        self._reader, self._stream = reader, stream
+    def __init__(self, reader: StreamReader, key: int) -> None:
+        self._reader, self._key = reader, key
 
     def set(self) -> None:
-        self._reader.mark(self._stream)
+        stream = self._reader._streams.get(self._key)
+        if stream is not None:
+            self._reader.mark(stream)

@@ -1,8 +1,10 @@
 """Request streams deliver in order across threads and to asyncio consumers, and close after the final event."""
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -211,4 +213,25 @@ def test_stream_reader_delivers_what_was_put_before_it_listened_and_what_nobody_
         with pytest.raises(RuntimeError, match="read by a StreamReader"):
             asyncio.run_coroutine_threadsafe(awaited(), counting.loop).result(5)
     finally:
+        counting.close()
+
+
+def test_a_stream_read_to_its_end_is_freed_without_the_collector():
+    """A stream the reader has read to its final event is no longer held by the reader, and its consumer's mark
+    makes no reference cycle with it: it is freed as its last reference goes, the cyclic collector off."""
+    counting, batches = CountingLoop(), _Batches()
+    gc.disable()
+    try:
+        reader = StreamReader(counting.loop, batches)
+        stream = RequestStream("freed")
+        _on_loop(counting, reader.add, stream)
+        stream.put(TokenEvent(token_ids=(1,)))
+        stream.put(TokenEvent(finish_reason="stop"))
+        _settle(counting)
+        assert batches.calls and _on_loop(counting, lambda: reader.num_streams) == 0
+        ref = weakref.ref(stream)
+        del stream
+        assert ref() is None
+    finally:
+        gc.enable()
         counting.close()
