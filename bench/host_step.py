@@ -19,6 +19,10 @@ where a tree has them outside the call, counts as host work: the "forward's Pyth
     python bench/host_step.py --quick                # fewer steps and rounds (a smoke run)
     python bench/host_step.py --model smollm2-135m-instruct --sampling penalties   # how every row samples
 
+The requests are served through the engine core process's own code (`CoreServer`, on a socket pair in this
+process): its event loop, on another thread, reads every stream and writes the events as frames while the
+engine steps, as when serving (`--consumer loop`: a bare loop reads them; `--consumer none`: nobody does).
+
 Writes `bench/out/host_step.md` and `bench/out/host_step.png` (`host_step_<sampling>.*` for another sampling).
 """
 
