@@ -15,7 +15,7 @@ from helexa.model.text.tokenizer import Tokenizer
 from helexa.model.tools import Item, ToolCall, ToolCallParser, parse_all
 from helexa.server.generation import Choice, GenerationRun
 from helexa.server.protocol import GenerationRequest, parse_chat, parse_completion, parse_response
-from helexa.server.sse import DONE, sse
+from helexa.server.sse import DONE, TextEvents, sse
 
 # The logprob written for a token the model gives no probability at all (vLLM writes the same): the wire
 # carries strict JSON, which has no -Infinity.
@@ -93,6 +93,7 @@ class ApiFormat:
         self.created = int(time.time())
         self._new_parser = run.new_parser  # a fresh tool-call parser per choice (None: the output is plain text)
         self._parsers: dict[int, ToolCallParser | None] = {}
+        self._text_events: dict[int, TextEvents] = {}  # per choice: its text chunks, rendered once
 
     def _items(self, choice: Choice, event: TokenEvent) -> list[Item]:
         """The output items `event` completes for `choice`: its text, or (with tools) text and calls."""
@@ -156,6 +157,21 @@ class ApiFormat:
         usage = self._usage() if self.req.continuous_usage else None
         return sse(self._object(self.chunk_object, [choice], usage))
 
+    def _text_content(self, text: str) -> dict[str, Any]:
+        """The fields of a chunk that carries only `text` (chat: a delta's content; completions: `text`)."""
+        raise NotImplementedError
+
+    def _text_chunk(self, index: int, text: str) -> bytes:
+        """`_chunk(index, **_text_content(text))` (no logprobs, no finish reason): from the choice's text chunk
+        rendered once (`TextEvents`), the same bytes without encoding the whole chunk for each token; rendered
+        whole when each chunk carries the usage so far."""
+        if self.req.continuous_usage:
+            return self._chunk(index, **self._text_content(text))
+        events = self._text_events.get(index)
+        if events is None:
+            events = self._text_events[index] = TextEvents(lambda t: self._chunk(index, **self._text_content(t)))
+        return events(text)
+
     def end(self, failed: bool) -> Iterator[bytes]:
         if self.req.include_usage and not failed:
             yield sse(self._object(self.chunk_object, [], self._usage()))
@@ -198,11 +214,17 @@ class ChatFormat(ApiFormat):
         for choice in self.run.choices:
             yield self._chunk(choice.index, delta={"role": "assistant", "content": ""})
 
+    def _text_content(self, text: str) -> dict[str, Any]:
+        return {"delta": {"content": text}}
+
     def event(self, choice: Choice, event: TokenEvent) -> Iterator[bytes]:
         logprobs = self._logprobs(event.logprobs) if event.logprobs else None
         calls = self._calls.setdefault(choice.index, 0)
         for item in self._items(choice, event):
             if isinstance(item, str):
+                if logprobs is None:  # most chunks: text alone
+                    yield self._text_chunk(choice.index, item)
+                    continue
                 delta: dict[str, Any] = {"content": item}
             else:
                 delta, calls = {"tool_calls": [item.openai(index=calls)]}, calls + 1
@@ -254,11 +276,17 @@ class CompletionFormat(ApiFormat):
                 self._offsets[choice.index] = len(echo)
                 yield self._chunk(choice.index, text=echo)
 
+    def _text_content(self, text: str) -> dict[str, Any]:
+        return {"text": text}
+
     def event(self, choice: Choice, event: TokenEvent) -> Iterator[bytes]:
         if event.text or event.finished or event.logprobs:
             logprobs = self._logprobs(event.logprobs, self._offsets[choice.index])
             self._offsets[choice.index] += len(event.text)
-            yield self._chunk(choice.index, logprobs, event.finish_reason, text=event.text)
+            if logprobs is None and event.finish_reason is None:  # most chunks: text alone
+                yield self._text_chunk(choice.index, event.text)
+            else:
+                yield self._chunk(choice.index, logprobs, event.finish_reason, text=event.text)
 
 
 class ResponsesFormat(ApiFormat):

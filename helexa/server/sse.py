@@ -33,6 +33,32 @@ def sse(data: dict[str, Any], event: str | None = None) -> bytes:
     return f"{head}data: {payload}\n\n".encode()
 
 
+_STAND_IN = "\ue000helexa: the text goes here\ue000"  # private-use characters: in no id, model name or text
+
+
+class TextEvents:
+    """Server-sent events that differ only in one string (a stream's text chunks, `text` -> `sse(data)`): the
+    event is rendered once around a stand-in for the string and split there, and each event joins the two parts
+    around the string's JSON. Guarantees: the same bytes `render(text)` gives, for any text, without encoding
+    the whole object again."""
+
+    __slots__ = ("_head", "_tail")
+
+    def __init__(self, render: Callable[[str], bytes]) -> None:
+        """`render(text)`: the whole event (made with `sse`) holding `text` once, as a JSON string."""
+        rendered = render(_STAND_IN).decode()
+        head, found, tail = rendered.partition(_ENCODER.encode(_STAND_IN))
+        if not found or _STAND_IN in tail:
+            raise ValueError("the rendered event must hold the text exactly once")
+        self._head, self._tail = head, tail
+
+    def __call__(self, text: str) -> bytes:
+        payload = _ENCODER.encode(text)
+        if "\x85" in payload or "\u2028" in payload or "\u2029" in payload:
+            payload = payload.translate(_LINE_BREAKS)
+        return f"{self._head}{payload}{self._tail}".encode()
+
+
 async def until_disconnected(receive: Receive) -> None:
     """Return when the ASGI `receive` channel reports `http.disconnect` (call after the body was read)."""
     while True:
