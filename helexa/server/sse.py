@@ -26,11 +26,16 @@ def sse(data: dict[str, Any], event: str | None = None) -> bytes:
     JSON: a non-finite float (which `json.dumps` would write as `-Infinity`) raises ValueError instead,
     as Starlette's `JSONResponse` does for a whole body.
     """
-    payload = _ENCODER.encode(data)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {_json(data)}\n\n".encode()
+
+
+def _json(value: Any) -> str:
+    """`value` as the compact, strict JSON an event's data line holds, the three line breaks escaped."""
+    payload = _ENCODER.encode(value)
     if "\x85" in payload or "\u2028" in payload or "\u2029" in payload:  # rare: three scans beat a translate
         payload = payload.translate(_LINE_BREAKS)
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {payload}\n\n".encode()
+    return payload
 
 
 _STAND_IN = "\ue000helexa: the text goes here\ue000"  # private-use characters: in no id, model name or text
@@ -47,16 +52,13 @@ class TextEvents:
     def __init__(self, render: Callable[[str], bytes]) -> None:
         """`render(text)`: the whole event (made with `sse`) holding `text` once, as a JSON string."""
         rendered = render(_STAND_IN).decode()
-        head, found, tail = rendered.partition(_ENCODER.encode(_STAND_IN))
+        head, found, tail = rendered.partition(_json(_STAND_IN))
         if not found or _STAND_IN in tail:
             raise ValueError("the rendered event must hold the text exactly once")
         self._head, self._tail = head, tail
 
     def __call__(self, text: str) -> bytes:
-        payload = _ENCODER.encode(text)
-        if "\x85" in payload or "\u2028" in payload or "\u2029" in payload:
-            payload = payload.translate(_LINE_BREAKS)
-        return f"{self._head}{payload}{self._tail}".encode()
+        return f"{self._head}{_json(text)}{self._tail}".encode()
 
 
 async def until_disconnected(receive: Receive) -> None:
