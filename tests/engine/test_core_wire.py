@@ -19,6 +19,8 @@ from helexa.engine.core.wire import (
     ChannelClosed,
     decode_error,
     encode_error,
+    event_from_plain,
+    event_to_plain,
     from_plain,
     read_frame,
     to_plain,
@@ -164,8 +166,9 @@ def test_a_token_event_crosses_compact_unless_it_has_logprobs_or_an_error() -> N
     a, b = socket.socketpair()
     with a, b:
         events = [plain, with_logprobs, with_error]
-        write_frame(a, ("events", [e.compact() or to_plain(e) for e in events]))
+        write_frame(a, ("events", [event_to_plain(e) for e in events]))
         _, got = read_frame(b)
-    back = [TokenEvent.from_compact(g) if type(g) is tuple else from_plain(TokenEvent, g) for g in got]
+    assert [type(g) for g in got] == [tuple, dict, dict]
+    back = [event_from_plain(g) for g in got]
     assert back[:2] == events[:2]
     assert isinstance(back[2].error, RequestFailed) and str(back[2].error) == "sampling failed"

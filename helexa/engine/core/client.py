@@ -39,6 +39,7 @@ from helexa.config import EngineConfig
 from helexa.engine.core.wire import (
     ChannelClosed,
     decode_error,
+    event_from_plain,
     from_plain,
     read_frame,
     register_error,
@@ -482,12 +483,7 @@ class EngineClient:
                     wakeups = Wakeups()  # the server's loop is woken once for the frame, not once per event
                     try:
                         for request_id, plain, granted_at in frame[1]:
-                            event = (
-                                TokenEvent.from_compact(plain)
-                                if type(plain) is tuple  # (marshal keeps a tuple a tuple; a full event is a dict)
-                                else from_plain(TokenEvent, plain)
-                            )
-                            self._deliver(request_id, event, granted_at, wakeups)
+                            self._deliver(request_id, event_from_plain(plain), granted_at, wakeups)
                     finally:
                         wakeups.wake()
                 elif kind == "reply":

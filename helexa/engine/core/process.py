@@ -24,7 +24,15 @@ from typing import Any
 
 from helexa.config import EngineConfig
 from helexa.engine.core.client import core_nice
-from helexa.engine.core.wire import ChannelClosed, encode_error, from_plain, read_frame, to_plain, write_frame
+from helexa.engine.core.wire import (
+    ChannelClosed,
+    encode_error,
+    event_to_plain,
+    from_plain,
+    read_frame,
+    to_plain,
+    write_frame,
+)
 from helexa.engine.engine import Engine
 from helexa.engine.interface import RequestHandle
 from helexa.engine.stream import RequestStream, StreamReader, TokenEvent
@@ -168,8 +176,8 @@ class CoreServer:
             if request_id in self._unstarted:
                 self._unstarted.discard(request_id)
                 granted = self._handles[request_id].ticket.granted_at
-            for event in events:  # most events in their compact form; one with logprobs or an error in full
-                frame.append((request_id, event.compact() or to_plain(event), granted))
+            for event in events:
+                frame.append((request_id, event_to_plain(event), granted))
                 granted = None
             if events[-1].finished:
                 self._handles.pop(request_id, None)

@@ -6,7 +6,8 @@ a NamedTuple becomes a dict of its field names (recursively), an enum its value,
 annotated type `tp` from such a tree, by the type hints of the dataclass or NamedTuple it names, so a
 plain field added to `EngineView`, `EngineCounters`, `SamplingParams` or any type they hold crosses the
 process boundary with no code here. A value with no plain form (a tensor, a lock, a function) raises
-`TypeError`: nothing is ever pickled.
+`TypeError`: nothing is ever pickled. A token event, the value the frames carry most of, crosses as its
+compact tuple when it can (`event_to_plain` / `event_from_plain`).
 
 Frames are a 4-byte big-endian length and a `marshal` payload of a plain tree. `marshal` is the
 interpreter's own C encoder of plain values: compact and fast (see bench/core_channel.py); both ends are
@@ -27,10 +28,14 @@ import typing
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
+from helexa.engine.stream import TokenEvent
+
 __all__ = [
     "ChannelClosed",
     "decode_error",
     "encode_error",
+    "event_from_plain",
+    "event_to_plain",
     "from_plain",
     "read_frame",
     "register_error",
@@ -77,6 +82,19 @@ def to_plain(value: Any) -> Any:
 
 
 _SCALARS = frozenset({bool, int, float, str, bytes})
+
+
+def event_to_plain(event: TokenEvent) -> Any:
+    """A token event's form in the core's frames: its compact tuple (`TokenEvent.compact`, a few times cheaper
+    both ways), or its plain tree when it has logprobs or an error. `event_from_plain` reads either."""
+    return event.compact() or to_plain(event)
+
+
+def event_from_plain(plain: Any) -> TokenEvent:
+    """The token event `event_to_plain` gave `plain` for (`marshal` keeps a tuple a tuple; a full one is a dict)."""
+    return TokenEvent.from_compact(plain) if type(plain) is tuple else from_plain(TokenEvent, plain)
+
+
 _NAMES: dict[type, tuple[str, ...] | None] = {}
 
 
