@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -36,8 +35,9 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.server_process import ServerProcess  # noqa: E402
 from bench.test_bench_step import cpu_name  # noqa: E402
-from helexa.engine.core.wire import from_plain, read_frame, to_plain, write_frame  # noqa: E402
+from helexa.engine.core.wire import event_from_plain, event_to_plain, read_frame, write_frame  # noqa: E402
 from helexa.engine.stream import TokenEvent, TokenLogprob  # noqa: E402
 from tests.reliability.test_soak import _HOSTILE  # noqa: E402  (the soak's hostile client, as it is)
 
@@ -70,51 +70,12 @@ print(" ".join(f"{x:.6f}" for x in out))
 PROMPT = "Write a short plan with three steps about caching memory blocks for an agent session number {i}."
 
 
-class Server:
-    """`python -m helexa.server` on a free port; its log lines kept (the core's pid is read from them)."""
-
-    def __init__(self, mode_env: dict[str, str], max_num_seqs: int) -> None:
-        env = {**os.environ, **mode_env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-        argv = ["--port", "0", "--kv-cache-memory", "1GiB", "--max-num-seqs", str(max_num_seqs),
-                "--max-queue-depth", "512", "--max-connections", "2048"]  # fmt: skip
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "helexa.server", *argv], cwd=REPO, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(x.rstrip() for x in self.proc.stdout), daemon=True).start()
-        deadline = time.monotonic() + 300
-        port = r"on http://127\.0\.0\.1:(\d+)"
-        while not self.find(port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start:\n" + "\n".join(self.lines[-30:]))
-            time.sleep(0.1)
-        self.url = f"http://127.0.0.1:{self.find(port).group(1)}"
-
-    def find(self, pattern: str, last: bool = False) -> re.Match | None:
-        lines = reversed(list(self.lines)) if last else list(self.lines)
-        return next((m for line in lines if (m := re.search(pattern, line))), None)
-
-    def rss_mib(self) -> str:
-        """Resident memory now: the server's, and its core's where it has one (MiB)."""
-        pids = [self.proc.pid] + ([self.core_pid()] if self.find(r"engine core: started") else [])
-        return " + ".join(f"{_rss_mib(pid):.0f}" for pid in pids)
-
-    def core_pid(self) -> int:
-        return int(self.find(r"engine core: started \(pid (\d+)\)", last=True).group(1))
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _rss_mib(pid: int) -> float:
-    text = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", text).group(1)) / 1024
+def _server(mode_env: dict[str, str], max_num_seqs: int) -> ServerProcess:
+    """A server in one of `MODES`, sized for the loads here."""
+    env = {**mode_env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    argv = ["--kv-cache-memory", "1GiB", "--max-num-seqs", str(max_num_seqs),
+            "--max-queue-depth", "512", "--max-connections", "2048"]  # fmt: skip
+    return ServerProcess(argv, env)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -152,7 +113,7 @@ async def _load(url: str, streams: int, max_tokens: int) -> dict[str, float]:
             "itl_p99": pct(gaps, 0.99), "tok_s": tokens / wall}  # fmt: skip
 
 
-def measure(server: Server, streams: int, max_tokens: int, hostile: bool) -> dict[str, float]:
+def measure(server: ServerProcess, streams: int, max_tokens: int, hostile: bool) -> dict[str, float]:
     attacker = None
     if hostile:
         attacker = subprocess.Popen([sys.executable, "-c", _HOSTILE, server.url], stdout=subprocess.PIPE, text=True)
@@ -165,7 +126,7 @@ def measure(server: Server, streams: int, max_tokens: int, hostile: bool) -> dic
             attacker.communicate(timeout=30)
 
 
-async def _kill_to_token(server: Server, max_tokens: int) -> float:
+async def _kill_to_token(server: ServerProcess, max_tokens: int) -> float:
     """Seconds from a SIGKILL of B's core to the next new token of the stream it interrupted."""
     arrivals: list[float] = []
     async with httpx.AsyncClient(timeout=600) as client:
@@ -183,7 +144,8 @@ async def _kill_to_token(server: Server, max_tokens: int) -> float:
 
 
 def channel_cost(n: int = 20000) -> tuple[float, float]:
-    """Microseconds per token event through the channel: one event a frame, and 16 events a frame."""
+    """Microseconds per token event through the channel: one event a frame, and 16 events a frame (an event
+    with logprobs: it crosses in full, not compact)."""
     event = TokenEvent(token_ids=(1234,), text=" word", logprobs=(TokenLogprob(1234, -0.5),), num_prompt_tokens=60)
     a, b = socket.socketpair()
     results = []
@@ -193,13 +155,13 @@ def channel_cost(n: int = 20000) -> tuple[float, float]:
         def reader(frames: int = frames) -> None:
             for _ in range(frames):
                 for _rid, plain, _g in read_frame(b)[1]:
-                    from_plain(TokenEvent, plain)
+                    event_from_plain(plain)
 
         thread = threading.Thread(target=reader)
         t0 = time.perf_counter()
         thread.start()
         for _ in range(frames):
-            write_frame(a, ("events", [("cmpl-0123456789abcdef-0", to_plain(event), None)] * per_frame))
+            write_frame(a, ("events", [("cmpl-0123456789abcdef-0", event_to_plain(event), None)] * per_frame))
         thread.join()
         results.append((time.perf_counter() - t0) / n * 1e6)
     a.close()
@@ -217,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.max_tokens, loads = 1, 8, [(1, False), (16, False)]
     print(f"CPU: {cpu_name()} ({os.cpu_count()} cores visible, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})")
-    servers = {name: Server(env, max_num_seqs=64) for name, env in MODES.items()}
+    servers = {name: _server(env, max_num_seqs=64) for name, env in MODES.items()}
     for name, server in servers.items():
         load_line = server.find(r"model: loaded .*")
         print(f"{name}: {server.url} | {load_line.group(0)[:200] if load_line else '?'}")

@@ -21,12 +21,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -34,6 +31,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+from server_process import ServerProcess  # noqa: E402
 from trees import alternate  # noqa: E402
 
 OUT = ROOT / "bench" / "out"
@@ -41,30 +39,18 @@ LOADS = (1, 16, 64)
 _START_SECS = 120.0
 
 
-def _start(tree: Path, model: Path) -> tuple[subprocess.Popen[str], str, int]:
-    """`python -m helexa.server` on any free port, importing `tree`'s helexa; returns the process, its URL and
-    its engine core's pid (both read from its start-up log, as `bench/core_process.py` reads them)."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    argv = [sys.executable, "-m", "helexa.server", "--model", str(model), "--port", "0", "--max-num-seqs",
-            str(max(LOADS)), "--num-blocks", "4096", "--block-size", "16"]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    deadline, seen, core = time.monotonic() + _START_SECS, [], None
-    for line in proc.stdout:
-        seen.append(line)
-        if (started := re.search(r"engine core: started \(pid (\d+)\)", line)) is not None:
-            core = int(started.group(1))
-        if (match := re.search(r"serving .* on (http://127\.0\.0\.1:\d+)", line)) is not None:
-            if core is None:  # the engine on a thread of the server (HELEXA_ENGINE_PROCESS=0): not what is measured
-                break
-            # the rest of its log read and dropped: a full pipe would stall the server mid-load
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
-            return proc, match.group(1), core
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    tail = "".join(seen[-20:])
-    raise SystemExit(f"the server in {tree} did not start with its engine core in a process of its own:\n{tail}")
+def _start(tree: Path, model: Path) -> ServerProcess:
+    """`python -m helexa.server` serving `model` from `tree`, sized for the largest load; refused (`SystemExit`)
+    when its engine runs on a thread of the server (`HELEXA_ENGINE_PROCESS=0`): not what is measured."""
+    argv = ["--model", str(model), "--max-num-seqs", str(max(LOADS)), "--num-blocks", "4096", "--block-size", "16"]
+    try:
+        server = ServerProcess(argv, tree=tree, start_secs=_START_SECS)
+    except RuntimeError as exc:
+        raise SystemExit(f"the server in {tree} did not start: {exc}") from None
+    if not server.has_core():
+        server.stop()
+        raise SystemExit(f"the server in {tree} runs its engine on a thread, not in a core process of its own")
+    return server
 
 
 async def _stream(client: httpx.AsyncClient, url: str, i: int, tokens: int) -> int:
@@ -105,16 +91,12 @@ async def _load(url: str, streams: int, tokens: int, pids: tuple[int, int]) -> d
 
 
 def _measure(tree: Path, model: Path, tokens: int) -> dict[int, dict[str, float]]:
-    proc, url, core = _start(tree, model)
+    server = _start(tree, model)
     try:
-        pids = (proc.pid, core)
-        return {n: asyncio.run(_load(url, n, tokens, pids)) for n in LOADS}
+        pids = (server.pid, server.core_pid())
+        return {n: asyncio.run(_load(server.url, n, tokens, pids)) for n in LOADS}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop()
 
 
 def main() -> None:
