@@ -5,6 +5,7 @@ documents (helexa's: int8 activation blocks; torch's: bfloat16 activations, scal
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -365,6 +366,83 @@ def test_a_quantized_embedding_looks_up_ids_of_any_shape() -> None:
     assert got.shape == (2, 3, 128)
     assert torch.equal(got, embedding.head.cpu_matmul.weight().dequantize()[ids])  # type: ignore[union-attr]
     assert torch.equal(embedding(ids[1]), got[1])
+
+
+def _poisoned_gemm(tiled: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
+    """The library's GEMM of x by a tiled weight into an output filled with NaN beforehand (a tile no thread
+    computed stays NaN)."""
+    qt, scales, *zero_terms = tiled
+    n, k = qt.shape[0] * 16, x.shape[1]
+    y = torch.full((x.shape[0], n), float("nan"))
+    lib = native.library()
+    half = int(scales.dtype == torch.float16)
+    group = k // scales.shape[1]
+    if zero_terms:
+        rc = lib.helexa_int4_gemm(x.data_ptr(), x.shape[0], k, qt.data_ptr(), scales.data_ptr(),
+                                  zero_terms[0].data_ptr(), half, n, group, y.data_ptr())  # fmt: skip
+    else:
+        rc = lib.helexa_int8_gemm(x.data_ptr(), x.shape[0], k, qt.data_ptr(), scales.data_ptr(), half, n, group,
+                                  y.data_ptr())  # fmt: skip
+    assert rc == 0
+    return y
+
+
+@pytest.mark.parametrize("path", kernel_paths())
+def test_a_gemm_gives_the_same_bits_however_its_threads_share_its_tiles(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread that has finished its own run of tiles takes the rest of another's (csrc/wq_gemm.c, take_tiles), so
+    which thread computes a tile changes from call to call. Each tile is still computed once and the same way:
+    with 2, 3 and 5 threads (more than this machine's cores, so they are preempted and take from each other's
+    runs), over many calls, every output (NaN before the call) equals the one-thread result bit for bit, for
+    weights of 1, 7 and 40 tiles of 16 columns (fewer tiles than threads too), int4 and int8, at 1 and 5 rows."""
+    use_kernel_path(path, monkeypatch)
+    g = torch.Generator().manual_seed(11)
+    weights = []
+    for tiles in (1, 7, 40):
+        w = torch.randn(16 * tiles, 256, generator=g)
+        weights.append(native.tile_int4(*quantize_int4(w, group_size=32).tensors()))
+        weights.append(native.tile_int8(*quantize_int8(w).tensors()))
+    xs = [torch.randn(rows, 256, generator=g) for rows in (1, 5)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = [[_poisoned_gemm(w, x) for x in xs] for w in weights]
+        assert not any(t.isnan().any() for row in want for t in row)
+        for n in (2, 3, 5):
+            torch.set_num_threads(n)
+            for _ in range(20):
+                for w, outs in zip(weights, want):
+                    for x, out in zip(xs, outs):
+                        assert torch.equal(_poisoned_gemm(w, x), out), (n, w[0].shape, x.shape)
+    finally:
+        torch.set_num_threads(threads)
+
+
+_FEWER_THREADS = """
+import sys, torch
+from helexa.model.quant import native, quantize_int4
+torch.manual_seed(0)
+tiled = native.tile_int4(*quantize_int4(torch.randn(16 * 9, 256), group_size=32).tensors())
+x = torch.randn(3, 256)
+torch.set_num_threads(1)
+want = native.int4_gemm(x, tiled)
+native.library().helexa_set_threads(4)  # four runs of tiles, and a team of one (OMP_THREAD_LIMIT=1)
+got = native.int4_gemm(x, tiled)
+sys.exit(0 if torch.equal(got, want) else "a team smaller than its runs left tiles uncomputed")
+"""
+
+
+def test_a_team_smaller_than_the_threads_asked_for_computes_every_tile() -> None:
+    """OpenMP may give a GEMM fewer threads than it asked for (OMP_THREAD_LIMIT, a nested region): the runs of
+    tiles with no thread of their own are taken by the others, so the result is whole and the same."""
+    if not native.available():
+        pytest.skip(f"helexa's CPU kernel is unavailable here: {native.unavailable_reason()}")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    done = subprocess.run([sys.executable, "-c", _FEWER_THREADS], capture_output=True, text=True, timeout=120,
+                          cwd=root, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 _OUT_OF_MEMORY = """

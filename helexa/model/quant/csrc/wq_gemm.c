@@ -29,7 +29,10 @@
  * Requirements (checked by the caller): N % 16 == 0, K % G == 0, G % 32 == 0, arrays contiguous.
  * Threads: OpenMP over column tiles, in the runtime the process has loaded (torch's libgomp), as many
  * as the caller last set with helexa_set_threads (torch's intra-op count: a thread that is not the
- * one torch.set_num_threads ran on would otherwise get OpenMP's default, every core).
+ * one torch.set_num_threads ran on would otherwise get OpenMP's default, every core). Each thread
+ * owns a contiguous run of tiles and takes it from the front; one whose run is done takes what is
+ * left of another's from the back (take_tiles). A tile's columns are computed the same whichever
+ * thread takes it, so the result never depends on the split.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -372,6 +375,50 @@ int64_t helexa_amx_emulated_products(void) {
 int helexa_amx_enable(void) { return 1; }
 #endif
 
+/* The tiles of one GEMM shared out among its threads. A static split (a contiguous half for each of two threads)
+ * kept each weight one stream per thread, which a one-row GEMM needs to read at the memory's speed, but the halves
+ * did not finish together: over three 1B decode steps' GEMMs (~36 ms; Zen 4 VM, 2 threads, the fast bandwidth
+ * mode) one thread waited 3-5 ms for the other; an interleaved split (schedule(dynamic)) read 10-25% slower. So
+ * each thread owns a contiguous run and takes it from the front RUN_TILES at a time, and one whose run is done
+ * takes RUN_TILES at a time from the back of another's: the streams stay contiguous and the wait was ~0.5 ms.
+ * A run's bounds are one word, [lo, hi) in its high and low halves, so either end moves by one compare-and-swap. */
+#define RUN_TILES 2
+
+typedef struct {
+    uint64_t bounds;
+    char pad[56]; /* a cache line each: the runs' owners do not share one */
+} tile_run;
+
+static inline uint64_t run_bounds(uint64_t lo, uint64_t hi) { return lo << 32 | hi; }
+
+/* Takes up to RUN_TILES tiles from the front (the run's owner) or the back (another thread) of `run`: 1 with
+ * them in [*lo, *hi), or 0 when it is empty. */
+static inline int take_tiles(tile_run *run, const int front, int64_t *lo, int64_t *hi) {
+    uint64_t old = __atomic_load_n(&run->bounds, __ATOMIC_RELAXED);
+    for (;;) {
+        const uint64_t a = old >> 32, b = old & 0xffffffffu;
+        if (a >= b) return 0;
+        const uint64_t n = b - a < RUN_TILES ? b - a : RUN_TILES;
+        const uint64_t next = front ? run_bounds(a + n, b) : run_bounds(a, b - n);
+        if (__atomic_compare_exchange_n(&run->bounds, &old, next, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+            *lo = (int64_t)(front ? a : b - n);
+            *hi = (int64_t)(front ? a + n : b);
+            return 1;
+        }
+    }
+}
+
+/* The next tiles thread `me` computes, in [*lo, *hi): from its own run's front while it has any, then from the
+ * back of the others' in turn (*at: how far it has got, counted from its own run; 0 at the start). 0 when every
+ * run is empty. */
+static inline int next_tiles(tile_run *runs, const int nruns, const int me, int *at, int64_t *lo, int64_t *hi) {
+    for (; *at < nruns; ++*at) {
+        const int r = (me + *at) % nruns;
+        if (take_tiles(&runs[r], r == me, lo, hi)) return 1;
+    }
+    return 0;
+}
+
 int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q4, const int8_t *q8,
                    const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
     const size_t width = half ? 2 : 4; /* bytes per scale or zero term */
@@ -383,6 +430,16 @@ int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
     int32_t *qs = (int32_t *)(xs + M * blocks);
     int8_t *xq = (int8_t *)(qs + M * blocks);
     quantize_rows(x, M, K, ldx, xq, d, xs, qs);
+    /* One run per thread asked for (a team OpenMP makes smaller leaves runs with no owner: the others take them). */
+    const int nruns = helexa_threads();
+    tile_run *runs = (tile_run *)aligned_alloc(64, sizeof(tile_run) * (size_t)nruns);
+    if (!runs) {
+        free(mem);
+        return -1;
+    }
+    const uint64_t tiles = (uint64_t)(N / NR);
+    for (int i = 0; i < nruns; i++)
+        runs[i].bounds = run_bounds(tiles * (uint64_t)i / (uint64_t)nruns, tiles * (uint64_t)(i + 1) / (uint64_t)nruns);
     const int deep = M > SHALLOW_ROWS; /* how far ahead the weights are prefetched (see PREFETCH) */
 #ifdef HX_AMX
     /* whole tiles of 16 rows by AMX; the rest (and every GEMM of fewer rows) 4 rows at a time by vpdpbusd */
@@ -390,7 +447,7 @@ int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
 #else
     const int64_t m_amx = 0;
 #endif
-#pragma omp parallel num_threads(helexa_threads())
+#pragma omp parallel num_threads(nruns)
     {
 #ifdef HX_AMX
         /* These threads are torch's: its own AMX kernels (oneDNN's brgemm) may have left a tile configuration on
@@ -407,30 +464,33 @@ int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
             HX_TILE_CONFIG(&cfg);
         }
 #endif
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < N / NR; t++) {
-            const uint8_t *w4 = q4 ? q4 + t * NR * (K / 2) : NULL;
-            const int8_t *w8 = q8 ? q8 + t * NR * K : NULL;
-            const char *s = (const char *)scales + width * (size_t)(t * groups * NR);
-            const char *zc = zero_terms ? (const char *)zero_terms + width * (size_t)(t * groups * NR) : NULL;
+        int at = 0;
+        int64_t t_lo, t_hi;
+        while (next_tiles(runs, nruns, omp_get_thread_num(), &at, &t_lo, &t_hi)) {
+            for (int64_t t = t_lo; t < t_hi; t++) {
+                const uint8_t *w4 = q4 ? q4 + t * NR * (K / 2) : NULL;
+                const int8_t *w8 = q8 ? q8 + t * NR * K : NULL;
+                const char *s = (const char *)scales + width * (size_t)(t * groups * NR);
+                const char *zc = zero_terms ? (const char *)zero_terms + width * (size_t)(t * groups * NR) : NULL;
 #ifdef HX_AMX
-            for (int64_t m0 = 0; m0 < m_amx; m0 += AMX_ROWS) {
-                if (half) amx_tile(xq, d, xs, K, w4, w8, s, zc, 1, G, m0, N, t * NR, y);
-                else amx_tile(xq, d, xs, K, w4, w8, s, zc, 0, G, m0, N, t * NR, y);
-            }
+                for (int64_t m0 = 0; m0 < m_amx; m0 += AMX_ROWS) {
+                    if (half) amx_tile(xq, d, xs, K, w4, w8, s, zc, 1, G, m0, N, t * NR, y);
+                    else amx_tile(xq, d, xs, K, w4, w8, s, zc, 0, G, m0, N, t * NR, y);
+                }
 #endif
-            /* A loop compiled per weight type, scale width and row count: in each, the other type's pointer is
-             * a null constant and its branches fold away. (Compiled with both pointers live, the one-row int8
-             * GEMM, a tied head, read 80-85% of the memory's bandwidth in this VM's fast mode where alone it
-             * reads all of it; int4's loop was unchanged.) */
-            for (int64_t m0 = m_amx; m0 < M; m0 += MR) {
-                switch (M - m0 < MR ? M - m0 : MR) {
+                /* A loop compiled per weight type, scale width and row count: in each, the other type's
+                 * pointer is a null constant and its branches fold away. (Compiled with both pointers live,
+                 * the one-row int8 GEMM, a tied head, read 80-85% of the memory's bandwidth in this VM's
+                 * fast mode where alone it reads all of it; int4's loop was unchanged.) */
+                for (int64_t m0 = m_amx; m0 < M; m0 += MR) {
+                    switch (M - m0 < MR ? M - m0 : MR) {
 #define TILE_OF(R, W4, W8) if (half) tile(xq, d, xs, qs, K, W4, W8, s, zc, 1, G, m0, R, N, t * NR, y, deep); \
-                           else tile(xq, d, xs, qs, K, W4, W8, s, zc, 0, G, m0, R, N, t * NR, y, deep);
+                               else tile(xq, d, xs, qs, K, W4, W8, s, zc, 0, G, m0, R, N, t * NR, y, deep);
 #define TILE(R) case R: if (w4) { TILE_OF(R, w4, NULL) } else { TILE_OF(R, NULL, w8) } break;
-                    TILE(1) TILE(2) TILE(3) TILE(4)
+                        TILE(1) TILE(2) TILE(3) TILE(4)
 #undef TILE
 #undef TILE_OF
+                    }
                 }
             }
         }
@@ -441,6 +501,7 @@ int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
         }
 #endif
     }
+    free(runs);
     free(mem);
     return 0;
 }
