@@ -60,9 +60,8 @@ __all__ = [
 ]
 
 _log = logging.getLogger("helexa.quant")
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "wq_gemm.c", _CSRC / "step.c"]  # one library; wq_gemm.h is shared by both
-_HEADERS = [_CSRC / "wq_gemm.h", _CSRC / "amx.h"]
+CSRC = Path(__file__).with_name("csrc")  # the library's sources
+_SOURCES = ("wq_gemm.c", "step.c")  # one library; its headers (csrc/*.h) are shared by both
 # -ffp-contract=off: no fused multiply-add the source does not write, so every row is computed by the
 # same operations wherever it is (the fused step's batch invariance, csrc/step.c). -Bsymbolic: each
 # path's library calls its own functions, whichever other path's library the process also loaded.
@@ -77,15 +76,17 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(path: isa.KernelPath, compiler: str | None = None) -> Path:
+def build(path: isa.KernelPath, compiler: str | None = None, csrc: Path = CSRC) -> Path:
     """The compiled library of one instruction-set path, compiling it if this source and these flags
     have not been built yet. Compiling needs no CPU support for the path (running it does);
-    `RuntimeError` with the compiler's message when it fails."""
+    `RuntimeError` with the compiler's message when it fails. `csrc`: where the sources are (another
+    tree's, for a benchmark against them; built with this module's flags)."""
     compiler = compiler or _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (cc or $CC)")
     flags = [*_FLAGS, *path.compile_flags]
-    source = b"".join(p.read_bytes() for p in [*_SOURCES, *_HEADERS])
+    sources = [csrc / name for name in _SOURCES]
+    source = b"".join(p.read_bytes() for p in [*sources, *sorted(csrc.glob("*.h"))])
     key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     out_dir = helexa_home() / "build"
     target = out_dir / f"wq_gemm-{path.name}-{key}.so"
@@ -95,7 +96,7 @@ def build(path: isa.KernelPath, compiler: str | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *flags, "-o", str(built), *map(str, _SOURCES), *_LIBS],
+            [compiler, *flags, "-o", str(built), *map(str, sources), *_LIBS],
             capture_output=True,
             text=True,
             timeout=120,
@@ -113,12 +114,12 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
     return load_path(isa.PATHS[name])
 
 
-def load_path(path: isa.KernelPath) -> tuple[ctypes.CDLL | None, str]:
-    """(path's library, built and loaded with its functions' signatures set, "") or (None, why not). An
-    AMX path asks Linux for the tile state first and is refused, with the reason, where Linux says no.
-    Run it only on a CPU that reports `path.cpu_flags` (`isa.missing`)."""
+def load_path(path: isa.KernelPath, csrc: Path = CSRC) -> tuple[ctypes.CDLL | None, str]:
+    """(path's library, built from `csrc` and loaded with its functions' signatures set, "") or (None, why
+    not). An AMX path asks Linux for the tile state first and is refused, with the reason, where Linux says
+    no. Run it only on a CPU that reports `path.cpu_flags` (`isa.missing`)."""
     try:
-        lib = ctypes.CDLL(str(build(path)))
+        lib = ctypes.CDLL(str(build(path, csrc=csrc)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"building it failed: {exc}"
     # Every library answers: 0 an AMX build now granted the tile state, 1 a build without AMX, -errno refused.
