@@ -56,14 +56,14 @@ THIS = "this tree"
 def baseline_library(rev: str, path: str) -> Any:
     """Commit `rev`'s kernel sources (its `helexa/model/quant/csrc`) built with this tree's flags for `path` and
     loaded; SystemExit with the reason when that fails."""
-    tmp = Path(tempfile.mkdtemp(prefix="helexa-csrc-"))
     listing = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:helexa/model/quant/csrc"],
                              capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
-    for name in listing:
-        blob = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:helexa/model/quant/csrc/{name}"],
-                              capture_output=True, check=True).stdout  # fmt: skip
-        (tmp / name).write_bytes(blob)
-    lib, why = native.load_path(isa.PATHS[path], csrc=tmp)
+    with tempfile.TemporaryDirectory(prefix="helexa-csrc-") as tmp:  # the library is built under $HELEXA_HOME
+        for name in listing:
+            blob = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:helexa/model/quant/csrc/{name}"],
+                                  capture_output=True, check=True).stdout  # fmt: skip
+            (Path(tmp) / name).write_bytes(blob)
+        lib, why = native.load_path(isa.PATHS[path], csrc=Path(tmp))
     if lib is None:
         raise SystemExit(f"the kernels of {rev} do not load: {why}")
     return lib
