@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,8 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.machine import cpu_name  # noqa: E402
 from helexa.model.loader import load_model  # noqa: E402
 from helexa.model.quant import isa, native, quantize_int4, quantize_int8  # noqa: E402
+from helexa.model.transformer import CausalLM  # noqa: E402
 from helexa.model.weights.pull import DEFAULT_MODEL, resolve_model  # noqa: E402
 from tests.support.models import PagedCache  # noqa: E402
 
@@ -53,13 +56,6 @@ model(step.input_ids, step.positions, step.attn, cache.kv_caches, step.logits_in
 status = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmHWM", "VmRSS")))
 print(json.dumps({{k: int(v.split()[0]) / 1024 for k, v in status.items()}}))
 """
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def _use(path: str) -> None:
@@ -96,6 +92,29 @@ def time_gemm(rounds: int) -> list[str]:
     return rows
 
 
+def step_runner(model: CausalLM, batch: int, context: int, new: int) -> Callable[[], float]:
+    """A function that runs one step of `batch` sequences, each with `context` tokens already in its cache and
+    `new` tokens in the step (random ids, seeded by `batch`), and returns its seconds. The step re-runs in place:
+    the same slots each time."""
+    config = model.config
+    cache = PagedCache(config, num_blocks=batch * ((context + new) // 16 + 2) + 1, block_size=16)
+    g = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        if context:
+            prompt = torch.randint(0, config.vocab_size, (context,), generator=g).tolist()
+            pre = cache.step({i: prompt})
+            model(pre.input_ids, pre.positions, pre.attn, cache.kv_caches, pre.logits_indices)
+    tokens = torch.randint(0, config.vocab_size, (new,), generator=g).tolist()
+    step = cache.step({i: tokens for i in range(batch)})
+
+    def run() -> float:
+        start = time.perf_counter()
+        model(step.input_ids, step.positions, step.attn, cache.kv_caches, step.logits_indices)
+        return time.perf_counter() - start
+
+    return run
+
+
 def time_paths(model_path: Path, rounds: int) -> list[dict]:
     """Per case and path: the median ms of `rounds` steps, the paths alternating."""
     paths = [p.name for p in isa.candidates("auto")[0]][::-1]  # avx2 first
@@ -103,21 +122,7 @@ def time_paths(model_path: Path, rounds: int) -> list[dict]:
     assert model.native_step is not None, "the model should get the fused step"
     rows = []
     for kind, batch, context, new in CASES:
-        cache = PagedCache(model.config, num_blocks=batch * ((context + new) // 16 + 2) + 1, block_size=16)
-        g = torch.Generator().manual_seed(batch)
-        for i in range(batch):
-            if context:
-                prompt = torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist()
-                pre = cache.step({i: prompt})
-                model(pre.input_ids, pre.positions, pre.attn, cache.kv_caches, pre.logits_indices)
-        tokens = torch.randint(0, model.config.vocab_size, (new,), generator=g).tolist()
-        step = cache.step({i: tokens for i in range(batch)})  # re-run in place: the same slots each round
-
-        def run(step=step, cache=cache) -> float:
-            start = time.perf_counter()
-            model(step.input_ids, step.positions, step.attn, cache.kv_caches, step.logits_indices)
-            return time.perf_counter() - start
-
+        run = step_runner(model, batch, context, new)
         times: dict[str, list[float]] = {p: [] for p in paths}
         for p in paths:  # warm up
             _use(p)

@@ -31,7 +31,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,11 +42,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 from peers import model_gguf, read_bandwidth, weight_bytes  # noqa: E402
 
-from bench.cpu_paths import cpu_name  # noqa: E402
+from bench.cpu_paths import step_runner  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from helexa.model.loader import load_model  # noqa: E402
 from helexa.model.quant import isa, native  # noqa: E402
 from helexa.model.weights.pull import convert_gguf_file  # noqa: E402
-from tests.support.models import PagedCache  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 THIS = "this tree"
@@ -70,24 +69,12 @@ def baseline_library(rev: str, path: str) -> Any:
 
 
 def decode_step(model_dir: Path, context: int) -> Callable[[], float]:
-    """A function that runs one decode step of one sequence with `context` tokens before it (re-run in place: the
-    same slot each time) and returns its seconds."""
+    """A function that runs one decode step of one sequence with `context` tokens before it (`step_runner`: re-run
+    in place, the same slot each time) and returns its seconds."""
     model = load_model(model_dir, dtype="float32", quantization="auto")
     if model.native_step is None:
         raise SystemExit("this model does not run on the fused CPU step here")
-    cache = PagedCache(model.config, num_blocks=context // 16 + 4, block_size=16)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist()
-    pre = cache.step({0: prompt})
-    model(pre.input_ids, pre.positions, pre.attn, cache.kv_caches, pre.logits_indices)
-    step = cache.step({0: [int(prompt[-1])]})
-
-    def run() -> float:
-        start = time.perf_counter()
-        model(step.input_ids, step.positions, step.attn, cache.kv_caches, step.logits_indices)
-        return time.perf_counter() - start
-
-    return run
+    return step_runner(model, 1, context, 1)
 
 
 def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int, str]:

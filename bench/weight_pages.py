@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.cpu_paths import cpu_name  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from helexa.model.quant import hugepages, native  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
