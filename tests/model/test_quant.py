@@ -369,22 +369,12 @@ def test_a_quantized_embedding_looks_up_ids_of_any_shape() -> None:
 
 
 def _poisoned_gemm(tiled: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
-    """The library's GEMM of x by a tiled weight into an output filled with NaN beforehand (a tile no thread
+    """The kernel's GEMM of x by a tiled weight, into an output filled with NaN beforehand (a tile no thread
     computed stays NaN)."""
-    qt, scales, *zero_terms = tiled
-    n, k = qt.shape[0] * 16, x.shape[1]
-    y = torch.full((x.shape[0], n), float("nan"))
-    lib = native.library()
-    half = int(scales.dtype == torch.float16)
-    group = k // scales.shape[1]
-    if zero_terms:
-        rc = lib.helexa_int4_gemm(x.data_ptr(), x.shape[0], k, qt.data_ptr(), scales.data_ptr(),
-                                  zero_terms[0].data_ptr(), half, n, group, y.data_ptr())  # fmt: skip
-    else:
-        rc = lib.helexa_int8_gemm(x.data_ptr(), x.shape[0], k, qt.data_ptr(), scales.data_ptr(), half, n, group,
-                                  y.data_ptr())  # fmt: skip
-    assert rc == 0
-    return y
+    out = torch.full((x.shape[0], tiled[0].shape[0] * 16), float("nan"))
+    got = (native.int4_gemm if len(tiled) == 3 else native.int8_gemm)(x, tiled, out=out)
+    assert got is out
+    return out
 
 
 @pytest.mark.parametrize("path", kernel_paths())
@@ -484,6 +474,10 @@ def test_native_kernel_checks_its_inputs() -> None:
         native.int4_gemm(torch.randn(2, 64, dtype=torch.float64), tiled)
     with pytest.raises(ValueError, match=r"\(M, 64\)"):
         native.int4_gemm(torch.randn(2, 32), tiled)
+    with pytest.raises(ValueError, match=r"out must be a contiguous CPU float32 \(2, 16\)"):
+        native.int4_gemm(torch.randn(2, 64), tiled, out=torch.empty(2, 17))
+    with pytest.raises(ValueError, match="out must be"):
+        native.int4_gemm(torch.randn(2, 64), tiled, out=torch.empty(16, 2).t())
     assert not native.supports(8, 64, 32) and not native.supports(24, 64, 32) and not native.supports(16, 48, 16)
     assert native.supports(16, 64, 32) and native.supports(48, 64, 32)
     assert cpu_kernel(quantize_int4(torch.randn(8, 64), group_size=32)) == "torch"  # N % 16 != 0

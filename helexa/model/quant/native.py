@@ -332,7 +332,14 @@ _threads_set: dict[int, int] = {}  # per loaded library: what `library()` last p
 
 
 def _run(
-    name: str, x: torch.Tensor, n: int, k: int, tiled: torch.Tensor, scales: torch.Tensor, *extra: torch.Tensor
+    name: str,
+    x: torch.Tensor,
+    n: int,
+    k: int,
+    tiled: torch.Tensor,
+    scales: torch.Tensor,
+    *extra: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     groups = scales.shape[1]
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() or x.is_cuda:
@@ -344,7 +351,13 @@ def _run(
             raise ValueError("tiled weights, scales and zero terms must be contiguous")
     if scales.dtype not in (torch.float32, torch.float16) or any(t.dtype != scales.dtype for t in extra):
         raise ValueError(f"scales and zero terms must be all float32 or all float16, got {scales.dtype}")
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if out is None:
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.shape != (x.shape[0], n) or not out.is_contiguous() or out.is_cuda:
+        want = f"a contiguous CPU float32 ({x.shape[0]}, {n})"
+        raise ValueError(f"out must be {want}, got {out.dtype} {tuple(out.shape)}")
+    else:
+        y = out
     pointers = [t.data_ptr() for t in (tiled, scales, *extra)]
     half = scales.dtype == torch.float16
     if getattr(library(), name)(x.data_ptr(), x.shape[0], k, *pointers, half, n, k // groups, y.data_ptr()):
@@ -352,24 +365,24 @@ def _run(
     return y
 
 
-def int4_gemm(x: torch.Tensor, tiled: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def int4_gemm(x: torch.Tensor, tiled: tuple[torch.Tensor, ...], out: torch.Tensor | None = None) -> torch.Tensor:
     """quantize_activations(x) @ W.T -> (M, N) float32 for x (M, K) contiguous float32 and W an int4
-    weight tiled by `tile_int4`."""
+    weight tiled by `tile_int4`; written into `out` (contiguous float32 (M, N)) when given."""
     qt, scales, zero_terms = tiled
     if qt.dtype != torch.uint8 or zero_terms.shape != scales.shape:
         raise ValueError("an int4 weight is (uint8 tiles, scales, zero terms of the scales' shape)")
     n, k = _dims(tiled)
-    return _run("helexa_int4_gemm", x, n, k, qt, scales, zero_terms)
+    return _run("helexa_int4_gemm", x, n, k, qt, scales, zero_terms, out=out)
 
 
-def int8_gemm(x: torch.Tensor, tiled: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def int8_gemm(x: torch.Tensor, tiled: tuple[torch.Tensor, ...], out: torch.Tensor | None = None) -> torch.Tensor:
     """quantize_activations(x) @ W.T -> (M, N) float32 for x (M, K) contiguous float32 and W an int8
-    weight tiled by `tile_int8`."""
+    weight tiled by `tile_int8`; written into `out` (contiguous float32 (M, N)) when given."""
     qt, scales = tiled
     if qt.dtype != torch.int8:
         raise ValueError("an int8 weight is (int8 tiles, scales)")
     n, k = _dims(tiled)
-    return _run("helexa_int8_gemm", x, n, k, qt, scales)
+    return _run("helexa_int8_gemm", x, n, k, qt, scales, out=out)
 
 
 def _check_rows(x: torch.Tensor, name: str, max_cols: int | None = None) -> None:
