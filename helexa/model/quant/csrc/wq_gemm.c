@@ -423,20 +423,19 @@ int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
                    const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
     const size_t width = half ? 2 : 4; /* bytes per scale or zero term */
     const int64_t blocks = K / QK, groups = K / G;
-    /* The quantized activations, one allocation: d, xs and qs (M * K / 32 each), then xq (M * K). */
-    unsigned char *mem = (unsigned char *)malloc((size_t)(M * K) + 3 * sizeof(float) * (size_t)(M * blocks));
+    /* One allocation: the threads' runs of tiles, one per thread asked for (a team OpenMP makes smaller leaves
+     * runs with no owner: the others take them), then the quantized activations: d, xs and qs (M * K / 32 each),
+     * then xq (M * K). 64-byte aligned, so each run has a cache line of its own. */
+    const int nruns = helexa_threads();
+    const size_t runs_bytes = sizeof(tile_run) * (size_t)nruns;
+    const size_t bytes = runs_bytes + 3 * sizeof(float) * (size_t)(M * blocks) + (size_t)(M * K);
+    unsigned char *mem = (unsigned char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!mem) return -1;
-    float *d = (float *)mem, *xs = d + M * blocks;
+    tile_run *runs = (tile_run *)mem;
+    float *d = (float *)(mem + runs_bytes), *xs = d + M * blocks;
     int32_t *qs = (int32_t *)(xs + M * blocks);
     int8_t *xq = (int8_t *)(qs + M * blocks);
     quantize_rows(x, M, K, ldx, xq, d, xs, qs);
-    /* One run per thread asked for (a team OpenMP makes smaller leaves runs with no owner: the others take them). */
-    const int nruns = helexa_threads();
-    tile_run *runs = (tile_run *)aligned_alloc(64, sizeof(tile_run) * (size_t)nruns);
-    if (!runs) {
-        free(mem);
-        return -1;
-    }
     const uint64_t tiles = (uint64_t)(N / NR);
     for (int i = 0; i < nruns; i++)
         runs[i].bounds = run_bounds(tiles * (uint64_t)i / (uint64_t)nruns, tiles * (uint64_t)(i + 1) / (uint64_t)nruns);
@@ -501,7 +500,6 @@ int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
         }
 #endif
     }
-    free(runs);
     free(mem);
     return 0;
 }
