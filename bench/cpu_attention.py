@@ -18,17 +18,20 @@ Rows: 1 (a decode row) and 16 (a tile of prefill rows at the end of the context)
 memory as in a long context's decode (`--layers 1`: the same cache every call, K/V in cache). Every
 result is checked bit for bit against the first path's and against the baseline's (both promise the
 same bits) and against the float64 reference. Each round times every contender back to back (10 calls
-or more each); the median over `--rounds` rounds counts.
+or more each), in an order shuffled per round (a fixed order made the contender after torch's SDPA, whose
+float32 copies evict the caches, measure slower); the median over `--rounds` rounds counts.
 
     python bench/cpu_attention.py [--baseline /tmp/base] [--threads 2] [--rounds 9] [--layers 8]
 
-Prints the CPU model and the paths; writes `bench/results/cpu_attention.md` and `.png`.
+Prints the CPU model and the paths; writes `bench/results/cpu_attention.md` and `.png` (`--out STEM`: `STEM.md`
+and `STEM.png`).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import random
 import statistics
 import subprocess
 import sys
@@ -132,6 +135,9 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,4096,8128")
     parser.add_argument("--models", default="135m,1b,8b")
     parser.add_argument(
+        "--out", type=Path, default=RESULTS / "cpu_attention", help="where to write STEM.md and STEM.png"
+    )
+    parser.add_argument(
         "--layers",
         type=int,
         default=8,
@@ -170,9 +176,10 @@ def main() -> None:
                 torch.testing.assert_close(first, want.float(), rtol=1e-4, atol=1e-4)
                 same = all(torch.equal(o, first) for k, o in outs.items() if k != "torch SDPA")
                 times: dict[str, list[float]] = {k: [] for k in contenders}
-                for _ in range(args.rounds):
-                    for k, fns in contenders.items():
-                        times[k].append(timed(fns))
+                order = random.Random(f"{model} {context} {rows}")
+                for _ in range(args.rounds):  # in a shuffled order each round: none always follows the same one
+                    for k in order.sample(list(contenders), len(contenders)):
+                        times[k].append(timed(contenders[k]))
                 ms = {k: statistics.median(v) for k, v in times.items()}
                 rows_out.append({"model": model, "context": context, "rows": rows, "ms": ms, "same_bits": same})
                 print(
@@ -191,14 +198,14 @@ def _commit(tree: Path) -> str:
 
 
 def _write(rows: list[dict], paths: list[str], baselines: dict, args: argparse.Namespace) -> None:
-    RESULTS.mkdir(exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     names = list(rows[0]["ms"])
     head = [
         "# The fused CPU step's paged attention alone (bench/cpu_attention.py)",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M')}; CPU: {cpu_name()}; kernel paths: {', '.join(paths)}; "
         f"{args.threads} threads; float16 cache, blocks of {BLOCK}; {args.layers} caches (layers) called in turn; "
-        f"median of {args.rounds} rounds of {CALLS} calls or more"
+        f"median of {args.rounds} rounds of {CALLS} calls or more, the contenders in a shuffled order each round"
         + (f"; baseline: {args.baseline} ({_commit(args.baseline)})" if baselines else ""),
         "",
         "| model (H / KVH / D) | keys | rows | " + " | ".join(f"{n} (ms)" for n in names) + " | ratios | same bits |",
@@ -219,7 +226,7 @@ def _write(rows: list[dict], paths: list[str], baselines: dict, args: argparse.N
             + " | ".join(cells)
             + f" | {'; '.join(ratios)} | {'yes' if r['same_bits'] else 'NO'} |"
         )
-    (RESULTS / "cpu_attention.md").write_text("\n".join(head) + "\n")
+    args.out.with_suffix(".md").write_text("\n".join(head) + "\n")
     print("\n".join(head))
 
     import matplotlib
@@ -238,7 +245,7 @@ def _write(rows: list[dict], paths: list[str], baselines: dict, args: argparse.N
     ax.legend(fontsize=8)
     ax.set_title(f"paged attention, {cpu_name()}, {args.threads} threads", fontsize=9)
     fig.tight_layout()
-    fig.savefig(RESULTS / "cpu_attention.png", dpi=120)
+    fig.savefig(args.out.with_suffix(".png"), dpi=120)
     plt.close(fig)
 
 
