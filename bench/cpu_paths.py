@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.machine import cpu_name  # noqa: E402
+from helexa.engine.loading import kv_cache_dtype  # noqa: E402
 from helexa.model.loader import load_model  # noqa: E402
 from helexa.model.quant import isa, native, quantize_int4, quantize_int8  # noqa: E402
 from helexa.model.transformer import CausalLM  # noqa: E402
@@ -95,9 +96,11 @@ def time_gemm(rounds: int) -> list[str]:
 def step_runner(model: CausalLM, batch: int, context: int, new: int) -> Callable[[], float]:
     """A function that runs one step of `batch` sequences, each with `context` tokens already in its cache and
     `new` tokens in the step (random ids, seeded by `batch`), and returns its seconds. The step re-runs in place:
-    the same slots each time."""
+    the same slots each time. The cache has the dtype the engine gives this model's pool (`kv_cache_dtype`'s
+    "auto": float16 under the fused CPU step)."""
     config = model.config
-    cache = PagedCache(config, num_blocks=batch * ((context + new) // 16 + 2) + 1, block_size=16)
+    dtype = kv_cache_dtype("auto", model.dtype, fused_cpu_step=model.native_step is not None)
+    cache = PagedCache(config, num_blocks=batch * ((context + new) // 16 + 2) + 1, block_size=16, dtype=dtype)
     g = torch.Generator().manual_seed(batch)
     for i in range(batch):
         if context:
