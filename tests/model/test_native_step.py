@@ -44,7 +44,8 @@ def _paged_inputs(g: torch.Generator, lens: list[int], qlens: list[int], heads: 
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "d", "block_size"), [(4, 2, 16, 4), (6, 6, 32, 8), (8, 1, 64, 16), (16, 1, 8, 4)]
+    ("heads", "kv_heads", "d", "block_size"),
+    [(4, 2, 16, 4), (6, 6, 32, 8), (8, 1, 64, 16), (16, 1, 8, 4), (8, 2, 64, 16), (4, 2, 128, 16)],
 )
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("path", kernel_paths())
@@ -52,8 +53,9 @@ def test_paged_attention_matches_the_reference(
     heads: int, kv_heads: int, d: int, block_size: int, path: str, cache_dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Decode rows, whole prefills, extends after a cached prefix and short multi-row extends in one
-    batch; lengths across block boundaries and across the chunks of 128 keys; GQA groups of 1 to 16;
-    on each instruction-set path this CPU runs; float32 and float16 caches (read back exactly)."""
+    batch; lengths across block boundaries and across the chunks of 128 keys; GQA groups of 1 to 16, and
+    tasks over several KV heads (each asking for the next head's rows while it computes one) at head sizes
+    16 to 128; on each instruction-set path this CPU runs; float32 and float16 caches (read back exactly)."""
     use_kernel_path(path, monkeypatch)
     g = torch.Generator().manual_seed(heads * d)
     lens = [1, block_size, block_size + 1, 37, 128, 129, 300, 260, 140]

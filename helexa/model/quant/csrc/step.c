@@ -262,25 +262,69 @@ static void chunk_rows(const hx_layer *L, const int32_t *table, int64_t j0, int6
     }
 }
 
-/* Ask for the cache lines of the K and V rows of keys [j0, j0 + n) of KV heads [kvh0, kvh1), D elements
- * each, into L2, all at once. A chunk's rows lie in blocks scattered over the pool, which the hardware
- * prefetchers do not follow: without this each block's first reads wait on memory in turn. A chunk
- * task asks for its first KV head's rows before it starts and for the next one's while it computes
- * one: at 8k tokens of context, K/V coming from memory, 1.2-1.3x faster than without, and up to 1.18x
- * faster than asking for the whole chunk at once (whose lines then crowd L2 at head size 128). Changes
- * no value. */
-static void prefetch_chunk(const hx_layer *L, const int32_t *table, int64_t j0, int64_t n, int64_t bs,
-                           int64_t kvh0, int64_t kvh1, int64_t d) {
+/* Ask for the cache lines of the K and V rows of keys [j0, j0 + n) of KV head kvh, D elements each, into L2,
+ * all at once (a decode task's first KV head, before it starts; the next heads' rows are asked for while it
+ * computes, see hx_ahead). A chunk's rows lie in blocks scattered over the pool, which the hardware prefetchers
+ * do not follow: without this each block's first reads wait on memory in turn (at 8k tokens of context, K/V
+ * coming from memory, 1.2-1.3x slower). Changes no value. */
+static void prefetch_chunk(const hx_layer *L, const int32_t *table, int64_t j0, int64_t n, int64_t bs, int64_t kvh,
+                           int64_t d) {
     const void *kp[KCHUNK], *vp[KCHUNK];
     const int64_t bytes = d * (L->kv_half ? 2 : 4);
-    for (int64_t kvh = kvh0; kvh < kvh1; kvh++) {
-        chunk_rows(L, table, j0, n, bs, kvh, kp, vp);
-        for (int64_t j = 0; j < n; j++)
-            for (int64_t b = 0; b < bytes; b += 64) {
-                _mm_prefetch((const char *)kp[j] + b, _MM_HINT_T1);
-                _mm_prefetch((const char *)vp[j] + b, _MM_HINT_T1);
-            }
+    chunk_rows(L, table, j0, n, bs, kvh, kp, vp);
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t b = 0; b < bytes; b += 64) {
+            _mm_prefetch((const char *)kp[j] + b, _MM_HINT_T1);
+            _mm_prefetch((const char *)vp[j] + b, _MM_HINT_T1);
+        }
+}
+
+/* The K and V rows of the KV head a decode task computes next, asked for (into L2) a few cache lines at a time
+ * while it computes the one before: every key loop of the attention ticks, and each tick asks for `per` more
+ * lines, the K rows' first, `per` set so that the lines spread over the ticks the head before made (every head
+ * of a task makes the same ticks; the first guesses AHEAD_FIRST). Asked for all at once before the head
+ * before it started (as a task's first head still is), the requests filled the core's miss buffers and the
+ * computation waited for most of them: with K/V from memory a decode row at 4k-8k keys ran 1.2-1.8x slower than
+ * this way (Zen 4, both paths; bench/cpu_attention.py). Changes no value. */
+#define AHEAD_FIRST 2
+
+typedef struct {
+    const void *const *rows[2]; /* the K rows, then the V rows */
+    int64_t n, lines, per;      /* rows of each, cache lines of a row, lines asked for a tick */
+    int64_t kind, row, line;    /* the next line to ask for: kind 2 once every line was asked for */
+    int64_t ticks;              /* ticks so far */
+} hx_ahead;
+
+/* Nothing to ask for (a task's last head); its ticks are still counted. */
+static inline hx_ahead ahead_none(void) { return (hx_ahead){{NULL, NULL}, 0, 1, 1, 2, 0, 0, 0}; }
+
+/* The rows kp, vp (n each, `bytes` bytes a row) to ask for from their first line, `per` lines a tick. */
+static inline hx_ahead ahead_of(const void *const *kp, const void *const *vp, int64_t n, int64_t bytes,
+                                int64_t per) {
+    return (hx_ahead){{kp, vp}, n, (bytes + 63) / 64, per > 0 ? per : 1, n > 0 ? 0 : 2, 0, 0, 0};
+}
+
+/* Lines a tick so that the rows' 2 n `lines` lines spread over `ticks` ticks. */
+static inline int64_t ahead_rate(int64_t n, int64_t bytes, int64_t ticks) {
+    const int64_t all = 2 * n * ((bytes + 63) / 64);
+    return ticks > 0 ? (all + ticks - 1) / ticks : AHEAD_FIRST;
+}
+
+/* One tick: ask for the next `per` lines of `a`'s rows (none once all were asked for). */
+static inline __attribute__((always_inline)) void ahead_tick(hx_ahead *a) {
+    a->ticks++;
+    for (int64_t i = 0; i < a->per && a->kind < 2; i++) {
+        _mm_prefetch((const char *)a->rows[a->kind][a->row] + 64 * a->line, _MM_HINT_T1);
+        if (++a->line == a->lines) {
+            a->line = 0;
+            if (++a->row == a->n) a->row = 0, a->kind++;
+        }
     }
+}
+
+/* Ask for every line of `a`'s rows not yet asked for. */
+static inline void ahead_finish(hx_ahead *a) {
+    while (a->kind < 2) ahead_tick(a);
 }
 
 #define VREGS 8 /* output vectors a pass over the values accumulates in registers */
@@ -289,10 +333,12 @@ static void prefetch_chunk(const hx_layer *L, const int32_t *table, int64_t j0, 
  * call site) accumulators stay in registers across the keys. Each output element sums its terms in key
  * order, whatever R and e0 are. */
 static inline __attribute__((always_inline)) void weigh_values(const float *p, const void *const *vp, int64_t n,
-                                                               int64_t e0, const int R, float *out, const int half) {
+                                                               int64_t e0, const int R, float *out, const int half,
+                                                               hx_ahead *ahead) {
     __m256 acc[VREGS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
+        if (ahead) ahead_tick(ahead);
         const __m256 pj = _mm256_set1_ps(p[j]);
         for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(pj, hx_load8(vp[j], e0 + 8 * r, half), acc[r]);
     }
@@ -314,9 +360,11 @@ static inline __attribute__((always_inline)) void scores_each(const float *qg, c
  * score is the same bits wherever it is computed (here, in scores_grouped4 or in scores_pair): 8 lanes, lane l summing
  * q[i + l] * k[i + l] over i in order, the lanes summed by hsum8's tree (hsum's for the last keys). */
 static inline __attribute__((always_inline)) void scores_of(const float *qg, const void *const *kp, int64_t n,
-                                                            int64_t d, float scale, float *sg, const int half) {
+                                                            int64_t d, float scale, float *sg, const int half,
+                                                            hx_ahead *ahead) {
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
+        if (ahead) ahead_tick(ahead);
         __m256 a[8];
         for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
         for (int64_t i = 0; i < d; i += 8) {
@@ -358,11 +406,11 @@ static inline void softmax_of(float *sg, int64_t n, float *m, float *l) {
 
 /* og (D) = the weights sg of the first n keys over their values, VREGS vectors of the output at a time. */
 static inline __attribute__((always_inline)) void values_of(const float *sg, const void *const *vp, int64_t n,
-                                                            int64_t d, float *og, const int half) {
+                                                            int64_t d, float *og, const int half, hx_ahead *ahead) {
     const int64_t nv = d / 8;
     for (int64_t i0 = 0; i0 < nv; i0 += VREGS)
         switch (nv - i0 < VREGS ? nv - i0 : VREGS) {
-#define VPART(R) case R: weigh_values(sg, vp, n, 8 * i0, R, og + 8 * i0, half); break;
+#define VPART(R) case R: weigh_values(sg, vp, n, 8 * i0, R, og + 8 * i0, half, ahead); break;
             VPART(1) VPART(2) VPART(3) VPART(4) VPART(5) VPART(6) VPART(7) VPART(8)
 #undef VPART
         }
@@ -391,9 +439,11 @@ static inline __m256 high8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64
  * same fused multiply-adds in the same order, then reduced by the same hsum8: the same bits. */
 static inline __attribute__((always_inline)) void scores_grouped4(const float *q, const int GV,
                                                                  const void *const *kp, int64_t n, int64_t d,
-                                                                 float scale, float *sg, const int half) {
+                                                                 float scale, float *sg, const int half,
+                                                                 hx_ahead *ahead) {
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
+        if (ahead) ahead_tick(ahead);
         __m512 a[4][4];
         for (int g = 0; g < GV; g++)
             for (int r = 0; r < 4; r++) a[g][r] = _mm512_setzero_ps();
@@ -419,12 +469,13 @@ static inline __attribute__((always_inline)) void scores_grouped4(const float *q
  * multiply-adds from zero, as weigh_values does: the same bits. */
 static inline __attribute__((always_inline)) void values_grouped4(const float *sg, const int GV,
                                                                  const void *const *vp, int64_t n, int64_t d,
-                                                                 float *o, const int half) {
+                                                                 float *o, const int half, hx_ahead *ahead) {
     for (int64_t e0 = 0; e0 < d; e0 += 64) {
         __m512 acc[4][4];
         for (int g = 0; g < GV; g++)
             for (int r = 0; r < 4; r++) acc[g][r] = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
+            if (ahead) ahead_tick(ahead);
             __m512 v[4];
             for (int r = 0; r < 4; r++) v[r] = hx_load16(vp[j], e0 + 16 * r, half);
             for (int g = 0; g < GV; g++) {
@@ -441,10 +492,10 @@ static inline __attribute__((always_inline)) void values_grouped4(const float *s
 static inline __attribute__((always_inline)) void group_partial(const float *q, const int GV, const void *const *kp,
                                                                 const void *const *vp, int64_t n, int64_t d,
                                                                 float scale, float *sg, float *m, float *l, float *o,
-                                                                const int half) {
-    scores_grouped4(q, GV, kp, n, d, scale, sg, half);
+                                                                const int half, hx_ahead *ahead) {
+    scores_grouped4(q, GV, kp, n, d, scale, sg, half, ahead);
     for (int g = 0; g < GV; g++) softmax_of(sg + g * KCHUNK, n, m + g, l + g);
-    values_grouped4(sg, GV, vp, n, d, o, half);
+    values_grouped4(sg, GV, vp, n, d, o, half, ahead);
 }
 #endif
 
@@ -453,9 +504,10 @@ static inline __attribute__((always_inline)) void group_partial(const float *q, 
  * lanes are summed by the same fused multiply-adds in the same order as in scores_of, and reduced by
  * hsum8's tree, four keys at a time: the same bits. */
 static inline __attribute__((always_inline)) void scores_pair(const float *q, const void *const *kp, int64_t n, int64_t d,
-                                                              float scale, float *sg, const int half) {
+                                                              float scale, float *sg, const int half, hx_ahead *ahead) {
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
+        if (ahead) ahead_tick(ahead);
         __m256 u[2][2];
         for (int h = 0; h < 2; h++) { /* keys j + 4 h .. j + 4 h + 3 */
             __m256 a[2][4];
@@ -481,12 +533,13 @@ static inline __attribute__((always_inline)) void scores_pair(const float *q, co
  * widened once per slice for both heads. Every output element sums p[j] * V[j][e] over j in order by
  * fused multiply-adds from zero, as weigh_values does: the same bits. */
 static inline __attribute__((always_inline)) void values_pair(const float *sg, const void *const *vp, int64_t n, int64_t d,
-                                                              float *o, const int half) {
+                                                              float *o, const int half, hx_ahead *ahead) {
     for (int64_t e0 = 0; e0 < d; e0 += 32) {
         __m256 acc[2][4];
         for (int g = 0; g < 2; g++)
             for (int r = 0; r < 4; r++) acc[g][r] = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
+            if (ahead) ahead_tick(ahead);
             __m256 v[4];
             for (int r = 0; r < 4; r++) v[r] = hx_load8(vp[j], e0 + 8 * r, half);
             for (int g = 0; g < 2; g++) {
@@ -503,10 +556,10 @@ static inline __attribute__((always_inline)) void values_pair(const float *sg, c
 static inline __attribute__((always_inline)) void pair_partial(const float *q, const void *const *kp,
                                                                const void *const *vp, int64_t n, int64_t d,
                                                                float scale, float *sg, float *m, float *l, float *o,
-                                                               const int half) {
-    scores_pair(q, kp, n, d, scale, sg, half);
+                                                               const int half, hx_ahead *ahead) {
+    scores_pair(q, kp, n, d, scale, sg, half, ahead);
     for (int g = 0; g < 2; g++) softmax_of(sg + g * KCHUNK, n, m + g, l + g);
-    values_pair(sg, vp, n, d, o, half);
+    values_pair(sg, vp, n, d, o, half, ahead);
 }
 
 /* The partial of one query over the first n keys of a chunk (kp, vp), for the G query heads q (G, D) of
@@ -519,7 +572,7 @@ static inline __attribute__((always_inline)) void pair_partial(const float *q, c
 static inline __attribute__((always_inline)) void chunk_partial_of(const float *q, int64_t G, const void *const *kp,
                                                                    const void *const *vp, int64_t n, int64_t d,
                                                                    float scale, float *m, float *l, float *o,
-                                                                   const int half) {
+                                                                   const int half, hx_ahead *ahead) {
     float scores[GMAX * KCHUNK] __attribute__((aligned(64)));
     int64_t g0 = 0, group = 1; /* heads [0, g0) go in groups of `group`, the rest one at a time */
 #ifdef __AVX512F__
@@ -532,30 +585,35 @@ static inline __attribute__((always_inline)) void chunk_partial_of(const float *
 #ifdef __AVX512F__
         const int64_t gv = G - g0 < group ? G - g0 : group; /* 2 to 4 heads */
         if (group == 4 && gv == 4)
-            group_partial(qg, 4, kp, vp, n, d, scale, sg, m + g0, l + g0, og, half);
+            group_partial(qg, 4, kp, vp, n, d, scale, sg, m + g0, l + g0, og, half, ahead);
         else if (group == 4 && gv == 3)
-            group_partial(qg, 3, kp, vp, n, d, scale, sg, m + g0, l + g0, og, half);
+            group_partial(qg, 3, kp, vp, n, d, scale, sg, m + g0, l + g0, og, half, ahead);
         else if (group == 4)
-            group_partial(qg, 2, kp, vp, n, d, scale, sg, m + g0, l + g0, og, half);
+            group_partial(qg, 2, kp, vp, n, d, scale, sg, m + g0, l + g0, og, half, ahead);
         else
 #endif
-            pair_partial(qg, kp, vp, n, d, scale, sg, m + g0, l + g0, og, half);
+            pair_partial(qg, kp, vp, n, d, scale, sg, m + g0, l + g0, og, half, ahead);
     }
     for (int64_t g = g0; g < G; g++) {
         float *sg = scores + g * KCHUNK;
-        scores_of(q + g * d, kp, n, d, scale, sg, half);
+        scores_of(q + g * d, kp, n, d, scale, sg, half, ahead);
         softmax_of(sg, n, m + g, l + g);
-        values_of(sg, vp, n, d, o + g * d, half);
+        values_of(sg, vp, n, d, o + g * d, half, ahead);
     }
 }
 
-/* chunk_partial_of for the caches' dtype (half: float16), each compiled with it fixed. */
+/* chunk_partial_of for the caches' dtype (half: float16), and with or without rows to ask for ahead (NULL:
+ * none, the tiles of rows), each compiled with them fixed; its key loops ask for `ahead`'s rows as they go. */
 static void chunk_partial(const float *q, int64_t G, const void *const *kp, const void *const *vp, int64_t n,
-                          int64_t d, float scale, float *m, float *l, float *o, const int half) {
-    if (half)
-        chunk_partial_of(q, G, kp, vp, n, d, scale, m, l, o, 1);
+                          int64_t d, float scale, float *m, float *l, float *o, const int half, hx_ahead *ahead) {
+    if (ahead && half)
+        chunk_partial_of(q, G, kp, vp, n, d, scale, m, l, o, 1, ahead);
+    else if (ahead)
+        chunk_partial_of(q, G, kp, vp, n, d, scale, m, l, o, 0, ahead);
+    else if (half)
+        chunk_partial_of(q, G, kp, vp, n, d, scale, m, l, o, 1, NULL);
     else
-        chunk_partial_of(q, G, kp, vp, n, d, scale, m, l, o, 0);
+        chunk_partial_of(q, G, kp, vp, n, d, scale, m, l, o, 0, NULL);
 }
 
 /* Fold one chunk's partial (m, l, o (D)) into a query head's running state (*M, *S, O (D)), which starts
@@ -640,9 +698,16 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
         if (k.chunk >= 0) { /* this chunk's partial of every row that reaches it */
             const int64_t j0 = k.chunk * KCHUNK, last = prefix + k.i1 - 1;
             const int64_t rows = last + 1 - j0 < KCHUNK ? last + 1 - j0 : KCHUNK;
-            prefetch_chunk(L, table, j0, rows, bs, k.kvh, k.kvh + 1, D);
+            prefetch_chunk(L, table, j0, rows, bs, k.kvh, D);
+            const int64_t row_bytes = D * (L->kv_half ? 2 : 4);
+            int64_t per = AHEAD_FIRST;
             for (int64_t kvh = k.kvh; kvh < k.kvh1; kvh++) {
-                if (kvh + 1 < k.kvh1) prefetch_chunk(L, table, j0, rows, bs, kvh + 1, kvh + 2, D);
+                const void *kn[KCHUNK], *vn[KCHUNK]; /* the next KV head's rows, asked for while this one computes */
+                hx_ahead ahead = ahead_none();
+                if (kvh + 1 < k.kvh1) {
+                    chunk_rows(L, table, j0, rows, bs, kvh + 1, kn, vn);
+                    ahead = ahead_of(kn, vn, rows, row_bytes, per);
+                }
                 chunk_rows(L, table, j0, rows, bs, kvh, kp, vp);
                 for (int64_t i = k.i0; i < k.i1; i++) {
                     const int64_t pos = prefix + i, row = qsl[k.b] + i;
@@ -650,12 +715,16 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
                     const int64_t n = pos + 1 - j0 < KCHUNK ? pos + 1 - j0 : KCHUNK;
                     float *p = part + part_base[row] + (kvh * (pos / KCHUNK + 1) + k.chunk) * P;
                     chunk_partial(q + row * q_stride + kvh * G * D, G, kp, vp, n, D, scale, p + G * D, p + G * D + G,
-                                  p, (int)L->kv_half);
+                                  p, (int)L->kv_half, &ahead);
                 }
+                const int64_t ticks = ahead.ticks;
+                ahead_finish(&ahead); /* what the key loops did not get to */
+                per = ahead_rate(rows, row_bytes, ticks);
             }
             continue;
         }
-        /* a tile of rows: every chunk in order, each folded as soon as it is computed */
+        /* a tile of rows: every chunk in order, each folded as soon as it is computed (16 rows a chunk: more
+         * arithmetic per byte than a decode row, so nothing asked for ahead) */
         const int64_t rows = k.i1 - k.i0;
         float *state = scratch((size_t)(rows * G * (D + 2) + P)); /* per (row, head): O (D), M, S; then a partial */
         if (!state) {
@@ -678,7 +747,7 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
                 if (pos < j0) continue;
                 const int64_t n = pos + 1 - j0 < KCHUNK ? pos + 1 - j0 : KCHUNK;
                 chunk_partial(q + row * q_stride + k.kvh * G * D, G, kp, vp, n, D, scale, p + G * D, p + G * D + G, p,
-                              (int)L->kv_half);
+                              (int)L->kv_half, NULL);
                 for (int64_t g = 0; g < G; g++) {
                     float *s = state + ((i - k.i0) * G + g) * (D + 2);
                     fold(s + D, s + D + 1, s, p[G * D + g], p[G * D + G + g], p + g * D, D);
