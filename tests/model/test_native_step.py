@@ -54,16 +54,18 @@ def test_paged_attention_matches_the_reference(
 ) -> None:
     """Decode rows, whole prefills, extends after a cached prefix and short multi-row extends in one
     batch; lengths across block boundaries and across the chunks of 128 keys; GQA groups of 1 to 16, and
-    tasks over several KV heads (each asking for the next head's rows while it computes one) at head sizes
-    16 to 128; on each instruction-set path this CPU runs; float32 and float16 caches (read back exactly)."""
+    tasks over several KV heads (each asking for the next head's rows while it computes one: with 2 threads,
+    the 16 chunks of the split rows are enough for that) at head sizes 16 to 128; on each instruction-set path
+    this CPU runs; float32 and float16 caches (read back exactly)."""
     use_kernel_path(path, monkeypatch)
     g = torch.Generator().manual_seed(heads * d)
-    lens = [1, block_size, block_size + 1, 37, 128, 129, 300, 260, 140]
-    qlens = [1, block_size, 1, 37, 1, 2, 40, 260, 9]  # decode, prefill, split extend (<= 8 rows), tiled
+    lens = [1, block_size, block_size + 1, 37, 128, 129, 300, 260, 140, 1100, 1030]
+    qlens = [1, block_size, 1, 37, 1, 2, 40, 260, 9, 1, 3]  # decode, prefill, split extend (<= 8 rows), tiled
     q, k_cache, v_cache, tables, seq_lens, starts = _paged_inputs(g, lens, qlens, heads, kv_heads, d, block_size)
     k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     want = reference.paged_attention(q.double(), k_cache.double(), v_cache.double(), tables, seq_lens, starts)
-    got = paged_attention(q, k_cache, v_cache, tables, seq_lens, starts)
+    with torch_threads(2):
+        got = paged_attention(q, k_cache, v_cache, tables, seq_lens, starts)
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
 
 
