@@ -262,30 +262,15 @@ static void chunk_rows(const hx_layer *L, const int32_t *table, int64_t j0, int6
     }
 }
 
-/* Ask for the cache lines of the K and V rows of keys [j0, j0 + n) of KV head kvh, D elements each, into L2,
- * all at once (a decode task's first KV head, before it starts; the next heads' rows are asked for while it
- * computes, see hx_ahead). A chunk's rows lie in blocks scattered over the pool, which the hardware prefetchers
- * do not follow: without this each block's first reads wait on memory in turn (at 8k tokens of context, K/V
- * coming from memory, 1.2-1.3x slower). Changes no value. */
-static void prefetch_chunk(const hx_layer *L, const int32_t *table, int64_t j0, int64_t n, int64_t bs, int64_t kvh,
-                           int64_t d) {
-    const void *kp[KCHUNK], *vp[KCHUNK];
-    const int64_t bytes = d * (L->kv_half ? 2 : 4);
-    chunk_rows(L, table, j0, n, bs, kvh, kp, vp);
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t b = 0; b < bytes; b += 64) {
-            _mm_prefetch((const char *)kp[j] + b, _MM_HINT_T1);
-            _mm_prefetch((const char *)vp[j] + b, _MM_HINT_T1);
-        }
-}
-
-/* The K and V rows of the KV head a decode task computes next, asked for (into L2) a few cache lines at a time
- * while it computes the one before: every key loop of the attention ticks, and each tick asks for `per` more
- * lines, the K rows' first, `per` set so that the lines spread over the ticks the head before made (every head
- * of a task makes the same ticks; the first guesses AHEAD_FIRST). Asked for all at once before the head
- * before it started (as a task's first head still is), the requests filled the core's miss buffers and the
- * computation waited for most of them: with K/V from memory a decode row at 4k-8k keys ran 1.2-1.8x slower than
- * this way (Zen 4, both paths; bench/cpu_attention.py). Changes no value. */
+/* K and V rows asked for (into L2) ahead of their use. A chunk's rows lie in blocks scattered over the pool,
+ * which the hardware prefetchers do not follow: without asking, each block's first reads wait on memory in turn.
+ * A decode task asks for its first KV head's rows all at once before it starts (`ahead_finish` at once), and
+ * for each next KV head's a few cache lines at a time while it computes the one before: every key loop of the
+ * attention ticks, and each tick asks for `per` more lines, the K rows' first, `per` set so that the lines
+ * spread over the ticks the head before made (every head of a task makes the same ticks; the first guesses
+ * AHEAD_FIRST). Asked for all at once before the head before it started, the requests filled the core's miss
+ * buffers and the computation waited for most of them: with K/V from memory a decode row at 4k-8k keys ran
+ * 1.2-1.8x slower than this way (Zen 4, both paths; bench/cpu_attention.py). Changes no value. */
 #define AHEAD_FIRST 2
 
 typedef struct {
@@ -698,28 +683,32 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
         if (k.chunk >= 0) { /* this chunk's partial of every row that reaches it */
             const int64_t j0 = k.chunk * KCHUNK, last = prefix + k.i1 - 1;
             const int64_t rows = last + 1 - j0 < KCHUNK ? last + 1 - j0 : KCHUNK;
-            prefetch_chunk(L, table, j0, rows, bs, k.kvh, D);
             const int64_t row_bytes = D * (L->kv_half ? 2 : 4);
+            const void *kn[KCHUNK], *vn[KCHUNK];
+            const void **ck = kp, **cv = vp, **nk = kn, **nv = vn; /* this KV head's rows, the next one's */
+            chunk_rows(L, table, j0, rows, bs, k.kvh, ck, cv);
+            hx_ahead first = ahead_of(ck, cv, rows, row_bytes, 1);
+            ahead_finish(&first); /* the first KV head's rows, all at once */
             int64_t per = AHEAD_FIRST;
             for (int64_t kvh = k.kvh; kvh < k.kvh1; kvh++) {
-                const void *kn[KCHUNK], *vn[KCHUNK]; /* the next KV head's rows, asked for while this one computes */
-                hx_ahead ahead = ahead_none();
+                hx_ahead ahead = ahead_none(); /* the next KV head's rows, asked for while this one computes */
                 if (kvh + 1 < k.kvh1) {
-                    chunk_rows(L, table, j0, rows, bs, kvh + 1, kn, vn);
-                    ahead = ahead_of(kn, vn, rows, row_bytes, per);
+                    chunk_rows(L, table, j0, rows, bs, kvh + 1, nk, nv);
+                    ahead = ahead_of(nk, nv, rows, row_bytes, per);
                 }
-                chunk_rows(L, table, j0, rows, bs, kvh, kp, vp);
                 for (int64_t i = k.i0; i < k.i1; i++) {
                     const int64_t pos = prefix + i, row = qsl[k.b] + i;
                     if (pos < j0) continue;
                     const int64_t n = pos + 1 - j0 < KCHUNK ? pos + 1 - j0 : KCHUNK;
                     float *p = part + part_base[row] + (kvh * (pos / KCHUNK + 1) + k.chunk) * P;
-                    chunk_partial(q + row * q_stride + kvh * G * D, G, kp, vp, n, D, scale, p + G * D, p + G * D + G,
+                    chunk_partial(q + row * q_stride + kvh * G * D, G, ck, cv, n, D, scale, p + G * D, p + G * D + G,
                                   p, (int)L->kv_half, &ahead);
                 }
                 const int64_t ticks = ahead.ticks;
                 ahead_finish(&ahead); /* what the key loops did not get to */
                 per = ahead_rate(rows, row_bytes, ticks);
+                const void **tk = ck, **tv = cv; /* the next KV head's rows become this one's */
+                ck = nk, cv = nv, nk = tk, nv = tv;
             }
             continue;
         }
