@@ -35,7 +35,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -77,18 +76,11 @@ def inputs(shape: tuple[int, int, int], context: int, rows: int, seed: int = 0) 
 
 
 def baseline_library(tree: Path, path: isa.KernelPath) -> ctypes.CDLL:
-    """`tree`'s kernel source built with `path`'s flags (as helexa.model.quant.native builds its own)."""
-    csrc = tree / "helexa" / "model" / "quant" / "csrc"
-    out = Path(tempfile.mkdtemp(prefix="helexa-baseline-")) / f"{path.name}.so"
-    flags = [*native._FLAGS, *path.compile_flags]
-    subprocess.run(
-        [native._compiler() or "cc", *flags, "-o", str(out), str(csrc / "wq_gemm.c"), str(csrc / "step.c"), "-lm"],
-        check=True,
-    )
-    lib = ctypes.CDLL(str(out))
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.helexa_paged_attention.argtypes = [p, p, p, *[i64] * 8, p, p, i64, p, ctypes.c_float, i64, p]
-    lib.helexa_set_threads.argtypes = [i64]
+    """`tree`'s kernel sources built with `path`'s flags and loaded (`native.load_path` with its `csrc`, as helexa
+    builds its own); SystemExit with the reason when that fails."""
+    lib, why = native.load_path(path, csrc=tree / "helexa" / "model" / "quant" / "csrc")
+    if lib is None:
+        raise SystemExit(f"the kernels of {tree} do not load: {why}")
     return lib
 
 
