@@ -208,6 +208,30 @@ def test_native_kernel_is_exact_on_integer_activations(path: str, monkeypatch: p
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("path", kernel_paths())
+def test_the_kernels_activations_are_quantize_activations_bit_for_bit(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On random activations the kernel's int8 round trip of x is `quantize_activations(x)` bit for bit, on each
+    instruction-set path: an int8 identity weight with unit scales gives back each activation as the kernel
+    quantized it (one product per output; every other block's integer sum is exactly zero). Rows of 3 blocks at
+    1 to 19 rows, so the kernel's groups of 8 blocks straddle rows and the last group is part-filled; rows
+    scaled from 1e-3 to 1e3; a block of zeros (d = 0) and a block holding one value."""
+    use_kernel_path(path, monkeypatch)
+    g = torch.Generator().manual_seed(11)
+    k = 96
+    weight = native.tile_int8(torch.eye(k, dtype=torch.int8), torch.ones(k, k // 32))
+    for rows in (1, 2, 3, 5, 8, 19):
+        x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, rows).unsqueeze(1)
+        x[0, 32:64] = 0.0
+        if rows > 2:
+            x[2, :32] = 0.0
+            x[2, 5] = -7.25
+        want = native.quantize_activations(x)
+        assert not torch.equal(want, x)  # the round trip changes random activations: the test can tell
+        assert torch.equal(native.int8_gemm(x, weight), want), rows
+
+
 _ROW_COUNTS = [*range(1, 10), 16, 17, 35]  # every register tile of rows (1-4), whole AMX tiles of 16 and after
 
 
