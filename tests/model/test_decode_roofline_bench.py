@@ -6,23 +6,18 @@ bandwidth mode they saw."""
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.bench import bench_module
 
 
 @pytest.fixture
 def decode_roofline(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    sys.modules.pop("decode_roofline", None)
-    import decode_roofline
-
-    return decode_roofline
+    return bench_module("decode_roofline", monkeypatch)
 
 
 def test_the_report_groups_rounds_by_bandwidth_mode_and_pairs_the_libraries(decode_roofline: ModuleType) -> None:
