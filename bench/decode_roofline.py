@@ -158,23 +158,34 @@ def report(rounds: list[dict[str, Any]], nbytes: int, head: str, split: float) -
     return "\n".join(lines) + "\n"
 
 
-def plot(rounds: list[dict[str, Any]], nbytes: int, head: str, path: Path) -> None:
+def plot_fractions(
+    points: dict[str, list[tuple[float, float]]], ylabel: str, target: str, head: str, path: Path
+) -> None:
+    """Each series' (read bandwidth in GB/s, % of the roofline) points against issue 36's 80% line (`target` its
+    legend), titled `head`, written to `path` as a PNG (also `bench/gemm_chain.py`'s)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name in _names(rounds):
-        bws = [statistics.fmean(r["bandwidth"]) / 1e9 for r in rounds]
-        ax.scatter(bws, [100 * nbytes / r[name] / (bw * 1e9) for r, bw in zip(rounds, bws)], label=name, s=14)
-    ax.axhline(80, color="grey", ls="--", lw=1, label="issue 36's target (80%)")
+    for name, xy in points.items():
+        ax.scatter([x for x, _ in xy], [y for _, y in xy], label=name, s=14)
+    ax.axhline(80, color="grey", ls="--", lw=1, label=target)
     ax.set_xlabel("read bandwidth around the round (GB/s)")
-    ax.set_ylabel("decode step, % of the read roofline")
+    ax.set_ylabel(ylabel)
     ax.set_title(head, fontsize=7, wrap=True)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot(rounds: list[dict[str, Any]], nbytes: int, head: str, path: Path) -> None:
+    bws = [statistics.fmean(r["bandwidth"]) / 1e9 for r in rounds]
+    points = {
+        name: [(bw, 100 * nbytes / r[name] / (bw * 1e9)) for r, bw in zip(rounds, bws)] for name in _names(rounds)
+    }
+    plot_fractions(points, "decode step, % of the read roofline", "issue 36's target (80%)", head, path)
 
 
 def main() -> None:
