@@ -189,8 +189,7 @@ static void rms_norm(const float *x, const float *w, int64_t n, double eps, floa
 
 /* rms_norm of each of the T rows (T, n) -> (T, n). */
 static void rms_norm_rows(const float *x, const float *w, int64_t T, int64_t n, double eps, float *y) {
-#pragma omp parallel for schedule(static) if (T >= ROWS_PAR) num_threads(helexa_threads())
-    for (int64_t t = 0; t < T; t++) rms_norm(x + t * n, w, n, eps, y + t * n);
+    HX_FOR(T >= ROWS_PAR, t, T, { rms_norm(x + t * n, w, n, eps, y + t * n); });
 }
 
 /* y (m, n) = x (m, k) @ W.T (+ bias), x's rows ldx floats apart. Returns helexa_wq_gemm's 0 or -1. */
@@ -209,14 +208,14 @@ static int linear(const hx_linear *l, const float *x, int64_t m, int64_t ldx, fl
 static void rope_tables(const int64_t *positions, const float *inv_freq, int64_t T, int64_t d, float *cos_t,
                         float *ssin_t) {
     const int64_t h = d / 2;
-#pragma omp parallel for schedule(static) if (T >= 64) num_threads(helexa_threads())
-    for (int64_t t = 0; t < T; t++)
+    HX_FOR(T >= 64, t, T, {
         for (int64_t i = 0; i < h; i++) {
             const float a = (float)positions[t] * inv_freq[i], c = cosf(a), s = sinf(a);
             cos_t[t * d + i] = cos_t[t * d + h + i] = c;
             ssin_t[t * d + i] = -s;
             ssin_t[t * d + h + i] = s;
         }
+    });
 }
 
 /* One head (D,) in place: optional RMSNorm, then rotate-half RoPE with cos and signed sin (D,). */
@@ -750,9 +749,8 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
             }
         free(state);
     }
-    /* the split rows: fold each (row, head)'s partials in chunk order */
-#pragma omp parallel for schedule(static) num_threads(helexa_threads())
-    for (int64_t b = 0; b < B; b++) {
+    /* the split rows: fold each (row, head)'s partials in chunk order (one sequence's on one thread) */
+    HX_FOR(B >= 2, b, B, {
         const int64_t qlen = qsl[b + 1] - qsl[b], prefix = seq_lens[b] - qlen;
         if (qlen <= 0 || qlen > SPLIT_ROWS) continue;
         for (int64_t i = 0; i < qlen; i++) {
@@ -768,7 +766,7 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
                 finish(O, S, D, out + row * out_stride + h * D);
             }
         }
-    }
+    });
     return failed ? -1 : 0;
 }
 
@@ -841,14 +839,13 @@ static int decoder(const hx_model *m, int64_t T, float *x, const int64_t *positi
         const hx_layer *L = m->layers + li;
         rms_norm_rows(x, L->input_norm, T, E, m->eps, h);
         if (linear(&L->qkv, h, T, E, qkv)) return -1;
-#pragma omp parallel for schedule(static) if (T >= ROWS_PAR) num_threads(helexa_threads())
-        for (int64_t t = 0; t < T; t++) {
+        HX_FOR(T >= ROWS_PAR, t, T, {
             float *row = qkv + t * QKV;
             for (int64_t hd = 0; hd < H; hd++) rope_head(row + hd * D, L->q_norm, m->eps, cos_t + t * D, ssin_t + t * D, D);
             for (int64_t hd = 0; hd < KVH; hd++)
                 rope_head(row + QS + hd * D, L->k_norm, m->eps, cos_t + t * D, ssin_t + t * D, D);
             write_cache(L, slots[t], BS, row + QS, row + QS + KS, KVH, D);
-        }
+        });
         const int rc =
             attend(qkv, QKV, L, query_start_loc, block_tables, table_stride, seq_lens, B, H, KVH, D, BS, scale, h, QS);
         if (rc) return rc;
@@ -858,9 +855,9 @@ static int decoder(const hx_model *m, int64_t T, float *x, const int64_t *positi
         for (int64_t t0 = 0; t0 < T; t0 += MLP_ROWS) { /* the MLP, MLP_ROWS rows at a time (see there) */
             const int64_t n = T - t0 < MLP_ROWS ? T - t0 : MLP_ROWS;
             if (linear(&L->gate_up, h + t0 * E, n, E, gu)) return -1;
-#pragma omp parallel for schedule(static) if (n >= ROWS_PAR) num_threads(helexa_threads())
-            for (int64_t t = 0; t < n; t++) /* in place: each row's activations over its gate half */
+            HX_FOR(n >= ROWS_PAR, t, n, { /* in place: each row's activations over its gate half */
                 silu_mul(gu + t * 2 * I, gu + t * 2 * I + I, I, gu + t * 2 * I);
+            });
             if (linear(&L->down, gu, n, 2 * I, down)) return -1;
             for (int64_t i = 0; i < n * E; i++) x[t0 * E + i] += down[i]; /* its rows' residual: no other piece reads x */
         }

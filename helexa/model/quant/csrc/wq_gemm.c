@@ -104,8 +104,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int
     const int64_t n = M * (K / QK), blocks = K / QK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undo the packs' lane interleave */
-#pragma omp parallel for schedule(static) if (n > 512) num_threads(helexa_threads())
-    for (int64_t i = 0; i < n; i++) {
+    HX_FOR(n > 512, i, n, {
         const float *v = x + (i / blocks) * ldx + (i % blocks) * QK;
         __m256 f[4];
         __m256 amax = _mm256_setzero_ps();
@@ -131,7 +130,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int
         d[i] = di;
         qs[i] = _mm_cvtsi128_si32(s4);
         xs[i] = di * (float)qs[i];
-    }
+    });
 }
 
 /* The integer dot products of one block of 32 k for rows [0, R) of a tile's 8 columns [8 h, 8 h + 8)
@@ -524,8 +523,7 @@ int helexa_dequantize_rows(const uint8_t *q4, const int8_t *q8, const void *scal
     for (int64_t r = 0; r < R; r++)
         if (ids[r] < 0 || ids[r] >= N) return -3;
     const int64_t groups = K / G;
-#pragma omp parallel for schedule(static) if (R * K >= 65536) num_threads(helexa_threads())
-    for (int64_t r = 0; r < R; r++) {
+    HX_FOR(R * K >= 65536, r, R, {
         const int64_t t = ids[r] / NR, c = ids[r] % NR;
         float *y = x + r * K;
         for (int64_t g = 0; g < groups; g++) {
@@ -546,6 +544,6 @@ int helexa_dequantize_rows(const uint8_t *q4, const int8_t *q8, const void *scal
                     y[k] = (float)q8[(t * (K / 4) + k / 4) * 64 + 4 * c + k % 4] * s;
             }
         }
-    }
+    });
     return 0;
 }
