@@ -103,8 +103,7 @@ def call_seconds(lib: Any) -> float:
 def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int, int, str]:
     """(each round's {"bandwidth": [before, after], contender: seconds}, bytes read, calls in the chain, head)."""
     torch.set_num_threads(args.threads)
-    lib = native.library()
-    lib.helexa_set_threads(args.threads)
+    lib = native.library()  # set to torch's thread count, just set
     shapes = projections(args.model)
     rng = np.random.default_rng(0)
     print(f"making {len(shapes)} weights of {args.model}'s projections and one of the same bytes ...", flush=True)
