@@ -948,8 +948,7 @@ static int64_t argmax_of(const float *x, int64_t n) {
 /* out[r] = argmax_of(row r) for x (rows, cols), cols > 0, rows `stride` floats apart: a greedy step's
  * tokens from its logits, the rows in parallel from 4 of them. */
 void helexa_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out) {
-#pragma omp parallel for schedule(static) if (rows >= 4) num_threads(helexa_threads())
-    for (int64_t r = 0; r < rows; r++) out[r] = argmax_of(x + r * stride, cols);
+    HX_FOR(rows >= 4, r, rows, { out[r] = argmax_of(x + r * stride, cols); });
 }
 
 /* Log-probabilities of one row x (n > 0 floats): *mx its maximum, *logsum log of the sum of exp(x - *mx)
