@@ -4,20 +4,17 @@ step."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.bench import bench_module
 
 
 @pytest.mark.parametrize("mode", ["off", "default"])
 def test_host_step_parts_add_up(tiny_model_dir: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    sys.modules.pop("host_step", None)
-    import host_step
+    host_step = bench_module("host_step", monkeypatch)
 
     row = host_step._measure(str(tiny_model_dir), 4, mode, steps=6)
     assert set(row) == {"step", "host", "forward", "forward python", "other", *host_step.PARTS}
@@ -31,9 +28,7 @@ def test_host_step_parts_add_up(tiny_model_dir: Path, mode: str, monkeypatch: py
 def test_host_step_counts_the_python_around_a_fused_step(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a model on the fused CPU step, the model's compute is the native calls alone: the Python around them
     is host work, in its own part, and the host work is the step less those calls."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    sys.modules.pop("host_step", None)
-    import host_step
+    host_step = bench_module("host_step", monkeypatch)
 
     from helexa.model.quant import native
 

@@ -4,20 +4,19 @@ each process's CPU a token come back, and the server (with its core) is gone aft
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.bench import bench_module
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_serve_streams_measures_every_load(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
     for name in ("TRITON_INTERPRET", "HELEXA_DEBUG"):  # the suite's settings: the benchmark runs without them
         monkeypatch.delenv(name, raising=False)
-    sys.modules.pop("serve_streams", None)
-    import serve_streams
+    serve_streams = bench_module("serve_streams", monkeypatch)
 
     before = set(os.listdir("/proc"))
     rows = serve_streams._measure(REPO, tiny_model_dir, tokens=4)
