@@ -1,8 +1,8 @@
 """The fused CPU step's paged attention alone, per instruction-set path, against torch and an older tree.
 
 For each model shape (query heads / KV heads / head size: SmolLM2-135M 9/3/64, a 1B Llama 32/4/64, an
-8B Llama 32/8/128) and context length, one sequence's query rows over a float16 paged cache (blocks of
-16, scattered) are attended by:
+8B Llama 32/8/128), context length and number of sequences (`--sequences`, 1 by default), the sequences'
+query rows over a float16 paged cache (blocks of 16, scattered over one pool) are attended by:
 
 - `helexa`: this tree's kernel (`helexa_paged_attention`, what `native_step.paged_attention` calls) on
   every path this CPU runs;
@@ -13,15 +13,18 @@ For each model shape (query heads / KV heads / head size: SmolLM2-135M 9/3/64, a
   into contiguous float32 tensors (its best case: the gathering is not timed), for one row (decode)
   only, where it has no mask to build.
 
-Rows: 1 (a decode row) and 16 (a tile of prefill rows at the end of the context). Each contender calls
+Rows: 1 (a decode row) and 16 (a tile of prefill rows at the end of the context) for one sequence; one
+decode row each for more (a batched decode step's attention). Each contender calls
 `--layers` distinct caches in turn, as a model's layers are, so with the default 8 the K/V come from
 memory as in a long context's decode (`--layers 1`: the same cache every call, K/V in cache). Every
 result is checked bit for bit against the first path's and against the baseline's (both promise the
-same bits) and against the float64 reference. Each round times every contender back to back (10 calls
+same bits) and against the float64 reference. The table also gives the rate at which the best path read
+the K/V (every key of every sequence once). Each round times every contender back to back (10 calls
 or more each), in an order shuffled per round (a fixed order made the contender after torch's SDPA, whose
 float32 copies evict the caches, measure slower); the median over `--rounds` rounds counts.
 
     python bench/cpu_attention.py [--baseline /tmp/base] [--threads 2] [--rounds 9] [--layers 8]
+    python bench/cpu_attention.py --models 135m,1b --contexts 128,1024 --sequences 16,64   # batched decode
 
 Prints the CPU model and the paths; writes `bench/results/cpu_attention.md` and `.png` (`--out STEM`: `STEM.md`
 and `STEM.png`).
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import random
 import statistics
 import subprocess
@@ -55,23 +59,27 @@ BLOCK = 16
 CALLS = 10  # calls per timing
 
 
-def inputs(shape: tuple[int, int, int], context: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """q (rows, H, D) for the last `rows` positions of a `context`-token sequence whose float16 keys and
-    values lie in scattered blocks: (q, k_cache, v_cache, tables, seq_lens, starts)."""
+def inputs(
+    shape: tuple[int, int, int], context: int, rows: int, seed: int = 0, sequences: int = 1
+) -> tuple[torch.Tensor, ...]:
+    """q (sequences x rows, H, D) for the last `rows` positions of each of `sequences` sequences of `context`
+    tokens, whose float16 keys and values lie in blocks scattered over one pool: (q, k_cache, v_cache,
+    tables, seq_lens, starts)."""
     heads, kv_heads, d = shape
     g = torch.Generator().manual_seed(seed)
     blocks = -(-context // BLOCK)
-    k_cache = torch.randn(blocks + 1, BLOCK, kv_heads, d, generator=g).half()
-    v_cache = torch.randn(blocks + 1, BLOCK, kv_heads, d, generator=g).half()
-    tables = (torch.randperm(blocks + 1, generator=g)[:blocks]).to(torch.int32)[None]
-    q = torch.randn(rows, heads, d, generator=g) * 2
+    pool = sequences * blocks + 1
+    k_cache = torch.randn(pool, BLOCK, kv_heads, d, generator=g).half()
+    v_cache = torch.randn(pool, BLOCK, kv_heads, d, generator=g).half()
+    tables = torch.randperm(pool, generator=g)[: sequences * blocks].to(torch.int32).view(sequences, blocks)
+    q = torch.randn(sequences * rows, heads, d, generator=g) * 2
     return (
         q,
         k_cache,
         v_cache,
         tables,
-        torch.tensor([context], dtype=torch.int32),
-        torch.tensor([0, rows], dtype=torch.int32),
+        torch.full((sequences,), context, dtype=torch.int32),
+        torch.arange(0, sequences * rows + 1, rows, dtype=torch.int32),
     )
 
 
@@ -90,7 +98,8 @@ def call_library(lib: ctypes.CDLL, args: tuple[torch.Tensor, ...]) -> torch.Tens
     q, k, v, tables, lens, starts = args
     out = torch.full_like(q, float("nan"))
     rc = lib.helexa_paged_attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), *k.stride()[:3], BLOCK, 1, q.shape[1], k.shape[2], q.shape[2],
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), *k.stride()[:3], BLOCK, tables.shape[0], q.shape[1], k.shape[2],
+        q.shape[2],
         starts.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), q.shape[2] ** -0.5, 1,
         out.data_ptr(),
     )  # fmt: skip
@@ -100,13 +109,14 @@ def call_library(lib: ctypes.CDLL, args: tuple[torch.Tensor, ...]) -> torch.Tens
 
 
 def sdpa_call(args: tuple[torch.Tensor, ...]) -> Callable[[], torch.Tensor]:
-    """torch's attention of the one query row over the same keys and values, gathered contiguous first."""
+    """torch's attention of each sequence's one query row over the same keys and values, gathered contiguous
+    first (every sequence is as long: one batched call)."""
     q, k_cache, v_cache, tables, lens, _ = args
     n = int(lens[0])
-    k = k_cache[tables[0].long()].flatten(0, 1)[:n].float().transpose(0, 1)[None]  # (1, KVH, n, D)
-    v = v_cache[tables[0].long()].flatten(0, 1)[:n].float().transpose(0, 1)[None]
-    qt = q.transpose(0, 1)[None]  # (1, H, 1, D)
-    return lambda: F.scaled_dot_product_attention(qt, k, v, enable_gqa=True)[0].transpose(0, 1)
+    k = k_cache[tables.long()].flatten(1, 2)[:, :n].float().transpose(1, 2)  # (S, KVH, n, D)
+    v = v_cache[tables.long()].flatten(1, 2)[:, :n].float().transpose(1, 2)
+    qt = q[:, :, None]  # (S, H, 1, D)
+    return lambda: F.scaled_dot_product_attention(qt, k, v, enable_gqa=True)[:, :, 0]
 
 
 def timed(fns: list[Callable[[], object]]) -> float:
@@ -126,6 +136,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--contexts", default="1024,4096,8128")
     parser.add_argument("--models", default="135m,1b,8b")
+    parser.add_argument(
+        "--sequences",
+        default="1",
+        help="sequences per call, each of every context length (more than 1: one decode row each, as a "
+        "batched decode step's attention)",
+    )
     parser.add_argument(
         "--out", type=Path, default=RESULTS / "cpu_attention", help="where to write STEM.md and STEM.png"
     )
@@ -149,9 +165,9 @@ def main() -> None:
 
     rows_out: list[dict] = []
     for model in args.models.split(","):
-        for context in map(int, args.contexts.split(",")):
-            for rows in (1, 16):
-                cases = [inputs(SHAPES[model], context, rows, seed) for seed in range(args.layers)]
+        for context, sequences in itertools.product(map(int, args.contexts.split(",")), _ints(args.sequences)):
+            for rows in (1, 16) if sequences == 1 else (1,):
+                cases = [inputs(SHAPES[model], context, rows, seed, sequences) for seed in range(args.layers)]
                 case = cases[0]
                 want = reference.paged_attention(*(t.double() if t.is_floating_point() else t for t in case))
                 contenders: dict[str, list[Callable[[], torch.Tensor]]] = {}
@@ -173,14 +189,31 @@ def main() -> None:
                     for k in order.sample(list(contenders), len(contenders)):
                         times[k].append(timed(contenders[k]))
                 ms = {k: statistics.median(v) for k, v in times.items()}
-                rows_out.append({"model": model, "context": context, "rows": rows, "ms": ms, "same_bits": same})
+                case_of = {"model": model, "context": context, "sequences": sequences, "rows": rows}
+                rows_out.append({**case_of, "ms": ms, "same_bits": same})
                 print(
-                    f"{model} {context:>5} keys x {rows:>2} rows: "
+                    f"{model} {sequences:>3} x {context:>5} keys x {rows:>2} rows: "
                     + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
                     + ("" if same else "  (NOT the same bits)"),
                     flush=True,
                 )
     _write(rows_out, paths, baselines, args)
+
+
+def _ints(text: str) -> list[int]:
+    """The positive integers of a comma-separated list; SystemExit naming the bad item."""
+    values = []
+    for item in text.split(","):
+        if not item.strip().isdigit() or int(item) < 1:
+            raise SystemExit(f"--sequences takes positive integers separated by commas, got {item!r}")
+        values.append(int(item))
+    return values
+
+
+def kv_bytes(model: str, sequences: int, context: int) -> int:
+    """Bytes of float16 K and V a call reads: every key of every sequence, every KV head."""
+    _, kvh, d = SHAPES[model]
+    return 2 * sequences * context * kvh * d * 2
 
 
 def _commit(tree: Path) -> str:
@@ -200,8 +233,10 @@ def _write(rows: list[dict], paths: list[str], baselines: dict, args: argparse.N
         f"median of {args.rounds} rounds of {CALLS} calls or more, the contenders in a shuffled order each round"
         + (f"; baseline: {args.baseline} ({_commit(args.baseline)})" if baselines else ""),
         "",
-        "| model (H / KVH / D) | keys | rows | " + " | ".join(f"{n} (ms)" for n in names) + " | ratios | same bits |",
-        "|---|---|---|" + "---|" * len(names) + "---|---|",
+        "| model (H / KVH / D) | sequences | keys | rows | "
+        + " | ".join(f"{n} (ms)" for n in names)
+        + f" | K/V read, helexa {paths[-1]} (GB/s) | ratios | same bits |",
+        "|---|---|---|---|" + "---|" * len(names) + "---|---|---|",
     ]
     for r in rows:
         h, kvh, d = SHAPES[r["model"]]
@@ -213,10 +248,11 @@ def _write(rows: list[dict], paths: list[str], baselines: dict, args: argparse.N
             if "torch SDPA" in ms:
                 ratios.append(f"{p} vs SDPA {ms['torch SDPA'] / ms[f'helexa {p}']:.2f}x")
         cells = [f"{ms[n]:.3f}" if n in ms else "—" for n in names]
+        rate = kv_bytes(r["model"], r["sequences"], r["context"]) / (ms[f"helexa {paths[-1]}"] * 1e6)
         head.append(
-            f"| {r['model']} ({h} / {kvh} / {d}) | {r['context']} | {r['rows']} | "
+            f"| {r['model']} ({h} / {kvh} / {d}) | {r['sequences']} | {r['context']} | {r['rows']} | "
             + " | ".join(cells)
-            + f" | {'; '.join(ratios)} | {'yes' if r['same_bits'] else 'NO'} |"
+            + f" | {rate:.1f} | {'; '.join(ratios)} | {'yes' if r['same_bits'] else 'NO'} |"
         )
     args.out.with_suffix(".md").write_text("\n".join(head) + "\n")
     print("\n".join(head))
@@ -227,7 +263,7 @@ def _write(rows: list[dict], paths: list[str], baselines: dict, args: argparse.N
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 3.8))
-    labels = [f"{r['model']} {r['context']}x{r['rows']}" for r in rows]
+    labels = [f"{r['model']} {r['sequences']}x{r['context']}x{r['rows']}" for r in rows]
     width = 0.8 / len(names)
     for i, n in enumerate(names):
         ax.bar([j + i * width for j in range(len(rows))], [r["ms"].get(n, 0.0) for r in rows], width=width, label=n)
