@@ -123,6 +123,17 @@ def _names(rounds: list[dict[str, Any]]) -> list[str]:
     return sorted((k for k in rounds[0] if k != "bandwidth"), key=lambda k: k != THIS)
 
 
+def bandwidth_modes(rounds: list[dict[str, Any]], split: float) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The rounds in this VM's two bandwidth modes: ("slow", those whose mean sampled bandwidth is under `split`
+    GB/s), then ("fast", the rest); a mode without rounds is left out (also `bench/gemm_chain.py`'s)."""
+    modes = []
+    for mode, fast in (("slow", False), ("fast", True)):
+        group = [r for r in rounds if (statistics.fmean(r["bandwidth"]) >= split * 1e9) == fast]
+        if group:
+            modes.append((mode, group))
+    return modes
+
+
 def report(rounds: list[dict[str, Any]], nbytes: int, head: str, split: float) -> str:
     names = _names(rounds)
     lines = [
@@ -135,10 +146,7 @@ def report(rounds: list[dict[str, Any]], nbytes: int, head: str, split: float) -
         "|---|---:|---:|---|---:|---:|---:|",
     ]
     ratios: list[str] = []
-    for mode, pick in (("slow", lambda bw: bw < split * 1e9), ("fast", lambda bw: bw >= split * 1e9)):
-        group = [r for r in rounds if pick(statistics.fmean(r["bandwidth"]))]
-        if not group:
-            continue
+    for mode, group in bandwidth_modes(rounds, split):
         bw = statistics.median(statistics.fmean(r["bandwidth"]) for r in group)
         for name in names:
             step = statistics.median(r[name] for r in group)

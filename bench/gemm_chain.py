@@ -43,7 +43,7 @@ import torch  # noqa: E402
 from peers import read_bandwidth  # noqa: E402
 from random_gguf import SHAPES  # noqa: E402
 
-from bench.decode_roofline import plot_fractions  # noqa: E402
+from bench.decode_roofline import bandwidth_modes, plot_fractions  # noqa: E402
 from bench.machine import cpu_name  # noqa: E402
 from helexa.model.quant import hugepages, native  # noqa: E402
 
@@ -174,10 +174,7 @@ def report(rounds: list[dict[str, Any]], calls: int, head: str, split: float) ->
         "| the chain less its calls' Python, of roofline | its extra time per call (us) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for mode, pick in (("slow", lambda bw: bw < split * 1e9), ("fast", lambda bw: bw >= split * 1e9)):
-        group = [r for r in rounds if pick(statistics.fmean(r["bandwidth"]))]
-        if not group:
-            continue
+    for mode, group in bandwidth_modes(rounds, split):
         speed = [(r[CHAIN] / r["bytes"][CHAIN]) / (r[ONE] / r["bytes"][ONE]) for r in group]
         bare = [r["bytes"][CHAIN] / (r[CHAIN] - r["python"]) / statistics.fmean(r["bandwidth"]) for r in group]
         extra = [(r[CHAIN] - r["python"] - r[ONE] * r["bytes"][CHAIN] / r["bytes"][ONE]) / calls * 1e6 for r in group]
