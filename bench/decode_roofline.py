@@ -124,14 +124,15 @@ def _names(rounds: list[dict[str, Any]]) -> list[str]:
 
 
 def bandwidth_modes(rounds: list[dict[str, Any]], split: float) -> list[tuple[str, list[dict[str, Any]]]]:
-    """The rounds in this VM's two bandwidth modes: ("slow", those whose mean sampled bandwidth is under `split`
-    GB/s), then ("fast", the rest); a mode without rounds is left out (also `bench/gemm_chain.py`'s)."""
-    modes = []
-    for mode, fast in (("slow", False), ("fast", True)):
-        group = [r for r in rounds if (statistics.fmean(r["bandwidth"]) >= split * 1e9) == fast]
-        if group:
-            modes.append((mode, group))
-    return modes
+    """The rounds in this VM's two bandwidth modes: ("slow", those whose two samples are both under `split`
+    GB/s), ("fast", both at or over it), then ("mixed", those whose samples straddle it: the mode changed while
+    the round ran, so neither mode's fraction applies to them); a group without rounds is left out (also
+    `bench/gemm_chain.py`'s)."""
+    groups: dict[str, list[dict[str, Any]]] = {"slow": [], "fast": [], "mixed": []}
+    for r in rounds:
+        slow = [bw < split * 1e9 for bw in r["bandwidth"]]
+        groups["slow" if all(slow) else "fast" if not any(slow) else "mixed"].append(r)
+    return [(mode, group) for mode, group in groups.items() if group]
 
 
 def report(rounds: list[dict[str, Any]], nbytes: int, head: str, split: float) -> str:
@@ -139,7 +140,8 @@ def report(rounds: list[dict[str, Any]], nbytes: int, head: str, split: float) -
     lines = [
         f"# {head}",
         "",
-        f"Rounds grouped by the read bandwidth sampled around them (split at {split:.0f} GB/s). Step: the median of "
+        f"Rounds grouped by the read bandwidth sampled before and after them (split at {split:.0f} GB/s; mixed: "
+        "the mode changed between the two samples). Step: the median of "
         "the round's steps, then over the mode's rounds; of roofline: weight bytes / step / the round's bandwidth.",
         "",
         "| bandwidth mode | rounds | GB/s (median) | library | step ms | of roofline | GB/s of weights |",

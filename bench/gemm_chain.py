@@ -166,7 +166,8 @@ def report(rounds: list[dict[str, Any]], calls: int, head: str, split: float) ->
     lines = [
         f"# {head}",
         "",
-        f"Rounds grouped by the read bandwidth sampled around them (split at {split:.0f} GB/s); medians over the "
+        f"Rounds grouped by the read bandwidth sampled before and after them (split at {split:.0f} GB/s; mixed: the "
+        "mode changed between the two samples); medians over the "
         "mode's rounds. Of roofline: bytes / time / the round's bandwidth. Speed-up: the chain's time per byte over "
         "the one GEMM's, both within the same round.",
         "",

@@ -26,17 +26,21 @@ def test_the_report_groups_rounds_by_bandwidth_mode_and_pairs_the_libraries(deco
         {base: 0.022, decode_roofline.THIS: 0.020, "bandwidth": [34e9, 36e9]},
         {decode_roofline.THIS: 0.020, base: 0.021, "bandwidth": [35e9, 35e9]},
         {base: 0.018, decode_roofline.THIS: 0.015, "bandwidth": [60e9, 62e9]},
+        {decode_roofline.THIS: 0.014, base: 0.028, "bandwidth": [62e9, 34e9]},  # the mode changed within it
     ]
     text = decode_roofline.report(rounds, 700_000_000, "head", split=45.0)
-    rows = [line for line in text.splitlines() if line.startswith(("| slow", "| fast"))]
+    rows = [line for line in text.splitlines() if line.startswith(("| slow", "| fast", "| mixed"))]
     assert rows == [
         "| slow | 2 | 35.0 | this tree | 20.00 | 100.0% | 35.0 |",
         "| slow | 2 | 35.0 | baseline abc | 21.50 | 93.1% | 32.6 |",
         "| fast | 1 | 61.0 | this tree | 15.00 | 76.5% | 46.7 |",
         "| fast | 1 | 61.0 | baseline abc | 18.00 | 63.8% | 38.9 |",
+        "| mixed | 1 | 48.0 | this tree | 14.00 | 104.2% | 50.0 |",
+        "| mixed | 1 | 48.0 | baseline abc | 28.00 | 52.1% | 25.0 |",
     ]
     assert "- slow: median 1.075x (lowest 1.050, highest 1.100, 2 rounds)" in text
     assert "- fast: median 1.200x (lowest 1.200, highest 1.200, 1 rounds)" in text
+    assert "- mixed: median 2.000x" in text
 
 
 def test_both_libraries_time_the_default_models_step_and_nothing_stays_patched(
