@@ -7,8 +7,9 @@ bytes (the GGUF's tensors, as `bench/peers.py` counts them). This VM's bandwidth
 says little. Each round here samples the bandwidth (`peers.read_bandwidth`: a sum over 1 GiB on 2 MiB pages,
 best of 3), times `--steps` decode steps with each kernel library in a shuffled order, and samples it again;
 each library's median step is held against the mean of the two samples. Rounds are grouped by mode (`--split`
-GB/s) and the table gives, per mode and library, the median step time and fraction of the roofline, and the
-median over rounds of the step-time ratio between the libraries (both measured within the same seconds).
+GB/s; a round whose two samples fall in different modes is reported apart, as `mixed`) and the table gives,
+per mode and library, the median step time and fraction of the roofline, and the median over rounds of the
+step-time ratio between the libraries (both measured within the same seconds).
 
 The libraries are this tree's (`native.library()`) and, with `--baseline REV`, that commit's C sources built
 with this tree's flags on the kernel path this process chose (`native.load_path(path, csrc=...)`): the
