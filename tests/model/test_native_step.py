@@ -5,7 +5,10 @@ layers; and which models and steps do not get it."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -329,6 +332,74 @@ def test_a_step_longer_than_the_mlps_row_chunk_computes_every_row_alike(
         want = _kv(one_cache, *key)
         assert all(torch.equal(a, b) for a, b in zip(want, _kv(chunks_cache, *key))), f"K/V of {key}"
         assert all(torch.equal(a, b) for a, b in zip(want, _kv(mixed_cache, *key))), f"K/V of {key}"
+
+
+def _team_schedule(rows: int, vocab: int) -> tuple[dict[int, list[int]], list[dict[int, int]]]:
+    """Prompts of 4 sequences (contexts across the 128-key chunks) and a schedule that prefills them, then runs
+    steps of fewer than 8 rows (the fused step's team, csrc/step.c's decoder_team) totalling `rows` rows each:
+    decode rows of several sequences, or a few tokens of one (as drafts are verified)."""
+    rng = random.Random(rows)
+    prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in enumerate((140, 9, 127, 60))}
+    prefill = {0: 130, 1: 2, 2: 120, 3: 50}
+    steps = [prefill]
+    done = dict(prefill)
+    for _ in range(3):
+        step, left = {}, rows
+        for s in rng.sample(sorted(prompts), len(prompts)):
+            n = min(left, len(prompts[s]) - done[s], rng.randint(1, rows))
+            if n > 0:
+                step[s], left = n, left - n
+                done[s] += n
+        steps.append(step)
+    return prompts, steps
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7])
+def test_a_step_of_few_rows_is_the_same_bits_on_one_thread_and_on_a_team(quantized, rows: int) -> None:
+    """A step of fewer than 8 rows runs in one parallel region when there are threads to share it (each thread
+    computing the per-row work itself, barriers where results are shared); on one thread it runs as every other
+    step does. Logits and K/V of every position, bit for bit, on 1, 2 and 3 threads (with a q|k|v bias, q/k
+    norms and wide heads through the fixture's architectures)."""
+    prompts, schedule = _team_schedule(rows, quantized.config.vocab_size)
+    assert all(0 < sum(step.values()) < 8 for step in schedule[1:])
+    got = {}
+    for threads in (1, 2, 3):
+        with torch_threads(threads):
+            got[threads] = _schedule_run(quantized, prompts, schedule)
+    (want, want_cache) = got[1]
+    for threads in (2, 3):
+        logits, cache = got[threads]
+        assert logits.keys() == want.keys()
+        for key, row in want.items():
+            assert torch.equal(logits[key], row), f"logits of {key} on {threads} threads"
+            assert all(torch.equal(a, b) for a, b in zip(_kv(cache, *key), _kv(want_cache, *key))), f"K/V of {key}"
+
+
+_TEAM_OF_ONE = """
+import sys, tempfile, torch
+from pathlib import Path
+from helexa.model.loader import load_model
+from tests.model.test_native_step import _schedule_run, _team_schedule
+from tests.support.models import make_tiny_model
+path = make_tiny_model(Path(tempfile.mkdtemp()), "qwen2", intermediate_size=128, num_hidden_layers=2)
+model = load_model(path, dtype="float32", attention_backend="torch", quantization="int4")
+prompts, schedule = _team_schedule(3, model.config.vocab_size)
+torch.set_num_threads(1)
+want, _ = _schedule_run(model, prompts, schedule)
+torch.set_num_threads(3)  # a team asked for 3 threads, given 1 (OMP_THREAD_LIMIT=1)
+got, _ = _schedule_run(model, prompts, schedule)
+sys.exit(0 if all(torch.equal(got[k], want[k]) for k in want) else "a smaller team computed other logits")
+"""
+
+
+def test_a_team_smaller_than_the_threads_asked_for_computes_the_same_step() -> None:
+    """OpenMP may give the step's region fewer threads than it asked for (OMP_THREAD_LIMIT): the projections'
+    tiles are shared out among the threads it got, and the logits are those of one thread."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    done = subprocess.run([sys.executable, "-c", _TEAM_OF_ONE], capture_output=True, text=True, timeout=300,
+                          cwd=root, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])

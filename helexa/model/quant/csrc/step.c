@@ -30,10 +30,13 @@
  * sees the same values: batch invariance holds for either dtype. A slot of -1 writes nothing. D must be a multiple of 8 up
  * to 512, and H / KVH at most GMAX (16).
  * Threads: OpenMP (the runtime torch has loaded) over rows, the projections' column tiles and
- * attention's tasks.
+ * attention's tasks: a region per projection and per attention, or, for a step of fewer than ROWS_PAR rows
+ * on more than one thread, one region for the whole step (decoder_team); either way each value is the
+ * same bits.
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -83,7 +86,11 @@ static void *scratch(size_t floats) { return aligned_alloc(64, ((floats * sizeof
  * which made attention over 16 sequences of 8k tokens at the 1B shape ~25% slower (its partials are 8.6 MiB
  * a layer). A thread's arenas hold its largest call's bytes until the thread exits (then they are freed).
  * No two buffers of one call share a slot, and a thread runs one call at a time, so nothing is shared. */
-enum hx_slot { S_X, S_PICKED, S_H, S_QKV, S_GU, S_DOWN, S_COS, S_SIN, S_TASK, S_PART_BASE, S_PART, S_SLOTS };
+enum hx_slot {
+    S_X, S_PICKED, S_H, S_QKV, S_GU, S_DOWN, S_COS, S_SIN, S_TASK, S_PART_BASE, S_PART,
+    S_RUNS, S_TEAM_X, S_TEAM_H, S_TEAM_ACT, S_TEAM_Q, /* decoder_team's: its runs; each thread's own rows */
+    S_SLOTS
+};
 typedef struct {
     void *p;
     size_t bytes;
@@ -628,13 +635,19 @@ typedef struct {
  * (chunk, KV head), for the threads' sake. The grouping changes no partial's arithmetic. */
 #define CHUNKS_PER_THREAD 4
 
-/* Paged causal attention of one step: q rows (T, H, D) at stride q_stride, sequence b's rows
- * [qsl[b], qsl[b+1]) at positions seq_lens[b] - q_len_b + i, each attending to the positions up to
- * its own through the block table (B, table_stride). out (T, H, D) at stride out_stride. Returns 0,
- * -1 when memory ran out, -2 when a sequence is shorter than its query rows. */
-static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int32_t *qsl, const int32_t *tables,
-                  int64_t table_stride, const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                  int64_t bs, float scale, float *out, int64_t out_stride) {
+/* A step's attention work: its tasks, and where each split row's partials go. */
+typedef struct {
+    hx_task *task;
+    int64_t nt;         /* tasks */
+    int64_t *part_base; /* per row of a split sequence: its first partial's offset in `part` */
+    float *part;        /* the split rows' partials, (row, KV head, chunk) each G (D + 2) floats: o, m, l */
+} hx_plan;
+
+/* The tasks of a step's attention (sequence b's rows [qsl[b], qsl[b+1]), B sequences, H query heads over KVH KV
+ * heads of size D) for `threads` threads, in the calling thread's arenas. Returns 0, -1 when memory ran out,
+ * -2 when a sequence is shorter than its query rows. */
+static int attend_plan(const int32_t *qsl, const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                       int threads, hx_plan *plan) {
     const int64_t G = H / KVH, P = G * (D + 2); /* floats of one (row, KV head, chunk) partial: o, m, l */
     const int64_t T = qsl[B];
     int64_t tasks = 0, parts = 0, chunks = 0;
@@ -654,7 +667,7 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
     int64_t *part_base = (int64_t *)arena(S_PART_BASE, sizeof(int64_t) * (size_t)(T > 0 ? T : 1)); /* split rows' first partial */
     float *part = (float *)arena(S_PART, sizeof(float) * (size_t)((parts > 0 ? parts : 1) * P));
     if (!task || !part_base || !part) return -1;
-    const int64_t span = chunks >= CHUNKS_PER_THREAD * helexa_threads() ? KVH : 1; /* KV heads per chunk task */
+    const int64_t span = chunks >= CHUNKS_PER_THREAD * threads ? KVH : 1; /* KV heads per chunk task */
     int64_t nt = 0, np = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t qlen = qsl[b + 1] - qsl[b], len = seq_lens[b];
@@ -672,100 +685,127 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
                     task[nt++] = (hx_task){b, kvh, kvh + 1, i0, i0 + QTILE < qlen ? i0 + QTILE : qlen, -1};
         }
     }
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(helexa_threads())
-    for (int64_t t = 0; t < nt; t++) {
-        const hx_task k = task[t];
-        const int64_t qlen = qsl[k.b + 1] - qsl[k.b], prefix = seq_lens[k.b] - qlen;
-        const int32_t *table = tables + k.b * table_stride;
-        const void *kp[KCHUNK], *vp[KCHUNK];
-        if (k.chunk >= 0) { /* this chunk's partial of every row that reaches it */
-            const int64_t j0 = k.chunk * KCHUNK, last = prefix + k.i1 - 1;
-            const int64_t rows = last + 1 - j0 < KCHUNK ? last + 1 - j0 : KCHUNK;
-            const int64_t row_bytes = D * (L->kv_half ? 2 : 4);
-            const void *kn[KCHUNK], *vn[KCHUNK];
-            const void **ck = kp, **cv = vp, **nk = kn, **nv = vn; /* this KV head's rows, the next one's */
-            chunk_rows(L, table, j0, rows, bs, k.kvh, ck, cv);
-            hx_ahead first = ahead_of(ck, cv, rows, row_bytes, 1);
-            ahead_finish(&first); /* the first KV head's rows, all at once */
-            int64_t per = AHEAD_FIRST;
-            for (int64_t kvh = k.kvh; kvh < k.kvh1; kvh++) {
-                hx_ahead ahead = ahead_none(); /* the next KV head's rows, asked for while this one computes */
-                if (kvh + 1 < k.kvh1) {
-                    chunk_rows(L, table, j0, rows, bs, kvh + 1, nk, nv);
-                    ahead = ahead_of(nk, nv, rows, row_bytes, per);
-                }
-                for (int64_t i = k.i0; i < k.i1; i++) {
-                    const int64_t pos = prefix + i, row = qsl[k.b] + i;
-                    if (pos < j0) continue;
-                    const int64_t n = pos + 1 - j0 < KCHUNK ? pos + 1 - j0 : KCHUNK;
-                    float *p = part + part_base[row] + (kvh * (pos / KCHUNK + 1) + k.chunk) * P;
-                    chunk_partial(q + row * q_stride + kvh * G * D, G, ck, cv, n, D, scale, p + G * D, p + G * D + G,
-                                  p, (int)L->kv_half, &ahead);
-                }
-                const int64_t ticks = ahead.ticks;
-                ahead_finish(&ahead); /* what the key loops did not get to */
-                per = ahead_rate(rows, row_bytes, ticks);
-                const void **tk = ck, **tv = cv; /* the next KV head's rows become this one's */
-                ck = nk, cv = nv, nk = tk, nv = tv;
+    *plan = (hx_plan){task, nt, part_base, part};
+    return 0;
+}
+
+/* One task of a plan: a chunk's partials of its rows (into the plan's `part`), or a tile of rows' whole attention
+ * (into out). Returns 0, or -1 when a tile's scratch could not be allocated. */
+static int attend_task(const hx_task *task, const hx_plan *plan, const float *q, int64_t q_stride, const hx_layer *L,
+                       const int32_t *qsl, const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                       int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, float *out, int64_t out_stride) {
+    const int64_t G = H / KVH, P = G * (D + 2);
+    const hx_task k = *task;
+    const int64_t qlen = qsl[k.b + 1] - qsl[k.b], prefix = seq_lens[k.b] - qlen;
+    const int32_t *table = tables + k.b * table_stride;
+    const void *kp[KCHUNK], *vp[KCHUNK];
+    if (k.chunk >= 0) { /* this chunk's partial of every row that reaches it */
+        const int64_t j0 = k.chunk * KCHUNK, last = prefix + k.i1 - 1;
+        const int64_t rows = last + 1 - j0 < KCHUNK ? last + 1 - j0 : KCHUNK;
+        const int64_t row_bytes = D * (L->kv_half ? 2 : 4);
+        const void *kn[KCHUNK], *vn[KCHUNK];
+        const void **ck = kp, **cv = vp, **nk = kn, **nv = vn; /* this KV head's rows, the next one's */
+        chunk_rows(L, table, j0, rows, bs, k.kvh, ck, cv);
+        hx_ahead first = ahead_of(ck, cv, rows, row_bytes, 1);
+        ahead_finish(&first); /* the first KV head's rows, all at once */
+        int64_t per = AHEAD_FIRST;
+        for (int64_t kvh = k.kvh; kvh < k.kvh1; kvh++) {
+            hx_ahead ahead = ahead_none(); /* the next KV head's rows, asked for while this one computes */
+            if (kvh + 1 < k.kvh1) {
+                chunk_rows(L, table, j0, rows, bs, kvh + 1, nk, nv);
+                ahead = ahead_of(nk, nv, rows, row_bytes, per);
             }
-            continue;
-        }
-        /* a tile of rows: every chunk in order, each folded as soon as it is computed (16 rows a chunk: more
-         * arithmetic per byte than a decode row, so nothing asked for ahead) */
-        const int64_t rows = k.i1 - k.i0;
-        float *state = scratch((size_t)(rows * G * (D + 2) + P)); /* per (row, head): O (D), M, S; then a partial */
-        if (!state) {
-#pragma omp atomic write
-            failed = 1;
-            continue;
-        }
-        for (int64_t r = 0; r < rows * G; r++) {
-            float *s = state + r * (D + 2);
-            memset(s, 0, sizeof(float) * (size_t)D);
-            s[D] = -INFINITY;
-            s[D + 1] = 0.0f;
-        }
-        float *p = state + rows * G * (D + 2);
-        const int64_t last = prefix + k.i1 - 1;
-        for (int64_t j0 = 0; j0 <= last; j0 += KCHUNK) {
-            chunk_rows(L, table, j0, (last + 1 - j0 < KCHUNK ? last + 1 - j0 : KCHUNK), bs, k.kvh, kp, vp);
             for (int64_t i = k.i0; i < k.i1; i++) {
                 const int64_t pos = prefix + i, row = qsl[k.b] + i;
                 if (pos < j0) continue;
                 const int64_t n = pos + 1 - j0 < KCHUNK ? pos + 1 - j0 : KCHUNK;
-                chunk_partial(q + row * q_stride + k.kvh * G * D, G, kp, vp, n, D, scale, p + G * D, p + G * D + G, p,
-                              (int)L->kv_half, NULL);
-                for (int64_t g = 0; g < G; g++) {
-                    float *s = state + ((i - k.i0) * G + g) * (D + 2);
-                    fold(s + D, s + D + 1, s, p[G * D + g], p[G * D + G + g], p + g * D, D);
-                }
+                float *p = plan->part + plan->part_base[row] + (kvh * (pos / KCHUNK + 1) + k.chunk) * P;
+                chunk_partial(q + row * q_stride + kvh * G * D, G, ck, cv, n, D, scale, p + G * D, p + G * D + G, p,
+                              (int)L->kv_half, &ahead);
+            }
+            const int64_t ticks = ahead.ticks;
+            ahead_finish(&ahead); /* what the key loops did not get to */
+            per = ahead_rate(rows, row_bytes, ticks);
+            const void **tk = ck, **tv = cv; /* the next KV head's rows become this one's */
+            ck = nk, cv = nv, nk = tk, nv = tv;
+        }
+        return 0;
+    }
+    /* a tile of rows: every chunk in order, each folded as soon as it is computed (16 rows a chunk: more
+     * arithmetic per byte than a decode row, so nothing asked for ahead) */
+    const int64_t rows = k.i1 - k.i0;
+    float *state = scratch((size_t)(rows * G * (D + 2) + P)); /* per (row, head): O (D), M, S; then a partial */
+    if (!state) return -1;
+    for (int64_t r = 0; r < rows * G; r++) {
+        float *s = state + r * (D + 2);
+        memset(s, 0, sizeof(float) * (size_t)D);
+        s[D] = -INFINITY;
+        s[D + 1] = 0.0f;
+    }
+    float *p = state + rows * G * (D + 2);
+    const int64_t last = prefix + k.i1 - 1;
+    for (int64_t j0 = 0; j0 <= last; j0 += KCHUNK) {
+        chunk_rows(L, table, j0, (last + 1 - j0 < KCHUNK ? last + 1 - j0 : KCHUNK), bs, k.kvh, kp, vp);
+        for (int64_t i = k.i0; i < k.i1; i++) {
+            const int64_t pos = prefix + i, row = qsl[k.b] + i;
+            if (pos < j0) continue;
+            const int64_t n = pos + 1 - j0 < KCHUNK ? pos + 1 - j0 : KCHUNK;
+            chunk_partial(q + row * q_stride + k.kvh * G * D, G, kp, vp, n, D, scale, p + G * D, p + G * D + G, p,
+                          (int)L->kv_half, NULL);
+            for (int64_t g = 0; g < G; g++) {
+                float *s = state + ((i - k.i0) * G + g) * (D + 2);
+                fold(s + D, s + D + 1, s, p[G * D + g], p[G * D + G + g], p + g * D, D);
             }
         }
-        for (int64_t i = k.i0; i < k.i1; i++)
-            for (int64_t g = 0; g < G; g++) {
-                const float *s = state + ((i - k.i0) * G + g) * (D + 2);
-                finish(s, s[D + 1], D, out + (qsl[k.b] + i) * out_stride + (k.kvh * G + g) * D);
-            }
-        free(state);
     }
+    for (int64_t i = k.i0; i < k.i1; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *s = state + ((i - k.i0) * G + g) * (D + 2);
+            finish(s, s[D + 1], D, out + (qsl[k.b] + i) * out_stride + (k.kvh * G + g) * D);
+        }
+    free(state);
+    return 0;
+}
+
+/* Query head h's attention of row `row` (the i-th of its sequence's rows, `chunks` chunks of keys) of a split
+ * sequence: its chunk partials folded in chunk order, into out. */
+static void attend_fold(const hx_plan *plan, int64_t row, int64_t chunks, int64_t h, int64_t H, int64_t KVH,
+                        int64_t D, float *out, int64_t out_stride) {
+    const int64_t G = H / KVH, P = G * (D + 2), kvh = h / G, g = h % G;
+    float O[512], M = -INFINITY, S = 0.0f;
+    memset(O, 0, sizeof(float) * (size_t)D);
+    for (int64_t c = 0; c < chunks; c++) {
+        const float *p = plan->part + plan->part_base[row] + (kvh * chunks + c) * P;
+        fold(&M, &S, O, p[G * D + g], p[G * D + G + g], p + g * D, D);
+    }
+    finish(O, S, D, out + row * out_stride + h * D);
+}
+
+/* Paged causal attention of one step: q rows (T, H, D) at stride q_stride, sequence b's rows
+ * [qsl[b], qsl[b+1]) at positions seq_lens[b] - q_len_b + i, each attending to the positions up to
+ * its own through the block table (B, table_stride). out (T, H, D) at stride out_stride. Returns 0,
+ * -1 when memory ran out, -2 when a sequence is shorter than its query rows. */
+static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int32_t *qsl, const int32_t *tables,
+                  int64_t table_stride, const int32_t *seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                  int64_t bs, float scale, float *out, int64_t out_stride) {
+    hx_plan plan;
+    const int rc = attend_plan(qsl, seq_lens, B, H, KVH, D, helexa_threads(), &plan);
+    if (rc) return rc;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(helexa_threads())
+    for (int64_t t = 0; t < plan.nt; t++)
+        if (attend_task(plan.task + t, &plan, q, q_stride, L, qsl, tables, table_stride, seq_lens, H, KVH, D, bs, scale,
+                        out, out_stride)) {
+#pragma omp atomic write
+            failed = 1;
+        }
     /* the split rows: fold each (row, head)'s partials in chunk order (one sequence's on one thread) */
     HX_FOR(B >= 2, b, B, {
         const int64_t qlen = qsl[b + 1] - qsl[b], prefix = seq_lens[b] - qlen;
         if (qlen <= 0 || qlen > SPLIT_ROWS) continue;
-        for (int64_t i = 0; i < qlen; i++) {
-            const int64_t row = qsl[b] + i, chunks = (prefix + i) / KCHUNK + 1;
-            for (int64_t h = 0; h < H; h++) {
-                const int64_t kvh = h / G, g = h % G;
-                float O[512], M = -INFINITY, S = 0.0f;
-                memset(O, 0, sizeof(float) * (size_t)D);
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float *p = part + part_base[row] + (kvh * chunks + c) * P;
-                    fold(&M, &S, O, p[G * D + g], p[G * D + G + g], p + g * D, D);
-                }
-                finish(O, S, D, out + row * out_stride + h * D);
-            }
-        }
+        for (int64_t i = 0; i < qlen; i++)
+            for (int64_t h = 0; h < H; h++)
+                attend_fold(&plan, qsl[b] + i, (prefix + i) / KCHUNK + 1, h, H, KVH, D, out, out_stride);
     });
     return failed ? -1 : 0;
 }
@@ -863,6 +903,104 @@ static int decoder(const hx_model *m, int64_t T, float *x, const int64_t *positi
         }
     }
     return 0;
+}
+
+/* linear() for decoder_team's threads (helexa_wq_gemm_team; the bias added with the tiles). */
+static void team_linear(const hx_linear *l, const float *x, int64_t m, int64_t ldx, float *y, void *runs, void *own) {
+    helexa_wq_gemm_team(x, m, l->k, ldx, l->int4 ? (const uint8_t *)l->weight : NULL,
+                        l->int4 ? NULL : (const int8_t *)l->weight, l->scales, l->zero_terms, l->half, l->n, l->group,
+                        l->bias, y, runs, own);
+}
+
+/* decoder() for a step of fewer than ROWS_PAR rows (decode, a few drafts or sequences), with the same values, in
+ * one parallel region for the whole step instead of one per projection and per attention. Entering a region
+ * costs each projection ~1-2 us on the VMs measured (its threads woken after the weights streamed through the
+ * caches), 121 times a step of the default model. Each thread keeps its own copy of the rows' residual stream
+ * and computes their per-row work itself (norms, SiLU, residual adds, the projections' activation quantization:
+ * the same operations on the same values on every thread, work one thread would do anyway at these row counts),
+ * so the team waits only where a result is shared: after each projection (its column tiles shared out as
+ * helexa_wq_gemm shares them), after RoPE and the K/V write (one thread), after the attention's tasks and after
+ * their fold. Consecutive projections write different buffers, so a thread still reading one projection's
+ * output is never overwritten by a thread already in the next. */
+static int decoder_team(const hx_model *m, int64_t T, float *x, const int64_t *positions, const float *inv_freq,
+                        const int64_t *slots, int64_t B, const int32_t *query_start_loc, const int32_t *block_tables,
+                        int64_t table_stride, const int32_t *seq_lens) {
+    const int64_t E = m->hidden, H = m->heads, KVH = m->kv_heads, D = m->head_dim, I = m->intermediate;
+    const int64_t QS = H * D, KS = KVH * D, QKV = QS + 2 * KS, BS = m->block_size;
+    const int64_t KMAX = E > QS ? (E > I ? E : I) : (QS > I ? QS : I); /* the widest projection input */
+    const float scale = 1.0f / sqrtf((float)D);
+    if (query_start_loc[0] != 0 || query_start_loc[B] != T || T <= 0 || T >= ROWS_PAR) return -2;
+    const size_t f = sizeof(float);
+    const int threads = helexa_threads();
+    float *qkv = (float *)arena(S_QKV, f * (size_t)(T * QKV)); /* q|k|v, RoPE applied in place */
+    float *att = (float *)arena(S_H, f * (size_t)(T * QS));    /* the attention's output */
+    float *gu = (float *)arena(S_GU, f * (size_t)(T * 2 * I));  /* gate | up */
+    float *od = (float *)arena(S_DOWN, f * (size_t)(T * E));    /* the output projection's, then down's */
+    float *cos_t = (float *)arena(S_COS, f * (size_t)(T * D)), *ssin_t = (float *)arena(S_SIN, f * (size_t)(T * D));
+    void *runs = arena(S_RUNS, helexa_wq_gemm_runs_bytes(threads));
+    if (!qkv || !att || !gu || !od || !cos_t || !ssin_t || !runs) return -1;
+    memset(runs, 0, helexa_wq_gemm_runs_bytes(threads));
+    rope_tables(positions, inv_freq, T, D, cos_t, ssin_t);
+    int64_t seq_of[ROWS_PAR]; /* each row's sequence, for the fold */
+    for (int64_t b = 0; b < B; b++) {
+        if (query_start_loc[b + 1] < query_start_loc[b] || query_start_loc[b + 1] > T) return -2;
+        for (int64_t r = query_start_loc[b]; r < query_start_loc[b + 1]; r++) seq_of[r] = b;
+    }
+    hx_plan plan = {0};
+    int failed = 0, rc = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const int me = omp_get_thread_num(), team = omp_get_num_threads();
+        float *xp = (float *)arena(S_TEAM_X, f * (size_t)(T * E)); /* this thread's copy of the residual stream */
+        float *hp = (float *)arena(S_TEAM_H, f * (size_t)(T * E)); /* its norms' outputs */
+        float *act = (float *)arena(S_TEAM_ACT, f * (size_t)(T * I));
+        void *own = arena(S_TEAM_Q, helexa_wq_gemm_team_bytes(T, KMAX));
+        if (!xp || !hp || !act || !own) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            memcpy(xp, x, f * (size_t)(T * E));
+        }
+#pragma omp barrier
+        for (int64_t li = 0; li < m->num_layers && !failed && !rc; li++) {
+            const hx_layer *L = m->layers + li;
+            for (int64_t t = 0; t < T; t++) rms_norm(xp + t * E, L->input_norm, E, m->eps, hp + t * E);
+            team_linear(&L->qkv, hp, T, E, qkv, runs, own);
+            if (me == 0) {
+                for (int64_t t = 0; t < T; t++) {
+                    float *row = qkv + t * QKV;
+                    for (int64_t hd = 0; hd < H; hd++)
+                        rope_head(row + hd * D, L->q_norm, m->eps, cos_t + t * D, ssin_t + t * D, D);
+                    for (int64_t hd = 0; hd < KVH; hd++)
+                        rope_head(row + QS + hd * D, L->k_norm, m->eps, cos_t + t * D, ssin_t + t * D, D);
+                    write_cache(L, slots[t], BS, row + QS, row + QS + KS, KVH, D);
+                }
+                rc = attend_plan(query_start_loc, seq_lens, B, H, KVH, D, team, &plan);
+            }
+#pragma omp barrier
+            if (rc) break;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < plan.nt; t++) /* chunk tasks only: every sequence has at most SPLIT_ROWS rows */
+                attend_task(plan.task + t, &plan, qkv, QKV, L, query_start_loc, block_tables, table_stride, seq_lens,
+                            H, KVH, D, BS, scale, att, QS);
+#pragma omp for schedule(static)
+            for (int64_t rh = 0; rh < T * H; rh++) {
+                const int64_t row = rh / H, b = seq_of[row];
+                const int64_t qlen = query_start_loc[b + 1] - query_start_loc[b], prefix = seq_lens[b] - qlen;
+                const int64_t i = row - query_start_loc[b];
+                attend_fold(&plan, row, (prefix + i) / KCHUNK + 1, rh % H, H, KVH, D, att, QS);
+            }
+            team_linear(&L->o, att, T, QS, od, runs, own);
+            for (int64_t i = 0; i < T * E; i++) xp[i] += od[i];
+            for (int64_t t = 0; t < T; t++) rms_norm(xp + t * E, L->post_norm, E, m->eps, hp + t * E);
+            team_linear(&L->gate_up, hp, T, E, gu, runs, own);
+            for (int64_t t = 0; t < T; t++) silu_mul(gu + t * 2 * I, gu + t * 2 * I + I, I, act + t * I);
+            team_linear(&L->down, act, T, I, od, runs, own);
+            for (int64_t i = 0; i < T * E; i++) xp[i] += od[i];
+        }
+        if (me == 0 && !failed && !rc) memcpy(x, xp, f * (size_t)(T * E));
+    }
+    return failed ? -1 : rc;
 }
 
 #define HEAD_COLS 64 /* output columns per task of the dense head: their weight stays in cache across the rows */
@@ -1225,7 +1363,10 @@ int helexa_forward(const hx_model *m, int64_t T, const int64_t *ids, const float
         memcpy(x, x_in, sizeof(float) * (size_t)(T * E));
     }
     if (rc) return rc;
-    rc = decoder(m, T, x, positions, inv_freq, slots, B, query_start_loc, block_tables, table_stride, seq_lens);
+    if (T > 0 && T < ROWS_PAR && helexa_threads() > 1) /* few rows and threads to share them: one region */
+        rc = decoder_team(m, T, x, positions, inv_freq, slots, B, query_start_loc, block_tables, table_stride, seq_lens);
+    else
+        rc = decoder(m, T, x, positions, inv_freq, slots, B, query_start_loc, block_tables, table_stride, seq_lens);
     if (rc || S == 0) return rc;
     for (int64_t s = 0; s < S; s++) rms_norm(x + rows[s] * E, m->final_norm, E, m->eps, picked + s * E);
     if (head->q.weight) return linear(&head->q, picked, S, E, logits);

@@ -32,7 +32,9 @@
  * one torch.set_num_threads ran on would otherwise get OpenMP's default, every core). Each thread
  * owns a contiguous run of tiles and takes it from the front; one whose run is done takes what is
  * left of another's from the back (take_tiles). A tile's columns are computed the same whichever
- * thread takes it, so the result never depends on the split.
+ * thread takes it, so the result never depends on the split. helexa_wq_gemm opens a region of its own;
+ * helexa_wq_gemm_team runs on the threads of the caller's (the fused step's, csrc/step.c), each of
+ * which quantizes the activations itself and sets its own run.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -104,7 +106,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int
     const int64_t n = M * (K / QK), blocks = K / QK;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undo the packs' lane interleave */
-    HX_FOR(n > 512, i, n, {
+    HX_FOR(n > 512 && !omp_in_parallel(), i, n, { /* on one thread inside a team (helexa_wq_gemm_team) */
         const float *v = x + (i / blocks) * ldx + (i % blocks) * QK;
         __m256 f[4];
         __m256 amax = _mm256_setzero_ps();
@@ -418,89 +420,135 @@ static inline int next_tiles(tile_run *runs, const int nruns, const int me, int 
     return 0;
 }
 
-int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q4, const int8_t *q8,
-                   const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
+/* Thread `me`'s part of a GEMM whose activations are quantized (xq, d, xs, qs) and whose `nruns` runs are set:
+ * the tiles of its own run, then what is left of the others'. With `bias`, adds it to the columns of each tile it
+ * computed (the same sum as adding it to y after the GEMM). */
+static inline __attribute__((always_inline)) void gemm_tiles(const int8_t *xq, const float *d, const float *xs,
+                                                              const int32_t *qs, int64_t M, int64_t K,
+                                                              const uint8_t *q4, const int8_t *q8, const void *scales,
+                                                              const void *zero_terms, int64_t half, int64_t N,
+                                                              int64_t G, float *y, const float *bias, tile_run *runs,
+                                                              int nruns, int me) {
     const size_t width = half ? 2 : 4; /* bytes per scale or zero term */
-    const int64_t blocks = K / QK, groups = K / G;
-    /* One allocation: the threads' runs of tiles, one per thread asked for (a team OpenMP makes smaller leaves
-     * runs with no owner: the others take them), then the quantized activations: d, xs and qs (M * K / 32 each),
-     * then xq (M * K). 64-byte aligned, so each run has a cache line of its own. */
-    const int nruns = helexa_threads();
-    const size_t runs_bytes = sizeof(tile_run) * (size_t)nruns;
-    const size_t bytes = runs_bytes + 3 * sizeof(float) * (size_t)(M * blocks) + (size_t)(M * K);
-    unsigned char *mem = (unsigned char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (!mem) return -1;
-    tile_run *runs = (tile_run *)mem;
-    float *d = (float *)(mem + runs_bytes), *xs = d + M * blocks;
-    int32_t *qs = (int32_t *)(xs + M * blocks);
-    int8_t *xq = (int8_t *)(qs + M * blocks);
-    quantize_rows(x, M, K, ldx, xq, d, xs, qs);
-    const uint64_t tiles = (uint64_t)(N / NR);
-    for (int i = 0; i < nruns; i++)
-        runs[i].bounds = run_bounds(tiles * (uint64_t)i / (uint64_t)nruns, tiles * (uint64_t)(i + 1) / (uint64_t)nruns);
+    const int64_t groups = K / G;
     const int deep = M > SHALLOW_ROWS; /* how far ahead the weights are prefetched (see PREFETCH) */
 #ifdef HX_AMX
     /* whole tiles of 16 rows by AMX; the rest (and every GEMM of fewer rows) 4 rows at a time by vpdpbusd */
     const int64_t m_amx = amx_granted ? M / AMX_ROWS * AMX_ROWS : 0;
+    /* These threads are torch's: its own AMX kernels (oneDNN's brgemm) may have left a tile configuration on
+     * one, and may skip reloading it on their next call, so each thread's configuration is put back after. */
+    hx_tile_config saved;
+    if (m_amx) {
+        HX_TILE_SAVE(&saved);
+        hx_tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        cfg.rows[0] = AMX_ROWS, cfg.colsb[0] = 4 * NR; /* C: 16 rows of 16 int32 */
+        cfg.rows[1] = QK / 4, cfg.colsb[1] = 64;       /* B: 8 chunks of 4 k x 16 columns */
+        cfg.rows[2] = AMX_ROWS, cfg.colsb[2] = QK;     /* A: 16 rows of 32 activation bytes */
+        HX_TILE_CONFIG(&cfg);
+    }
 #else
     const int64_t m_amx = 0;
 #endif
-#pragma omp parallel num_threads(nruns)
-    {
+    int at = 0;
+    int64_t t_lo, t_hi;
+    while (next_tiles(runs, nruns, me, &at, &t_lo, &t_hi)) {
+        for (int64_t t = t_lo; t < t_hi; t++) {
+            const uint8_t *w4 = q4 ? q4 + t * NR * (K / 2) : NULL;
+            const int8_t *w8 = q8 ? q8 + t * NR * K : NULL;
+            const char *s = (const char *)scales + width * (size_t)(t * groups * NR);
+            const char *zc = zero_terms ? (const char *)zero_terms + width * (size_t)(t * groups * NR) : NULL;
 #ifdef HX_AMX
-        /* These threads are torch's: its own AMX kernels (oneDNN's brgemm) may have left a tile configuration on
-         * one, and may skip reloading it on their next call, so each thread's configuration is put back after. */
-        hx_tile_config saved;
-        if (m_amx) {
-            HX_TILE_SAVE(&saved);
-            hx_tile_config cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette = 1;
-            cfg.rows[0] = AMX_ROWS, cfg.colsb[0] = 4 * NR; /* C: 16 rows of 16 int32 */
-            cfg.rows[1] = QK / 4, cfg.colsb[1] = 64;       /* B: 8 chunks of 4 k x 16 columns */
-            cfg.rows[2] = AMX_ROWS, cfg.colsb[2] = QK;     /* A: 16 rows of 32 activation bytes */
-            HX_TILE_CONFIG(&cfg);
-        }
+            for (int64_t m0 = 0; m0 < m_amx; m0 += AMX_ROWS) {
+                if (half) amx_tile(xq, d, xs, K, w4, w8, s, zc, 1, G, m0, N, t * NR, y);
+                else amx_tile(xq, d, xs, K, w4, w8, s, zc, 0, G, m0, N, t * NR, y);
+            }
 #endif
-        int at = 0;
-        int64_t t_lo, t_hi;
-        while (next_tiles(runs, nruns, omp_get_thread_num(), &at, &t_lo, &t_hi)) {
-            for (int64_t t = t_lo; t < t_hi; t++) {
-                const uint8_t *w4 = q4 ? q4 + t * NR * (K / 2) : NULL;
-                const int8_t *w8 = q8 ? q8 + t * NR * K : NULL;
-                const char *s = (const char *)scales + width * (size_t)(t * groups * NR);
-                const char *zc = zero_terms ? (const char *)zero_terms + width * (size_t)(t * groups * NR) : NULL;
-#ifdef HX_AMX
-                for (int64_t m0 = 0; m0 < m_amx; m0 += AMX_ROWS) {
-                    if (half) amx_tile(xq, d, xs, K, w4, w8, s, zc, 1, G, m0, N, t * NR, y);
-                    else amx_tile(xq, d, xs, K, w4, w8, s, zc, 0, G, m0, N, t * NR, y);
-                }
-#endif
-                /* A loop compiled per weight type, scale width and row count: in each, the other type's
-                 * pointer is a null constant and its branches fold away. (Compiled with both pointers live,
-                 * the one-row int8 GEMM, a tied head, read 80-85% of the memory's bandwidth in this VM's
-                 * fast mode where alone it reads all of it; int4's loop was unchanged.) */
-                for (int64_t m0 = m_amx; m0 < M; m0 += MR) {
-                    switch (M - m0 < MR ? M - m0 : MR) {
+            /* A loop compiled per weight type, scale width and row count: in each, the other type's
+             * pointer is a null constant and its branches fold away. (Compiled with both pointers live,
+             * the one-row int8 GEMM, a tied head, read 80-85% of the memory's bandwidth in this VM's
+             * fast mode where alone it reads all of it; int4's loop was unchanged.) */
+            for (int64_t m0 = m_amx; m0 < M; m0 += MR) {
+                switch (M - m0 < MR ? M - m0 : MR) {
 #define TILE_OF(R, W4, W8) if (half) tile(xq, d, xs, qs, K, W4, W8, s, zc, 1, G, m0, R, N, t * NR, y, deep); \
-                               else tile(xq, d, xs, qs, K, W4, W8, s, zc, 0, G, m0, R, N, t * NR, y, deep);
+                           else tile(xq, d, xs, qs, K, W4, W8, s, zc, 0, G, m0, R, N, t * NR, y, deep);
 #define TILE(R) case R: if (w4) { TILE_OF(R, w4, NULL) } else { TILE_OF(R, NULL, w8) } break;
-                        TILE(1) TILE(2) TILE(3) TILE(4)
+                    TILE(1) TILE(2) TILE(3) TILE(4)
 #undef TILE
 #undef TILE_OF
-                    }
                 }
             }
+            if (bias)
+                for (int64_t m = 0; m < M; m++)
+                    for (int64_t c = t * NR; c < (t + 1) * NR; c++) y[m * N + c] += bias[c];
         }
-#ifdef HX_AMX
-        if (m_amx) {
-            if (saved.palette) HX_TILE_CONFIG(&saved); /* tile data is not kept across calls: only the shapes */
-            else HX_TILE_RELEASE();
-        }
-#endif
     }
+#ifdef HX_AMX
+    if (m_amx) {
+        if (saved.palette) HX_TILE_CONFIG(&saved); /* tile data is not kept across calls: only the shapes */
+        else HX_TILE_RELEASE();
+    }
+#endif
+}
+
+/* The quantized activations of M rows of K inside `mem`: d, xs and qs (M * K / 32 each), then xq (M * K). */
+static size_t quantized_bytes(int64_t M, int64_t K) {
+    return 3 * sizeof(float) * (size_t)(M * (K / QK)) + (size_t)(M * K);
+}
+
+static void quantize_into(unsigned char *mem, const float *x, int64_t M, int64_t K, int64_t ldx, int8_t **xq,
+                          float **d, float **xs, int32_t **qs) {
+    const int64_t blocks = K / QK;
+    *d = (float *)mem, *xs = *d + M * blocks;
+    *qs = (int32_t *)(*xs + M * blocks);
+    *xq = (int8_t *)(*qs + M * blocks);
+    quantize_rows(x, M, K, ldx, *xq, *d, *xs, *qs);
+}
+
+int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q4, const int8_t *q8,
+                   const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y) {
+    /* One allocation: the threads' runs of tiles, one per thread asked for (a team OpenMP makes smaller leaves
+     * runs with no owner: the others take them), then the quantized activations. 64-byte aligned, so each run
+     * has a cache line of its own. */
+    const int nruns = helexa_threads();
+    const size_t runs_bytes = sizeof(tile_run) * (size_t)nruns;
+    const size_t bytes = runs_bytes + quantized_bytes(M, K);
+    unsigned char *mem = (unsigned char *)aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!mem) return -1;
+    tile_run *runs = (tile_run *)mem;
+    int8_t *xq;
+    float *d, *xs;
+    int32_t *qs;
+    quantize_into(mem + runs_bytes, x, M, K, ldx, &xq, &d, &xs, &qs);
+    const uint64_t tiles = (uint64_t)(N / NR);
+    for (int i = 0; i < nruns; i++)
+        runs[i].bounds = run_bounds(tiles * (uint64_t)i / (uint64_t)nruns, tiles * (uint64_t)(i + 1) / (uint64_t)nruns);
+#pragma omp parallel num_threads(nruns)
+    gemm_tiles(xq, d, xs, qs, M, K, q4, q8, scales, zero_terms, half, N, G, y, NULL, runs, nruns, omp_get_thread_num());
     free(mem);
     return 0;
+}
+
+size_t helexa_wq_gemm_team_bytes(int64_t M, int64_t K) { return quantized_bytes(M, K); }
+
+size_t helexa_wq_gemm_runs_bytes(int64_t threads) { return sizeof(tile_run) * (size_t)threads; }
+
+void helexa_wq_gemm_team(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q4, const int8_t *q8,
+                         const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G,
+                         const float *bias, float *y, void *runs, void *own) {
+    const int nruns = omp_get_num_threads(), me = omp_get_thread_num();
+    int8_t *xq;
+    float *d, *xs;
+    int32_t *qs;
+    quantize_into((unsigned char *)own, x, M, K, ldx, &xq, &d, &xs, &qs);
+    const uint64_t tiles = (uint64_t)(N / NR);
+    tile_run *run = (tile_run *)runs;
+    __atomic_store_n(&run[me].bounds,
+                     run_bounds(tiles * (uint64_t)me / (uint64_t)nruns, tiles * (uint64_t)(me + 1) / (uint64_t)nruns),
+                     __ATOMIC_RELEASE);
+    gemm_tiles(xq, d, xs, qs, M, K, q4, q8, scales, zero_terms, half, N, G, y, bias, run, nruns, me);
+#pragma omp barrier
 }
 
 int helexa_int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *tiled, const void *scales,

@@ -2,6 +2,7 @@
 #ifndef HELEXA_WQ_GEMM_H
 #define HELEXA_WQ_GEMM_H
 #include <immintrin.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* y (M, N) = quantize_activations(x (M, K), rows ldx floats apart) @ W.T for a tiled weight: int4 (`q4`,
@@ -10,6 +11,19 @@
  * wq_gemm.c for the layout and the requirements. */
 int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q4, const int8_t *q8,
                     const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G, float *y);
+
+/* helexa_wq_gemm, called by every thread of an enclosing parallel region (the fused step's team, csrc/step.c)
+ * with the same arguments but `own`, plus `bias` ((N,) or NULL, added to y). Each thread quantizes x into its own
+ * buffer `own` (helexa_wq_gemm_team_bytes(M, K) bytes; every thread's holds the same values), sets its own run
+ * of `runs` (helexa_wq_gemm_runs_bytes(team size) bytes, shared, 64-byte aligned, zeroed before the team's first
+ * call), computes that run's tiles and then what is left of the others', and waits at a barrier for the team, so
+ * y is whole on return. A thread that looks at a run its owner has not yet set finds it empty (every run is
+ * empty after a call) and leaves it to the owner. The same values as helexa_wq_gemm (and y += bias after it). */
+void helexa_wq_gemm_team(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q4, const int8_t *q8,
+                         const void *scales, const void *zero_terms, int64_t half, int64_t N, int64_t G,
+                         const float *bias, float *y, void *runs, void *own);
+size_t helexa_wq_gemm_team_bytes(int64_t M, int64_t K);
+size_t helexa_wq_gemm_runs_bytes(int64_t threads);
 
 /* Rows `ids` (R,) of a tiled weight dequantised into x (R, K) float32 (an embedding lookup). Returns 0, or
  * -3 (x not written) when an id is outside [0, N). See wq_gemm.c. */
