@@ -767,11 +767,11 @@ static int attend_task(const hx_task *task, const hx_plan *plan, const float *q,
     return 0;
 }
 
-/* Query head h's attention of row `row` (the i-th of its sequence's rows, `chunks` chunks of keys) of a split
- * sequence: its chunk partials folded in chunk order, into out. */
-static void attend_fold(const hx_plan *plan, int64_t row, int64_t chunks, int64_t h, int64_t H, int64_t KVH,
-                        int64_t D, float *out, int64_t out_stride) {
+/* Query head h's attention of row `row` of split sequence b: its chunk partials folded in chunk order, into out. */
+static void attend_fold(const hx_plan *plan, const int32_t *qsl, const int32_t *seq_lens, int64_t b, int64_t row,
+                        int64_t h, int64_t H, int64_t KVH, int64_t D, float *out, int64_t out_stride) {
     const int64_t G = H / KVH, P = G * (D + 2), kvh = h / G, g = h % G;
+    const int64_t pos = seq_lens[b] - qsl[b + 1] + row, chunks = pos / KCHUNK + 1; /* the row's position, chunks */
     float O[512], M = -INFINITY, S = 0.0f;
     memset(O, 0, sizeof(float) * (size_t)D);
     for (int64_t c = 0; c < chunks; c++) {
@@ -801,11 +801,10 @@ static int attend(const float *q, int64_t q_stride, const hx_layer *L, const int
         }
     /* the split rows: fold each (row, head)'s partials in chunk order (one sequence's on one thread) */
     HX_FOR(B >= 2, b, B, {
-        const int64_t qlen = qsl[b + 1] - qsl[b], prefix = seq_lens[b] - qlen;
+        const int64_t qlen = qsl[b + 1] - qsl[b];
         if (qlen <= 0 || qlen > SPLIT_ROWS) continue;
-        for (int64_t i = 0; i < qlen; i++)
-            for (int64_t h = 0; h < H; h++)
-                attend_fold(&plan, qsl[b] + i, (prefix + i) / KCHUNK + 1, h, H, KVH, D, out, out_stride);
+        for (int64_t row = qsl[b]; row < qsl[b + 1]; row++)
+            for (int64_t h = 0; h < H; h++) attend_fold(&plan, qsl, seq_lens, b, row, h, H, KVH, D, out, out_stride);
     });
     return failed ? -1 : 0;
 }
@@ -851,6 +850,17 @@ int helexa_paged_attention(const float *q, void *k_cache, void *v_cache, int64_t
                   out, H * D);
 }
 
+/* Row t of a step's q|k|v (`row`, QKV floats): RoPE (after the per-head norms, if any) on its H query heads and
+ * KVH key heads, in place, then its K and V written to the cache at slots[t]. */
+static void rope_and_write(const hx_model *m, const hx_layer *L, float *row, int64_t t, const float *cos_t,
+                           const float *ssin_t, const int64_t *slots) {
+    const int64_t H = m->heads, KVH = m->kv_heads, D = m->head_dim, QS = H * D, KS = KVH * D;
+    for (int64_t hd = 0; hd < H; hd++) rope_head(row + hd * D, L->q_norm, m->eps, cos_t + t * D, ssin_t + t * D, D);
+    for (int64_t hd = 0; hd < KVH; hd++)
+        rope_head(row + QS + hd * D, L->k_norm, m->eps, cos_t + t * D, ssin_t + t * D, D);
+    write_cache(L, slots[t], m->block_size, row + QS, row + QS + KS, KVH, D);
+}
+
 /* Every decoder layer of one step: x (T, E) holds the new tokens' embeddings on entry and their residual
  * stream after the last layer on return (updated in place). positions (T,) int64; inv_freq (D/2,) the
  * RoPE frequencies; slots (T,) int64; query_start_loc (B + 1,), block_tables (B, table_stride) and
@@ -879,13 +889,7 @@ static int decoder(const hx_model *m, int64_t T, float *x, const int64_t *positi
         const hx_layer *L = m->layers + li;
         rms_norm_rows(x, L->input_norm, T, E, m->eps, h);
         if (linear(&L->qkv, h, T, E, qkv)) return -1;
-        HX_FOR(T >= ROWS_PAR, t, T, {
-            float *row = qkv + t * QKV;
-            for (int64_t hd = 0; hd < H; hd++) rope_head(row + hd * D, L->q_norm, m->eps, cos_t + t * D, ssin_t + t * D, D);
-            for (int64_t hd = 0; hd < KVH; hd++)
-                rope_head(row + QS + hd * D, L->k_norm, m->eps, cos_t + t * D, ssin_t + t * D, D);
-            write_cache(L, slots[t], BS, row + QS, row + QS + KS, KVH, D);
-        });
+        HX_FOR(T >= ROWS_PAR, t, T, { rope_and_write(m, L, qkv + t * QKV, t, cos_t, ssin_t, slots); });
         const int rc =
             attend(qkv, QKV, L, query_start_loc, block_tables, table_stride, seq_lens, B, H, KVH, D, BS, scale, h, QS);
         if (rc) return rc;
@@ -967,14 +971,7 @@ static int decoder_team(const hx_model *m, int64_t T, float *x, const int64_t *p
             for (int64_t t = 0; t < T; t++) rms_norm(xp + t * E, L->input_norm, E, m->eps, hp + t * E);
             team_linear(&L->qkv, hp, T, E, qkv, runs, own);
             if (me == 0) {
-                for (int64_t t = 0; t < T; t++) {
-                    float *row = qkv + t * QKV;
-                    for (int64_t hd = 0; hd < H; hd++)
-                        rope_head(row + hd * D, L->q_norm, m->eps, cos_t + t * D, ssin_t + t * D, D);
-                    for (int64_t hd = 0; hd < KVH; hd++)
-                        rope_head(row + QS + hd * D, L->k_norm, m->eps, cos_t + t * D, ssin_t + t * D, D);
-                    write_cache(L, slots[t], BS, row + QS, row + QS + KS, KVH, D);
-                }
+                for (int64_t t = 0; t < T; t++) rope_and_write(m, L, qkv + t * QKV, t, cos_t, ssin_t, slots);
                 rc = attend_plan(query_start_loc, seq_lens, B, H, KVH, D, team, &plan);
             }
 #pragma omp barrier
@@ -984,12 +981,8 @@ static int decoder_team(const hx_model *m, int64_t T, float *x, const int64_t *p
                 attend_task(plan.task + t, &plan, qkv, QKV, L, query_start_loc, block_tables, table_stride, seq_lens,
                             H, KVH, D, BS, scale, att, QS);
 #pragma omp for schedule(static)
-            for (int64_t rh = 0; rh < T * H; rh++) {
-                const int64_t row = rh / H, b = seq_of[row];
-                const int64_t qlen = query_start_loc[b + 1] - query_start_loc[b], prefix = seq_lens[b] - qlen;
-                const int64_t i = row - query_start_loc[b];
-                attend_fold(&plan, row, (prefix + i) / KCHUNK + 1, rh % H, H, KVH, D, att, QS);
-            }
+            for (int64_t rh = 0; rh < T * H; rh++)
+                attend_fold(&plan, query_start_loc, seq_lens, seq_of[rh / H], rh / H, rh % H, H, KVH, D, att, QS);
             team_linear(&L->o, att, T, QS, od, runs, own);
             for (int64_t i = 0; i < T * E; i++) xp[i] += od[i];
             for (int64_t t = 0; t < T; t++) rms_norm(xp + t * E, L->post_norm, E, m->eps, hp + t * E);
