@@ -178,6 +178,7 @@ static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4
 #define SPLIT_ROWS 8  /* a sequence with at most this many rows in the step runs one task per chunk */
 #define QTILE 16      /* query rows per task otherwise (each task walks its rows' chunks in order) */
 #define ROWS_PAR 8    /* rows from which per-row work runs on all threads; fewer: one region a step (decoder_team) */
+_Static_assert(ROWS_PAR - 1 <= SPLIT_ROWS, "decoder_team's attention must be chunk tasks (a tile task allocates)");
 /* The MLP runs this many rows at a time: its gate and up values (2 x intermediate floats a row, the
  * activations then written over the gate half) are the step's largest scratch, 235 MiB for 2,048 rows
  * of an 8B model, 7 MiB at 64 rows.

@@ -392,6 +392,11 @@ typedef struct {
 
 static inline uint64_t run_bounds(uint64_t lo, uint64_t hi) { return lo << 32 | hi; }
 
+/* Thread i's run of n at the start of a GEMM of `tiles` tiles: its contiguous share [tiles i / n, tiles (i+1) / n). */
+static inline uint64_t run_of(uint64_t tiles, int i, int n) {
+    return run_bounds(tiles * (uint64_t)i / (uint64_t)n, tiles * (uint64_t)(i + 1) / (uint64_t)n);
+}
+
 /* Takes up to RUN_TILES tiles from the front (the run's owner) or the back (another thread) of `run`: 1 with
  * them in [*lo, *hi), or 0 when it is empty. */
 static inline int take_tiles(tile_run *run, const int front, int64_t *lo, int64_t *hi) {
@@ -522,8 +527,7 @@ int helexa_wq_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint
     int32_t *qs;
     quantize_into(mem + runs_bytes, x, M, K, ldx, &xq, &d, &xs, &qs);
     const uint64_t tiles = (uint64_t)(N / NR);
-    for (int i = 0; i < nruns; i++)
-        runs[i].bounds = run_bounds(tiles * (uint64_t)i / (uint64_t)nruns, tiles * (uint64_t)(i + 1) / (uint64_t)nruns);
+    for (int i = 0; i < nruns; i++) runs[i].bounds = run_of(tiles, i, nruns);
 #pragma omp parallel num_threads(nruns)
     gemm_tiles(xq, d, xs, qs, M, K, q4, q8, scales, zero_terms, half, N, G, y, NULL, runs, nruns, omp_get_thread_num());
     free(mem);
@@ -544,9 +548,7 @@ void helexa_wq_gemm_team(const float *x, int64_t M, int64_t K, int64_t ldx, cons
     quantize_into((unsigned char *)own, x, M, K, ldx, &xq, &d, &xs, &qs);
     const uint64_t tiles = (uint64_t)(N / NR);
     tile_run *run = (tile_run *)runs;
-    __atomic_store_n(&run[me].bounds,
-                     run_bounds(tiles * (uint64_t)me / (uint64_t)nruns, tiles * (uint64_t)(me + 1) / (uint64_t)nruns),
-                     __ATOMIC_RELEASE);
+    __atomic_store_n(&run[me].bounds, run_of(tiles, me, nruns), __ATOMIC_RELEASE);
     gemm_tiles(xq, d, xs, qs, M, K, q4, q8, scales, zero_terms, half, N, G, y, bias, run, nruns, me);
 #pragma omp barrier
 }
