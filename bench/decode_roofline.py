@@ -69,6 +69,17 @@ def baseline_library(rev: str, path: str) -> Any:
     return lib
 
 
+def kernel_libraries(baseline: str | None, threads: int) -> dict[str, Any]:
+    """{THIS: this tree's kernel library} and, with `baseline` (a commit), {"baseline <commit>": that commit's, built
+    for this process's kernel path}; each set to run on `threads` threads."""
+    libraries = {THIS: native.library()}
+    if baseline:
+        libraries[f"baseline {baseline}"] = baseline_library(baseline, native.kernel_path())
+    for lib in libraries.values():
+        lib.helexa_set_threads(threads)
+    return libraries
+
+
 def decode_step(model_dir: Path, context: int) -> Callable[[], float]:
     """A function that runs one decode step of one sequence with `context` tokens before it (`step_runner`: re-run
     in place, the same slot each time) and returns its seconds."""
@@ -84,11 +95,7 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int, str]:
     gguf = model_gguf(args.model, args.threads)
     nbytes, _ = weight_bytes(gguf)
     path = native.kernel_path()
-    libraries = {THIS: native.library()}
-    if args.baseline:
-        libraries[f"baseline {args.baseline}"] = baseline_library(args.baseline, path)
-    for lib in libraries.values():
-        lib.helexa_set_threads(args.threads)
+    libraries = kernel_libraries(args.baseline, args.threads)
     head = (
         f"CPU: {cpu_name()}; {args.threads} threads; kernel path {path}; model {args.model} ({gguf.name}, "
         f"{nbytes / 2**20:.0f} MiB of weights); one sequence at {args.context} tokens of context"
