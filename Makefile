@@ -39,8 +39,12 @@ browser:
 		|| { apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; }; }; } \
 		|| echo "chromium could not be installed: the operator page's browser tests will skip"
 
+# OpenBLAS's Sandybridge kernels for NumPy in the tests: the Triton interpreter's tl.dot is NumPy's matmul, and
+# the Haswell kernels gave a row of a small product bits that depend on the other rows (tests/conftest.py).
+TEST_ENV := OPENBLAS_CORETYPE=Sandybridge
+
 test: lint browser
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests
 ifneq ($(HAS_GPU),1)
 	$(MAKE) test-triton-next
 endif
@@ -53,7 +57,7 @@ endif
 
 test-triton-next: setup .triton-next/.installed
 	PYTHONPATH=.triton-next $(PY) -c "import triton; print('kernel tests on triton', triton.__version__)"
-	PYTHONPATH=.triton-next $(PY) -m pytest -q -p no:cacheprovider tests/kernels tests/kvcache
+	$(TEST_ENV) PYTHONPATH=.triton-next $(PY) -m pytest -q -p no:cacheprovider tests/kernels tests/kvcache
 
 serve: setup
 	$(PY) -m helexa.server $(ARGS)

@@ -5,6 +5,12 @@ import os
 # Must be set before anything imports triton: @triton.jit decides at decoration time.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HELEXA_DEBUG", "1")
+# The interpreter computes tl.dot with NumPy's matmul, that is OpenBLAS. On an AVX2 + FMA CPU (a Zen 3 EPYC,
+# 2026-12-06) OpenBLAS's Haswell kernels gave a row of a (64, 16) @ (16, 32) product different bits depending on
+# the other rows of the left operand, so the kernels' batch-invariance tests failed there, though a GPU's MMA
+# sums each row alone. OpenBLAS's Sandybridge kernels (AVX without FMA: every CPU these tests run on) gave each
+# row the same bits whatever the others held. Set before anything loads OpenBLAS (NumPy, imported by torch).
+os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
 import torch  # noqa: E402
 
