@@ -248,6 +248,24 @@ static inline __attribute__((always_inline)) __m512 block16_add(__m512 acc, __m5
 #endif
 
 #ifndef HX_VNNI
+/* AVX2: block b (of group g) of columns [8 h, 8 h + 8) of rows [m0, m0 + R) added to acc (R): its integer sums,
+ * then isum * (s_g * d_b) and z_g * xs_b per column, in that order. The one block step of both ways `tile` runs. */
+static inline __attribute__((always_inline)) void half_block(const int8_t *const *xr, const float *d, const float *xs,
+                                                             int64_t blocks, int64_t b, int64_t g, const uint8_t *w4,
+                                                             const int8_t *w8, const void *s, const void *zc,
+                                                             const int half, int64_t m0, const int R, const int h,
+                                                             __m256 *acc) {
+    __m256i isum[MR];
+    block_sums(xr, b * QK, w4 ? w4 + b * QK * NR / 2 : NULL, w8 ? w8 + b * QK * NR : NULL, R, h, isum);
+    const __m256 sv = hx_load8(s, g * NR + 8 * h, half); /* from L1: registers are short here */
+    const __m256 zv = zc ? hx_load8(zc, g * NR + 8 * h, half) : _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        const int64_t row = (m0 + r) * blocks + b;
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(sv, _mm256_set1_ps(d[row])), acc[r]);
+        if (zc) acc[r] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xs[row]), acc[r]);
+    }
+}
+
 /* AVX2: columns [8 h, 8 h + 8) of rows [m0, m0 + R) of one tile, over every block (R and h constants at each
  * call site): `tile` for rows enough that the arithmetic, not the memory, bounds the GEMM. Its R accumulators,
  * not both halves' 2 R, then stay in the 16 registers with the block's sums and weights (on a Zen 3 EPYC, 64-row
@@ -267,15 +285,7 @@ static inline __attribute__((always_inline)) void tile_half(const int8_t *const 
             left = per_group - 1;
         }
         if (h == 0) prefetch_block(w4, w8, b, deep); /* the second half's lines are in the caches by then */
-        __m256i isum[MR];
-        block_sums(xr, b * QK, w4 ? w4 + b * QK * NR / 2 : NULL, w8 ? w8 + b * QK * NR : NULL, R, h, isum);
-        const __m256 sv = hx_load8(s, g * NR + 8 * h, half);
-        const __m256 zv = zc ? hx_load8(zc, g * NR + 8 * h, half) : _mm256_setzero_ps();
-        for (int r = 0; r < R; r++) {
-            const int64_t row = (m0 + r) * blocks + b;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(sv, _mm256_set1_ps(d[row])), acc[r]);
-            if (zc) acc[r] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xs[row]), acc[r]);
-        }
+        half_block(xr, d, xs, blocks, b, g, w4, w8, s, zc, half, m0, R, h, acc);
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0 + 8 * h, acc[r]);
 }
@@ -327,18 +337,8 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
             left = per_group - 1;
         }
         prefetch_block(w4, w8, b, deep);
-        for (int h = 0; h < 2; h++) { /* both halves of the block's cache lines while they are in L1 */
-            __m256i isum[MR];
-            block_sums(xr, b * QK, w4 ? w4 + b * QK * NR / 2 : NULL, w8 ? w8 + b * QK * NR : NULL, R, h, isum);
-            const __m256 sv = hx_load8(s, g * NR + 8 * h, half); /* from L1: registers are short here */
-            const __m256 zv = zc ? hx_load8(zc, g * NR + 8 * h, half) : _mm256_setzero_ps();
-            for (int r = 0; r < R; r++) {
-                const int64_t row = (m0 + r) * blocks + b;
-                acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(sv, _mm256_set1_ps(d[row])),
-                                            acc[h][r]);
-                if (zc) acc[h][r] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xs[row]), acc[h][r]);
-            }
-        }
+        for (int h = 0; h < 2; h++) /* both halves of the block's cache lines while they are in L1 */
+            half_block(xr, d, xs, blocks, b, g, w4, w8, s, zc, half, m0, R, h, acc[h]);
     }
     for (int r = 0; r < R; r++)
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (m0 + r) * N + n0 + 8 * h, acc[h][r]);
