@@ -6,6 +6,9 @@
   replica holding every session finds (the best possible), and the sessions spread over >= 2 replicas.
 - `power_of_two` reads `/get_load`: a replica whose KV blocks are all reserved, with a request queued,
   gets no new request while the others have room.
+
+The replicas run the CPU attention a CPU node runs (`--attention-backend torch`), not the Triton interpreter the
+rest of the suite runs the kernels in (that made each answer ~30 times as slow: the file took ~7 minutes).
 - A replica SIGKILLed mid-run costs no request; restarted on the same ports it serves again and its KV
   events (the fixed loopback port) are credited by `kv_aware` again.
 - `sglang-router`'s `cache_aware` policy: the same sessions.
@@ -38,6 +41,7 @@ VLLM_ROUTER = ("vllm-router", "0.1.17")
 SGLANG_ROUTER = ("sglang-router", "0.3.2")
 SESSIONS, TURNS, ANSWER_TOKENS = 4, 4, 4
 BLOCK_SIZE, NUM_BLOCKS = 16, 1024  # every session fits one replica's cache: the best possible is all hits
+POLL_EVERY_2_SECS = ("--worker-startup-check-interval", "2")  # vllm-router's /get_load poll interval too
 
 
 def _free_port() -> int:
@@ -92,10 +96,15 @@ def _wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = 
 
 @dataclass
 class Replica:
-    """One `python -m helexa.server` on fixed loopback ports (HTTP, KV events, replay), restartable."""
+    """One `python -m helexa.server` on fixed loopback ports (HTTP, KV events, replay), restartable.
+
+    `attention_backend`: "torch" (the CPU kernels a CPU node runs: a 4-token answer in ~0.1 s) or "triton" (the
+    Triton kernels in the suite's interpreter, ~30 times as slow: a replica whose streams hold its slots for
+    minutes)."""
 
     model_dir: Path
     log: Path
+    attention_backend: str = "torch"
     port: int = field(default_factory=_free_port)
     events_port: int = field(default_factory=_free_port)
     replay_port: int = field(default_factory=_free_port)
@@ -116,7 +125,8 @@ class Replica:
     def start(self) -> None:
         argv = [
             sys.executable, "-m", "helexa.server", "--model", str(self.model_dir), "--device", "cpu",
-            "--host", "127.0.0.1", "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
+            "--host", "127.0.0.1", "--port", str(self.port), "--attention-backend", self.attention_backend,
+            "--block-size", str(BLOCK_SIZE),
             "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "2",
             "--max-model-len", "2048",
             "--max-wait-secs", "36000",  # the full replica's queued request waits (on CPU its estimate is long)
@@ -150,8 +160,13 @@ class Replica:
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
     """Three replicas of the tiny chat model, started together (about 10-20 s on two cores)."""
     root = tmp_path_factory.mktemp("routers")
-    model_dir = make_tiny_model_dir(root / "model")
-    reps = [Replica(model_dir, root / f"replica{i}.log") for i in range(3)]
+    with started([Replica(make_tiny_model_dir(root / "model"), root / f"replica{i}.log") for i in range(3)]) as reps:
+        yield reps
+
+
+@contextlib.contextmanager
+def started(reps: list[Replica]) -> Iterator[list[Replica]]:
+    """`reps` started together, ready; stopped on exit."""
     try:
         for rep in reps:
             rep.start()
@@ -326,9 +341,17 @@ def test_sglang_router_cache_aware_keeps_sessions_on_their_cache(
 
 
 def test_power_of_two_routes_around_a_full_replica(replicas: list[Replica], tmp_path: Path) -> None:
-    """Replica 0's two sequence slots are taken by long streams and a third waits; after the router's next
-    load polls, requests through `power_of_two` never reach it while the others have room."""
-    full = replicas[0]
+    """A replica's two sequence slots are taken by long streams and a third waits; after the router's next
+    load polls, requests through `power_of_two` never reach it while the others have room.
+
+    The full replica is one of its own, on the interpreted Triton kernels: its 2,000-token streams hold its slots
+    for minutes, past the router's polls, where a CPU replica would finish them in seconds."""
+    full = Replica(replicas[0].model_dir, tmp_path / "full.log", attention_backend="triton")
+    with started([full]):
+        _route_around(full, [full, *replicas[1:]], tmp_path)
+
+
+def _route_around(full: Replica, replicas: list[Replica], tmp_path: Path) -> None:
     model = _model(replicas)
     long = {"model": model, "prompt": "one two three", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     stop = threading.Event()
@@ -341,7 +364,8 @@ def test_power_of_two_routes_around_a_full_replica(replicas: list[Replica], tmp_
                         return
 
     holders = [threading.Thread(target=hold, daemon=True) for _ in range(3)]
-    with running_router(vllm_router(replicas, "power_of_two"), tmp_path / "router.log") as url:
+    # vllm-router polls /get_load every --worker-startup-check-interval seconds (30 by default in 0.1.17)
+    with running_router(vllm_router(replicas, "power_of_two", *POLL_EVERY_2_SECS), tmp_path / "router.log") as url:
         try:
             for t in holders:
                 t.start()
@@ -350,8 +374,8 @@ def test_power_of_two_routes_around_a_full_replica(replicas: list[Replica], tmp_
             others = [httpx.get(r.url + "/get_load", timeout=10).json() for r in replicas[1:]]
             assert load["admissible_tokens"] == 0 and load["num_waiting_reqs"] == 1
             assert all(o["admissible_tokens"] > 0 and o["load"] < load["load"] for o in others)
-            polls = full.load_polls()  # the router polls /get_load on its own (every 5-10 s): wait for two polls
-            assert _poll(lambda: full.load_polls() >= polls + 2, 60), "the router never polled the full replica"
+            polls = full.load_polls()  # the router polls /get_load on its own (every 2 s here): wait for two polls
+            assert _poll(lambda: full.load_polls() >= polls + 2, 30), "the router never polled the full replica"
             before = {i: r.admission()["admitted_total"] for i, r in enumerate(replicas)}
             short = {"model": model, "prompt": "four five", "max_tokens": 2}
             for _ in range(9):
