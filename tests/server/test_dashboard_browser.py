@@ -296,6 +296,8 @@ def test_the_incident_on_the_page(tiny_model_dir: Path, browser: Any) -> None:
         tip = page.inner_text("#tip")
         assert f"block {block} · in use" in tip and owner["id"] in tip and "session agent-7" in tip
         assert page.query_selector(f'#running tr.active[data-owner="{owner["id"]}"]') is not None
+        _wait_for_update(page, int(page.evaluate("document.body.dataset.updates")))  # the next poll rebuilds the rows
+        assert page.query_selector(f'#running tr.active[data-owner="{owner["id"]}"]') is not None, "highlight lost"
 
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SCREENSHOT), full_page=True)

@@ -352,9 +352,14 @@
     return cell;
   }
 
+  // Rows are rebuilt on every poll; a row whose owner is highlighted (a hovered block) keeps its highlight.
   function fillTable(id, rows, makeRow) {
     const body = $(id).tBodies[0];
-    body.replaceChildren(...rows.map(makeRow));
+    const made = rows.map(makeRow);
+    for (const row of made) {
+      if (row.dataset.owner !== undefined) row.classList.toggle("active", row.dataset.owner === state.highlight);
+    }
+    body.replaceChildren(...made);
     $(id).hidden = rows.length === 0;
     $(id + "-empty").hidden = rows.length > 0;
   }
