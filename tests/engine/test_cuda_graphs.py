@@ -33,9 +33,21 @@ def _failing(run):
     raise RuntimeError("capture refused (test)")
 
 
+PROMPTS = random_prompts(3, seed=12)
+
+
 @pytest.fixture
 def cuda_step(monkeypatch):
     monkeypatch.setattr(transformer, "linear", triton_linear)
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_model_dir):
+    """The eager engine's streams of PROMPTS on the CUDA step's kernels, computed once for the module (each run
+    of the step in the interpreter takes ~20 s on two cores)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformer, "linear", triton_linear)
+        return _streams(_engine(tiny_model_dir), PROMPTS)
 
 
 def _engine(model_dir, capture=None):
@@ -62,25 +74,21 @@ def test_buckets_cover_every_batch_size_with_little_padding():
             assert size - b < (b if size <= 8 else 8 if size <= 64 else 32), (max_num_seqs, b, size)
 
 
-def test_replayed_decode_steps_give_the_eager_engine_s_bits(tiny_model_dir, cuda_step):
-    prompts = random_prompts(3, seed=12)
-    eager = _streams(_engine(tiny_model_dir), prompts)
+def test_replayed_decode_steps_give_the_eager_engine_s_bits(tiny_model_dir, cuda_step, eager):
     engine = _engine(tiny_model_dir, capture=_replaying)
     graphs = engine.runner.graphs
     assert isinstance(graphs, DecodeGraphs)
-    assert _streams(engine, prompts) == eager
+    assert _streams(engine, PROMPTS) == eager
     # 3 decoding sequences replay the bucket of 4 (one padded row); fewer as they end, never a prefill
     assert graphs.replays >= PARAMS.max_tokens - 2 and 4 in graphs._graphs and graphs.disabled is None
-    again = _streams(engine, prompts[:1])  # a later step of one sequence: bucket 1, captured on first use
+    again = _streams(engine, PROMPTS[:1])  # a later step of one sequence: bucket 1, captured on first use
     assert again == eager[:1] and 1 in graphs._graphs
 
 
-def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(tiny_model_dir, cuda_step, caplog):
-    prompts = random_prompts(2, seed=3)
-    eager = _streams(_engine(tiny_model_dir), prompts)
+def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(tiny_model_dir, cuda_step, eager, caplog):
     engine = _engine(tiny_model_dir, capture=_failing)
     with caplog.at_level(logging.WARNING, logger="helexa.engine.cuda_graphs"):
-        assert _streams(engine, prompts) == eager
+        assert _streams(engine, PROMPTS) == eager
     assert engine.runner.graphs.disabled == "RuntimeError: capture refused (test)"
     assert engine.runner.graphs.replays == 0
     assert sum("CUDA graph capture failed" in r.message for r in caplog.records) == 1
