@@ -43,8 +43,15 @@ browser:
 # the Haswell kernels gave a row of a small product bits that depend on the other rows (tests/conftest.py).
 TEST_ENV := OPENBLAS_CORETYPE=Sandybridge
 
+# The kernel and KV-cache tests (the Triton interpreter: one core's work each, nothing shared between them) run
+# on a worker a core (pytest-xdist; 133 -> 75 s on 2 cores); the rest, whose servers and timings share the
+# machine, one at a time.
+PARALLEL_TESTS := tests/kernels tests/kvcache
+WORKERS ?= auto
+
 test: lint browser
-	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests
+	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) $(PARALLEL_TESTS)
+	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests $(PARALLEL_TESTS:%=--ignore=%)
 ifneq ($(HAS_GPU),1)
 	$(MAKE) test-triton-next
 endif
@@ -57,7 +64,7 @@ endif
 
 test-triton-next: setup .triton-next/.installed
 	PYTHONPATH=.triton-next $(PY) -c "import triton; print('kernel tests on triton', triton.__version__)"
-	$(TEST_ENV) PYTHONPATH=.triton-next $(PY) -m pytest -q -p no:cacheprovider tests/kernels tests/kvcache
+	$(TEST_ENV) PYTHONPATH=.triton-next $(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) $(PARALLEL_TESTS)
 
 serve: setup
 	$(PY) -m helexa.server $(ARGS)
