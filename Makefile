@@ -43,10 +43,13 @@ browser:
 # the Haswell kernels gave a row of a small product bits that depend on the other rows (tests/conftest.py).
 TEST_ENV := OPENBLAS_CORETYPE=Sandybridge
 
-# The kernel and KV-cache tests (the Triton interpreter: one core's work each, nothing shared between them) run
-# on a worker a core (pytest-xdist; 133 -> 75 s on 2 cores); the rest, whose servers and timings share the
-# machine, one at a time.
-PARALLEL_TESTS := tests/kernels tests/kvcache
+# The kernel and KV-cache tests, run again on the newest tested Triton.
+KERNEL_TESTS := tests/kernels tests/kvcache
+# Tests that are one core's work (the Triton interpreter, the device scripts' CPU dry runs) and share nothing (no
+# servers, ports or timings): they run on a worker a core (pytest-xdist); the rest, whose servers and timings share
+# the machine, one at a time.
+PARALLEL_TESTS := $(KERNEL_TESTS) tests/engine/test_cuda_step_invariance.py tests/engine/test_cuda_graphs.py \
+	tests/engine/test_fp8_kv_engine.py tests/engine/test_gpu_scripts.py
 WORKERS ?= auto
 
 test: lint browser
@@ -64,7 +67,7 @@ endif
 
 test-triton-next: setup .triton-next/.installed
 	PYTHONPATH=.triton-next $(PY) -c "import triton; print('kernel tests on triton', triton.__version__)"
-	$(TEST_ENV) PYTHONPATH=.triton-next $(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) $(PARALLEL_TESTS)
+	$(TEST_ENV) PYTHONPATH=.triton-next $(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) $(KERNEL_TESTS)
 
 serve: setup
 	$(PY) -m helexa.server $(ARGS)

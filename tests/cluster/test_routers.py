@@ -126,15 +126,15 @@ class Replica:
         argv = [
             sys.executable, "-m", "helexa.server", "--model", str(self.model_dir), "--device", "cpu",
             "--host", "127.0.0.1", "--port", str(self.port), "--attention-backend", self.attention_backend,
-            "--block-size", str(BLOCK_SIZE),
-            "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "2",
+            "--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "2",
             "--max-model-len", "2048",
             "--max-wait-secs", "36000",  # the full replica's queued request waits (on CPU its estimate is long)
             "--kv-events-endpoint", self.events, "--kv-events-replay-endpoint", self.replay,
             "--kv-events-encoding", "map", "--log-level", "info",  # info: the access log shows the load polls
         ]  # fmt: skip
+        env = {**os.environ, "TRITON_INTERPRET": "1" if self.attention_backend == "triton" else "0"}  # Triton on CPU
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def wait_ready(self, timeout: float = 120) -> None:
         _wait_http(self.url + "/health", timeout, self.proc)
