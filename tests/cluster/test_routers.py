@@ -5,13 +5,14 @@
   `cache_aware` and `consistent_hash`: the prompt tokens turns 2-4 find cached are >= 90% of what one
   replica holding every session finds (the best possible), and the sessions spread over >= 2 replicas.
 - `power_of_two` reads `/get_load`: a replica whose KV blocks are all reserved, with a request queued,
-  gets no new request while the others have room.
-
-The replicas run the CPU attention a CPU node runs (`--attention-backend torch`), not the Triton interpreter the
-rest of the suite runs the kernels in (that made each answer ~30 times as slow: the file took ~7 minutes).
+  gets no new request while the others have room (its slots held by streams on the interpreted Triton kernels).
 - A replica SIGKILLed mid-run costs no request; restarted on the same ports it serves again and its KV
   events (the fixed loopback port) are credited by `kv_aware` again.
 - `sglang-router`'s `cache_aware` policy: the same sessions.
+
+The replicas otherwise run the CPU attention a CPU node runs (`--attention-backend torch`), not the Triton
+interpreter the rest of the suite runs the kernels in (that made each answer ~30 times as slow: the file took
+~7 minutes on two cores).
 
 Every process is started in its own session and killed (SIGTERM, then SIGKILL) when its test ends.
 """
