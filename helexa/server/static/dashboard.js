@@ -306,9 +306,12 @@
     if (state.highlight === id) return;
     state.highlight = id;
     drawHighlight();
-    for (const row of document.querySelectorAll("tr[data-owner]")) {
-      row.classList.toggle("active", row.dataset.owner === id);
-    }
+    for (const row of document.querySelectorAll("tr[data-owner]")) markHighlight(row);
+  }
+
+  // A request's row is marked while the block map highlights its blocks (a hovered block's owner).
+  function markHighlight(row) {
+    row.classList.toggle("active", row.dataset.owner === state.highlight);
   }
 
   function onMapMove(event) {
@@ -352,13 +355,11 @@
     return cell;
   }
 
-  // Rows are rebuilt on every poll; a row whose owner is highlighted (a hovered block) keeps its highlight.
+  // Rows are rebuilt on every poll; a request's row keeps its highlight (`markHighlight`).
   function fillTable(id, rows, makeRow) {
     const body = $(id).tBodies[0];
     const made = rows.map(makeRow);
-    for (const row of made) {
-      if (row.dataset.owner !== undefined) row.classList.toggle("active", row.dataset.owner === state.highlight);
-    }
+    for (const row of made) if (row.dataset.owner !== undefined) markHighlight(row);
     body.replaceChildren(...made);
     $(id).hidden = rows.length === 0;
     $(id + "-empty").hidden = rows.length > 0;
