@@ -37,6 +37,8 @@ import pytest
 from tests.support.models import corpus
 from tests.support.servers import make_tiny_model_dir
 
+pytestmark = pytest.mark.alone  # measures time: a replica must stay full for seconds while another answers
+
 # The router releases these tests run (also pinned in pyproject.toml's `test` extra).
 VLLM_ROUTER = ("vllm-router", "0.1.17")
 SGLANG_ROUTER = ("sglang-router", "0.3.2")

@@ -6,9 +6,13 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
+
 from helexa.model.sampling import SamplingParams
 from tests.parallel.conftest import pid_alive, tp_engine
 from tests.support.engines import assert_released, random_prompts, run_streams, tokens
+
+pytestmark = pytest.mark.alone  # measures time: a rank that does not answer within --step-timeout-secs 2 is a fault
 
 PARAMS = [
     SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),

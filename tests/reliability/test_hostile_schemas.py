@@ -24,6 +24,8 @@ import pytest
 from tests.reliability.test_fuzz import _assert_documented, _assert_nothing_leaked
 from tests.support.servers import RunningServer, rss_bytes, serving, wait_for
 
+pytestmark = pytest.mark.alone  # measures time: /health's p99 and a running stream's gaps are held to bounds
+
 # The first round's margins, on this noisy 2-core machine: /health p99 < 1.0 s (the soak's) and no probe
 # over 1.5 s; a running stream's largest gap under its own baseline + 1.0 s (the largest-bodies test's).
 HEALTH_P99_SECS, HEALTH_MAX_SECS, GAP_MARGIN_SECS = 1.0, 1.5, 1.0

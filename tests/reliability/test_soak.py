@@ -35,6 +35,8 @@ import pytest
 from helexa.server.settings import ServerSettings
 from tests.support.servers import DOCUMENTED_ERRORS, metric, rss_bytes, serving, wait_for
 
+pytestmark = pytest.mark.alone  # measures time: /health's p99 and each probe are held to bounds
+
 LONG = os.environ.get("HELEXA_SOAK") == "long"
 NUM_REQUESTS = 1000 if LONG else 200
 NUM_CLIENTS = 32

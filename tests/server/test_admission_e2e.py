@@ -33,6 +33,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.servers import RunningServer, make_tiny_model_dir, raw_post, read_until, tiny_engine_config, wait_for
 
+pytestmark = pytest.mark.alone  # measures time: a refusal and an unqueued answer must come back within 0.5 s
+
 PROMPT_LEN = 10
 BLOCK = 16
 LONG = {"ignore_eos": True}  # the random model may emit EOS early; these runs need their full length

@@ -236,6 +236,7 @@ def test_history_points_are_rates_per_interval() -> None:
     assert (idle["generation_tps"], idle["step_ms"]) == (0.0, None)
 
 
+@pytest.mark.alone  # measures time: the read must take under 0.5 s
 def test_a_map_of_100k_blocks_is_cheap_to_read() -> None:
     """The map of a 100,000-block pool (60k in use, 20k cached of which 5k retained) reads in well under a
     poll interval, and its counts follow the snapshot's."""

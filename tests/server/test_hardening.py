@@ -34,6 +34,8 @@ from tests.support.servers import (
     wait_for,
 )
 
+pytestmark = pytest.mark.alone  # measures time: /health and a running stream are held to latency bounds
+
 
 def _requests_total(server: RunningServer) -> dict[str, float]:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
