@@ -13,8 +13,9 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 
 .PHONY: setup lint browser test test-triton-next serve bench bench-serve bench-admission bench-agent bench-peers bench-agreement soak pull clean
 
-# Byte-compiled at install: where PYTHONDONTWRITEBYTECODE is set (CI's machines), whatever pip does not compile is
-# compiled again by every process that imports it (--no-compile: set-up 128 -> 61 s, the tests 904 -> 1,186 s).
+# Byte-compiled at install: where PYTHONDONTWRITEBYTECODE is set (as on the 2-core EPYC measured), what pip leaves
+# uncompiled is compiled again by every process that imports it (--no-compile: set-up 128 -> 61 s, but the whole
+# fresh-clone run 1,032 -> 1,186 s).
 INSTALL := $(PIP) install --quiet
 
 $(VENV)/.installed: pyproject.toml
