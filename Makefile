@@ -11,7 +11,7 @@ TRITON_PIN ?= triton==3.6.0
 TRITON_NEXT ?= triton==3.9.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: setup lint browser test test-triton-next serve bench bench-serve bench-admission bench-agent bench-peers bench-agreement soak pull clean
+.PHONY: setup ruff lint browser test test-triton-next serve bench bench-serve bench-admission bench-agent bench-peers bench-agreement soak pull clean
 
 # Byte-compiled at install: where PYTHONDONTWRITEBYTECODE is set (as on the 2-core EPYC measured), what pip leaves
 # uncompiled is compiled again by every process that imports it (--no-compile: set-up 128 -> 61 s, but the whole
@@ -31,9 +31,11 @@ endif
 
 setup: $(VENV)/.installed
 
-lint: setup
+ruff: setup
 	$(PY) -m ruff check helexa tests bench
 	$(PY) -m ruff format --check helexa tests bench
+
+lint: ruff
 	$(PY) -m mypy
 
 # The operator page's tests drive Debian's Chromium through Playwright (which never downloads a browser here).
@@ -70,9 +72,7 @@ ON_WORKERS := $(TEST_ENV) OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovid
 	-m "not alone"
 
 # mypy (a minute, one core) runs beside the first run; its report is printed after it, and either failing fails.
-test: setup browser
-	$(PY) -m ruff check helexa tests bench
-	$(PY) -m ruff format --check helexa tests bench
+test: ruff browser
 	@log=$$(mktemp); $(PY) -m mypy >$$log 2>&1 & mypy=$$!; \
 	$(ON_WORKERS) $(UNTIMED_TESTS); tests=$$?; \
 	wait $$mypy; typed=$$?; echo "mypy:"; cat $$log; rm -f $$log; [ $$typed = 0 ] && exit $$tests || exit $$typed
