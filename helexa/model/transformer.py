@@ -8,7 +8,7 @@ are computed per step from the token positions: no table to size, positions of a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -237,7 +237,7 @@ class CausalLM(nn.Module):
         self.plan = tp.plan if self.tp is not None and tp is not None else ShardPlan.for_model(config)
         self.model = _Backbone(config, attention_backend, self.plan, self.tp)
         # (hidden, positions, attn, kv_caches, logits_indices) -> logits (S, V), or None to take the layers
-        self.native_step: Callable[..., torch.Tensor | None] | None = None
+        self.native_step: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.hidden_size, self.plan.vocab_rows, bias=False)
         )
@@ -283,7 +283,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        kv_caches: list[_Pair],
+        kv_caches: Sequence[_Pair],
         logits_indices: torch.Tensor,
         reuse_logits: bool = False,
     ) -> torch.Tensor:
@@ -296,6 +296,26 @@ class CausalLM(nn.Module):
         `reuse_logits`: the caller reads these logits before its next call, so the fused CPU step may return
         them in a buffer that call overwrites (no fresh pages a step); every other path returns its own.
         """
+        return self.forward_rows(input_ids, positions, attn, kv_caches, logits_indices, reuse_logits=reuse_logits)[0]
+
+    @torch.inference_mode()
+    def forward_rows(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: Sequence[_Pair],
+        logits_indices: torch.Tensor,
+        argmax_indices: torch.Tensor | None = None,
+        argmax_cols: int | None = None,
+        reuse_logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s logits (S, V) of rows `logits_indices`, and for rows `argmax_indices` (A,) int64 (default
+        none) only their tokens (A,) int64: the index `argmax` gives of each one's logits over columns
+        [0, `argmax_cols`) (default V; the first of equal maxima, the first NaN where there is one). The fused
+        CPU step never stores those rows' logits (it folds the head's argmax a block of columns at a time);
+        every other path computes them and takes the argmax, the same tokens. Under tensor parallelism only
+        rank 0 may ask for argmax rows (the others hold no logits)."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and positions must both be [T], got {tuple(input_ids.shape)} and {tuple(positions.shape)}"
@@ -304,13 +324,20 @@ class CausalLM(nn.Module):
             raise ValueError(f"expected {len(self.model.layers)} (k_cache, v_cache) pairs, got {len(kv_caches)}")
         if attn.num_tokens != input_ids.shape[0]:
             raise ValueError(f"attention metadata has {attn.num_tokens} slots for {input_ids.shape[0]} tokens")
-        if logits_indices.dim() != 1:
-            raise ValueError(f"logits_indices must be [S], got {tuple(logits_indices.shape)}")
+        argmax = logits_indices.new_empty(0) if argmax_indices is None else argmax_indices
+        if logits_indices.dim() != 1 or argmax.dim() != 1:
+            raise ValueError(
+                f"logits_indices and argmax_indices must be [S] and [A], got {tuple(logits_indices.shape)}"
+                f" and {tuple(argmax.shape)}"
+            )
+        cols = self.config.vocab_size if argmax_cols is None else argmax_cols
+        if argmax.numel() and not 0 < cols <= self.config.vocab_size:
+            raise ValueError(f"argmax_cols must be in [1, {self.config.vocab_size}], got {cols}")
 
         if self.native_step is not None:  # it embeds the tokens itself, a piece of the step at a time
-            logits = self.native_step(input_ids, positions, attn, kv_caches, logits_indices, reuse_logits)
-            if logits is not None:
-                return logits  # (S, V)
+            out = self.native_step(input_ids, positions, attn, kv_caches, logits_indices, reuse_logits, argmax, cols)
+            if out is not None:
+                return out  # (S, V), (A,)
         hidden = self.model.embed_tokens(input_ids)  # (T, E)
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2) float32
         angles = torch.cat((angles, angles), dim=-1)  # (T, D)
@@ -322,5 +349,12 @@ class CausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, rope, attn, kv_cache)
         assert residual is not None  # ModelConfig guarantees at least one layer
         # Only the rows that are sampled need the final norm and the vocab projection.
-        rows = self.model.norm(hidden[logits_indices] + residual[logits_indices])  # (S, E)
-        return self.logits(rows)  # (S, V)
+        every = torch.cat((logits_indices, argmax.to(logits_indices.device)))  # (S + A,)
+        rows = self.model.norm(hidden[every] + residual[every])  # (S + A, E)
+        logits = self.logits(rows)  # (S + A, V)
+        s = logits_indices.shape[0]
+        if not argmax.numel():
+            return logits, argmax.new_empty(0, dtype=torch.int64)
+        if logits.shape[1] == 0:
+            raise ValueError("argmax rows are rank 0's: this tensor-parallel rank holds no logits")
+        return logits[:s], logits[s:, :cols].argmax(dim=-1)  # (S, V), (A,)

@@ -627,11 +627,13 @@ def test_a_gguf_models_lookup_and_head_in_c_are_its_modules_bits(tmp_path: Path,
     cache = PagedCache(model.config, num_blocks=16, block_size=4)
     inputs = cache.step(prompts, all_logits=True)
     pool = [t.clone() for pair in cache.kv_caches for t in pair]
-    logits = step(inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, inputs.logits_indices)
+    out = step(inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, inputs.logits_indices)
     for t, saved in zip([t for pair in cache.kv_caches for t in pair], pool):
         t.copy_(saved)
-    normed = rows_out(inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, inputs.logits_indices)
-    assert logits is not None and normed is not None and normed.shape == (logits.shape[0], hidden)
+    normed_out = rows_out(inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, inputs.logits_indices)
+    assert out is not None and normed_out is not None
+    logits, normed = out[0], normed_out[0]
+    assert normed.shape == (logits.shape[0], hidden)
     head = model.model.embed_tokens.head if tie else model.lm_head
     assert torch.equal(logits, head(normed))
 
@@ -695,3 +697,117 @@ def test_logits_the_caller_is_done_with_reuse_one_buffer(quantized, monkeypatch:
     assert run([6], True).data_ptr() == grown.data_ptr()
     over = [run([6, 1], True), run([6, 1], True)]  # two rows: past the cap, each its own
     assert len({grown.data_ptr(), *(t.data_ptr() for t in over)}) == 3 and torch.equal(over[0], own)
+
+
+def _gguf_model(tmp_path: Path, qtype_name: str, tie: bool):
+    from helexa.model.weights.gguf import convert_gguf
+    from tests.support.gguf import Q, write_tiny_gguf
+
+    path, _ = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", getattr(Q, qtype_name), tie=tie)
+    return load_model(convert_gguf(path, tmp_path / "hf", progress=False), dtype="float32", attention_backend="torch")
+
+
+def _rerun(cache: PagedCache):
+    """A function that puts the pool back as it is now: the same step can then run again from it."""
+    saved = [t.clone() for pair in cache.kv_caches for t in pair]
+
+    def restore() -> None:
+        for t, s in zip([t for pair in cache.kv_caches for t in pair], saved):
+            t.copy_(s)
+
+    return restore
+
+
+@pytest.mark.parametrize(("qtype", "tie"), [("Q4_1", True), ("Q8_0", False)], ids=["q4_1 tied", "q8_0 own head"])
+def test_argmax_rows_take_the_argmax_of_their_logits_a_block_at_a_time(
+    tmp_path: Path, qtype: str, tie: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows asked for only their argmax (`argmax_indices`) get the index torch's argmax gives of their logits
+    over the first `argmax_cols` columns, whatever block of the quantized head the C side folds at a time (one
+    tile of 16 columns, three, a size off the tiles, the whole head), in any order, with or without logits rows
+    beside them, and in a step run in pieces; the logits rows stay the same bits, and so does the pool."""
+    model = _gguf_model(tmp_path, qtype, tie)
+    step = model.native_step
+    assert step is not None and step._model.head.q.weight  # the head is the kernel's tiled table
+    vocab = model.config.vocab_size
+    cache = PagedCache(model.config, num_blocks=16, block_size=4)
+    inputs = cache.step({0: [5, 9, 17, 3, 44], 1: [60, 2], 2: [7, 7, 1, 30]}, all_logits=True)
+    restore = _rerun(cache)
+    every = model(inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, inputs.logits_indices)
+    after = [t.clone() for pair in cache.kv_caches for t in pair]
+    argmax_rows, logits_rows = torch.tensor([10, 0, 3, 6, 3]), torch.tensor([6, 1])
+    for block_bytes in (native_step.ARGMAX_BLOCK_BYTES, 4 * 16 * 5, 4 * 48 * 5, 4 * 40 * 5 + 8, 12):
+        monkeypatch.setattr(native_step, "ARGMAX_BLOCK_BYTES", block_bytes)
+        for cols in (vocab, vocab - 5, 17, 1):
+            for rows, pieces in ((logits_rows, 256), (logits_rows[:0], 256), (logits_rows, 3)):
+                monkeypatch.setattr(native_step, "STEP_ROWS", pieces)
+                restore()
+                logits, tokens = model.forward_rows(
+                    inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, rows, argmax_rows, cols
+                )
+                assert torch.equal(tokens, every[argmax_rows, :cols].argmax(dim=-1)), (block_bytes, cols, pieces)
+                assert torch.equal(logits, every[rows])
+                assert all(torch.equal(a, b) for a, b in zip(after, [t for pair in cache.kv_caches for t in pair]))
+
+
+def test_argmax_rows_keep_the_first_of_equal_maxima_and_the_first_nan_across_blocks(
+    quantized, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fold of each block's argmax into a row's answer is torch's rule over the whole row: of equal
+    maxima in different blocks the first, and the first NaN wherever the row holds one (even before a larger
+    value, and after one). A dense head (float32 rows) whose rows are multiples of one vector by powers of two
+    makes exact ties: every row's logits are those multiples of one number."""
+    hidden = quantized.config.hidden_size
+    u = torch.randn(hidden, generator=torch.Generator().manual_seed(3))
+    scale = torch.ones(80)
+    scale[[20, 37, 70]] = 4.0  # the largest where u.x > 0: ties in blocks 1, 2 and 4 of 16 columns
+    scale[[25, 38]] = -4.0  # the largest where u.x < 0: ties in blocks 1 and 2
+    heads = {"ties": scale[:, None] * u}
+    heads["nan"] = heads["ties"].clone()
+    heads["nan"][[33, 64]] = float("nan")  # after the first largest, before the later ones
+    monkeypatch.setattr(native_step, "ARGMAX_BLOCK_BYTES", 4 * 16 * 6)  # 16 columns a block for 6 rows
+    cache = PagedCache(quantized.config, num_blocks=16, block_size=4)
+    inputs = cache.step({0: [5, 9, 17, 3, 44], 1: [60, 2]}, all_logits=True)
+    restore = _rerun(cache)
+    rows = torch.tensor([0, 1, 2, 4, 5, 6])
+    for name, weight in heads.items():
+        step, why = native_step_for(quantized)
+        assert step is not None, why
+        step._keep.append(weight)
+        step._model.head = native_step._Table(native_step._Linear(), weight.data_ptr(), weight.shape[0])
+        step._vocab = weight.shape[0]
+        restore()
+        every, none = step(inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, inputs.logits_indices)
+        assert none.shape == (0,)
+        positive = every[:, 20] > 0
+        assert positive.any() and (~positive).any(), "the rows should have u.x of both signs"
+        if name == "ties":
+            assert torch.equal(every[:, 20], every[:, 70]) and torch.equal(every[:, 25], every[:, 38])
+        for cols in (80, 37, 22):
+            restore()
+            _, tokens = step(inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, rows[:0], False,
+                             rows, cols)  # fmt: skip
+            want = every[rows, :cols].argmax(dim=-1)
+            assert torch.equal(tokens, want), (name, cols)
+            if name == "nan" and cols > 33:  # every row's first NaN, before its larger values
+                assert set(tokens.tolist()) == {33}
+            else:  # the first of each row's equal maxima: 20 (u.x > 0), 25 or, at 22 columns, 0 (u.x < 0)
+                assert set(tokens.tolist()) == {20, 25 if cols > 25 else 0}
+
+
+def test_argmax_rows_outside_the_step_or_columns_outside_the_head_write_nothing(quantized) -> None:
+    """An argmax row outside the step, or `argmax_cols` outside [1, V], is a ValueError with nothing written
+    to the pool."""
+    cache = PagedCache(quantized.config, num_blocks=8, block_size=4)
+    inputs = cache.step({0: [1, 4, 2]})
+    pool = [t.clone() for pair in cache.kv_caches for t in pair]
+    vocab, none = quantized.config.vocab_size, torch.tensor([], dtype=torch.int64)
+    for rows, cols, message in (
+        (torch.tensor([3]), None, "outside the step"),
+        (torch.tensor([-1]), None, "outside the step"),
+        (torch.tensor([2]), 0, "argmax_cols must be in"),
+        (torch.tensor([2]), vocab + 1, "argmax_cols must be in"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            quantized.forward_rows(inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, none, rows, cols)
+        assert all(torch.equal(a, b) for a, b in zip(pool, [t for pair in cache.kv_caches for t in pair]))

@@ -1,6 +1,8 @@
 """The fused CPU step (`csrc/step.c`): a quantized model's whole forward in one native call, token ids
 to the sampled rows' logits (the embedding lookup, every layer, the final norm and the head), for every
-step: decode, prefill, a chunk of a chunked prefill, an extend after a prefix-cache hit, or any mix.
+step: decode, prefill, a chunk of a chunked prefill, an extend after a prefix-cache hit, or any mix. Rows
+that want only their argmax (greedy ones) get their token instead: the head is folded into each row's
+argmax a block of columns at a time, and their logits are never stored.
 
 Two reasons it serves every step. Speed: on a CPU, a step of a small model is dominated not by its
 matmuls but by the few dozen torch operations around them in every layer (norms, RoPE, the cache
@@ -28,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import operator
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +57,10 @@ STEP_ROWS = 256
 # keeps, up to this size: fresh logits of 16 rows of a 49k vocabulary (3 MiB) are new pages every step,
 # faulted in as the head writes them, which took ~0.8 ms of a ~15 ms 16-stream step of the default model.
 REUSED_LOGITS_BYTES = 32 << 20
+# Rows that want only their argmax (`argmax_indices`) go through the head this many bytes of logits at a time
+# (csrc/step.c's head_argmax: each block's argmax folded into the row's answer), so their logits never exist
+# whole: a step verifying 48 greedy drafted rows of a 49k vocabulary held 9 MiB of logits to take 48 indices.
+ARGMAX_BLOCK_BYTES = 1 << 20
 
 
 class _Linear(ctypes.Structure):
@@ -161,7 +167,7 @@ class NativeStep:
         self._kept = KeptBuffers()  # the logits of a caller that reuses them (`reuse_logits`)
         native.library()  # built and loaded now: the first step pays nothing
 
-    def _bind_caches(self, kv_caches: list[Any]) -> bool:
+    def _bind_caches(self, kv_caches: Sequence[Any]) -> bool:
         """Point the layers at these caches (once per pool: the pairs it was last given, compared by
         identity; a pool never re-points its tensors); False when a cache does not fit."""
         if len(kv_caches) == len(self._bound) and all(map(operator.is_, kv_caches, self._bound)):
@@ -181,12 +187,16 @@ class NativeStep:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        kv_caches: list[Any],
+        kv_caches: Sequence[Any],
         logits_indices: torch.Tensor,
         reuse_logits: bool = False,
-    ) -> torch.Tensor | None:
-        """The logits (S, V) float32 of one step's rows `logits_indices` (S,): input_ids (T,) the new tokens,
-        positions (T,) int64 theirs, `attn` the step's metadata; the new K/V are written to the caches.
+        argmax_indices: torch.Tensor | None = None,
+        argmax_cols: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits (S, V) float32 of one step's rows `logits_indices` (S,), tokens (A,) int64 of its rows
+        `argmax_indices` (A,)): input_ids (T,) the new tokens, positions (T,) int64 theirs, `attn` the step's
+        metadata; the new K/V are written to the caches. A token is the index `argmax` gives of its row's logits
+        over columns [0, `argmax_cols`) (default V), whose logits are never stored (`ARGMAX_BLOCK_BYTES` at a time).
         A step of more than `STEP_ROWS` rows runs as consecutive calls of at most that many, each embedding
         its own rows (a long prefill holds one piece's activations, not the whole chunk's). None, with
         nothing written, when the step or the caches do not fit (then the caller runs the torch layers).
@@ -200,19 +210,25 @@ class NativeStep:
             return None
         if tables.stride(-1) != 1 or not self._bind_caches(kv_caches):
             return None
-        ids, positions, rows = (v.long().contiguous() for v in (input_ids, positions, logits_indices))
+        argmax = torch.empty(0, dtype=torch.int64) if argmax_indices is None else argmax_indices
+        cols = self._vocab if argmax_cols is None else argmax_cols
+        if argmax.numel() and not 0 < cols <= self._vocab:
+            raise ValueError(f"argmax_cols must be in [1, {self._vocab}], got {cols}")
+        ids, positions, rows, arg_rows = (v.long().contiguous() for v in (input_ids, positions, logits_indices, argmax))
         lens, slots, starts = lens.contiguous(), slots.contiguous(), starts.contiguous()
         logits = self._logits_for(rows.shape[0], reuse_logits)  # (S, V)
+        tokens = torch.empty(arg_rows.shape[0], dtype=torch.int64)  # (A,)
         if t <= STEP_ROWS:
-            self._forward(ids, positions, slots, starts, lens, tables, rows, logits)
-            return logits
+            self._forward(ids, positions, slots, starts, lens, tables, rows, logits, arg_rows, cols, tokens)
+            return logits, tokens
         for a, b, piece_starts, piece_lens, piece_tables in _pieces(starts, lens, tables, t, STEP_ROWS):
-            here = (rows >= a) & (rows < b)  # (S,): the rows this piece samples
+            here, arg_here = ((r >= a) & (r < b) for r in (rows, arg_rows))  # the rows this piece samples
             part = torch.empty(int(here.sum()), self._vocab)
+            part_tokens = torch.empty(int(arg_here.sum()), dtype=torch.int64)
             self._forward(ids[a:b], positions[a:b], slots[a:b], piece_starts, piece_lens, piece_tables,
-                          rows[here] - a, part)  # fmt: skip
-            logits[here] = part
-        return logits
+                          rows[here] - a, part, arg_rows[arg_here] - a, cols, part_tokens)  # fmt: skip
+            logits[here], tokens[arg_here] = part, part_tokens
+        return logits, tokens
 
     def _logits_for(self, s: int, reuse: bool) -> torch.Tensor:
         """(s, V) float32 for a step's logits: the kept buffer's rows when `reuse` (up to `REUSED_LOGITS_BYTES`),
@@ -231,6 +247,9 @@ class NativeStep:
         tables: torch.Tensor,
         rows: torch.Tensor,
         logits: torch.Tensor,
+        arg_rows: torch.Tensor,
+        arg_cols: int,
+        tokens: torch.Tensor,
     ) -> None:
         """One native call over the rows of `ids` (each argument contiguous, as `__call__` made them)."""
         x = None
@@ -239,10 +258,12 @@ class NativeStep:
             if x.dtype != torch.float32:
                 raise TypeError(f"the fused step runs float32 embeddings, got {x.dtype}")
             x = x.contiguous()
+        block = ARGMAX_BLOCK_BYTES // (4 * max(1, arg_rows.shape[0]))  # columns a block (C rounds to its tiles)
         rc = native.library().helexa_forward(
             self._model_arg, ids.shape[0], ids.data_ptr(), None if x is None else x.data_ptr(), positions.data_ptr(),
             self._inv_freq.data_ptr(), slots.data_ptr(), lens.shape[0], starts.data_ptr(), tables.data_ptr(),
             tables.stride(0), lens.data_ptr(), rows.shape[0], rows.data_ptr(), logits.data_ptr(),
+            arg_rows.shape[0], arg_rows.data_ptr(), arg_cols, block, tokens.data_ptr(),
         )  # fmt: skip
         if rc == -3:
             bad = ids[(ids < 0) | (ids >= self._model.embed.rows)][0].item()

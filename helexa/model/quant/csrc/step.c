@@ -89,6 +89,7 @@ static void *scratch(size_t floats) { return aligned_alloc(64, ((floats * sizeof
 enum hx_slot {
     S_X, S_PICKED, S_H, S_QKV, S_GU, S_DOWN, S_COS, S_SIN, S_TASK, S_PART_BASE, S_PART,
     S_RUNS, S_TEAM_X, S_TEAM_H, S_TEAM_ACT, S_TEAM_Q, /* decoder_team's: its runs; each thread's own rows */
+    S_HEAD_BLOCK, S_HEAD_BEST,                        /* head_argmax's block of logits, each row's best value */
     S_SLOTS
 };
 typedef struct {
@@ -200,15 +201,26 @@ static void rms_norm_rows(const float *x, const float *w, int64_t T, int64_t n, 
     HX_FOR(T >= ROWS_PAR, t, T, { rms_norm(x + t * n, w, n, eps, y + t * n); });
 }
 
-/* y (m, n) = x (m, k) @ W.T (+ bias), x's rows ldx floats apart. Returns helexa_wq_gemm's 0 or -1. */
-static int linear(const hx_linear *l, const float *x, int64_t m, int64_t ldx, float *y) {
-    const uint8_t *q4 = l->int4 ? (const uint8_t *)l->weight : NULL;
-    const int8_t *q8 = l->int4 ? NULL : (const int8_t *)l->weight;
-    if (helexa_wq_gemm(x, m, l->k, ldx, q4, q8, l->scales, l->zero_terms, l->half, l->n, l->group, y)) return -1;
+/* y (m, c1 - c0) = columns [c0, c1) of x (m, k) @ W.T (+ bias), x's rows ldx floats apart; c0 and c1
+ * multiples of the weight's tile of 16 columns (c1 may be n). The weight is tiled by columns, so the range is
+ * a pointer offset and each column is computed as it is in the whole product. Returns helexa_wq_gemm's 0 or -1. */
+static int linear_cols(const hx_linear *l, const float *x, int64_t m, int64_t ldx, int64_t c0, int64_t c1, float *y) {
+    const int64_t k = l->k, w = c1 - c0, scale_bytes = l->half ? 2 : 4;
+    const uint8_t *q4 = l->int4 ? (const uint8_t *)l->weight + c0 * (k / 2) : NULL;
+    const int8_t *q8 = l->int4 ? NULL : (const int8_t *)l->weight + c0 * k;
+    const size_t per_column = (size_t)(scale_bytes * (k / l->group)); /* its scales' (and zero terms') bytes */
+    const void *scales = (const char *)l->scales + per_column * (size_t)c0;
+    const void *zero_terms = l->zero_terms ? (const char *)l->zero_terms + per_column * (size_t)c0 : NULL;
+    if (helexa_wq_gemm(x, m, k, ldx, q4, q8, scales, zero_terms, l->half, w, l->group, y)) return -1;
     if (l->bias)
         for (int64_t r = 0; r < m; r++)
-            for (int64_t i = 0; i < l->n; i++) y[r * l->n + i] += l->bias[i];
+            for (int64_t i = 0; i < w; i++) y[r * w + i] += l->bias[c0 + i];
     return 0;
+}
+
+/* y (m, n) = x (m, k) @ W.T (+ bias), x's rows ldx floats apart. Returns helexa_wq_gemm's 0 or -1. */
+static int linear(const hx_linear *l, const float *x, int64_t m, int64_t ldx, float *y) {
+    return linear_cols(l, x, m, ldx, 0, l->n, y);
 }
 
 /* cos and signed sin (T, D) of each row's position: angle i = float(pos) * inv_freq[i mod D/2] in
@@ -1324,25 +1336,70 @@ int helexa_sort_rows(const float *x, int64_t rows, int64_t cols, int64_t stride,
     return failed ? -1 : 0;
 }
 
+/* The head's columns [c0, c1) of x (M, E) into y (M, c1 - c0): the quantized GEMM's (`linear_cols`: c0 and c1
+ * on its tiles of 16 columns, or c1 its last) or dense_head's, each (row, column) computed as in the whole head. */
+static int head_cols(const hx_table *head, const float *x, int64_t M, int64_t E, int64_t c0, int64_t c1, float *y) {
+    if (head->q.weight) return linear_cols(&head->q, x, M, E, c0, c1, y);
+    dense_head(x, M, E, head->dense + c0 * E, c1 - c0, y);
+    return 0;
+}
+
+/* tokens[r] = argmax_of row r's logits over columns [0, cols) (0 < cols <= head->rows), x (A, E) the
+ * final-normed rows: the head computed `block` columns at a time (rounded down to its tiles of 16, at least
+ * one tile) into a block this thread keeps, each row's running answer folded after each block. A block's
+ * logits are the whole head's bits (`head_cols`); the fold keeps a row's first NaN, else the first of its
+ * largest values, so the token is argmax_of's over the whole row, and torch's argmax's. No row's logits are
+ * ever stored whole: A x block floats at most. Returns 0 or -1 (scratch memory). */
+static int head_argmax(const hx_table *head, const float *x, int64_t A, int64_t E, int64_t cols, int64_t block,
+                       int64_t *tokens) {
+    block = block < 16 ? 16 : block / 16 * 16;
+    /* the columns computed: the quantized head's whole tiles covering [0, cols); a dense head's exactly */
+    const int64_t end = head->q.weight ? ((cols + 15) / 16 * 16 < head->rows ? (cols + 15) / 16 * 16 : head->rows)
+                                       : cols;
+    if (block > end) block = end;
+    float *y = (float *)arena(S_HEAD_BLOCK, sizeof(float) * (size_t)(A * block));
+    float *best = (float *)arena(S_HEAD_BEST, sizeof(float) * (size_t)A);
+    if (!y || !best) return -1;
+    for (int64_t c0 = 0; c0 < end; c0 += block) {
+        const int64_t c1 = c0 + block < end ? c0 + block : end, w = c1 - c0, n = (c1 < cols ? c1 : cols) - c0;
+        if (head_cols(head, x, A, E, c0, c1, y)) return -1;
+        HX_FOR(A >= 4, r, A, {
+            const float *row = y + r * w;
+            const int64_t i = argmax_of(row, n);
+            const float v = row[i];
+            /* a NaN found earlier stays; else a NaN, or a strictly larger value, takes over */
+            if (c0 == 0 || (best[r] == best[r] && (v != v || v > best[r]))) best[r] = v, tokens[r] = c0 + i;
+        });
+    }
+    return 0;
+}
+
 /* One step of the whole model, token ids to logits: the rows' embeddings looked up in m->embed (or, when
  * m->embed has no table, copied from x_in (T, E), which is only read), every decoder layer (`decoder`),
  * then for each of the S rows `rows` (S,) int64 of the step, in that order, its final-normed hidden state
- * through m->head into logits (S, V) float32. Each of these is the per-row computation the Python side
+ * through m->head into logits (S, V) float32, and for each of the A rows `arg_rows` (A,) only its logits'
+ * argmax over columns [0, arg_cols) into tokens (A,) int64 (`head_argmax`, `arg_block` columns of the head
+ * at a time; its logits are never stored). Each of these is the per-row computation the Python side
  * used to run around the decoder: the lookup is helexa_dequantize_rows' (or a float32 row's copy), the
  * norm is rms_norm's, the head is the quantized GEMM's (`linear`) or dense_head's, each row on its own;
  * so a row's logits do not depend on the other rows of the call. Returns 0, -1 when scratch memory could
- * not be allocated, -2 when the metadata is inconsistent (or a row is outside [0, T)), -3 when a token id
- * is outside the embedding's rows; on an error nothing is written to logits. */
+ * not be allocated, -2 when the metadata is inconsistent (or a row is outside [0, T), or arg_cols outside
+ * [1, V] while A > 0), -3 when a token id is outside the embedding's rows. On -2 or -3 nothing has been
+ * written (caches, logits, tokens); after -1 logits and tokens mean nothing. */
 int helexa_forward(const hx_model *m, int64_t T, const int64_t *ids, const float *x_in, const int64_t *positions,
                    const float *inv_freq, const int64_t *slots, int64_t B, const int32_t *query_start_loc,
                    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, int64_t S,
-                   const int64_t *rows, float *logits) {
+                   const int64_t *rows, float *logits, int64_t A, const int64_t *arg_rows, int64_t arg_cols,
+                   int64_t arg_block, int64_t *tokens) {
     const int64_t E = m->hidden;
     const hx_table *emb = &m->embed, *head = &m->head;
     for (int64_t s = 0; s < S; s++)
         if (rows[s] < 0 || rows[s] >= T) return -2;
+    for (int64_t a = 0; a < A; a++)
+        if (arg_rows[a] < 0 || arg_rows[a] >= T) return -2;
+    if (A > 0 && (arg_cols < 1 || arg_cols > head->rows)) return -2;
     float *x = (float *)arena(S_X, sizeof(float) * (size_t)(T * E));
-    float *picked = (float *)arena(S_PICKED, sizeof(float) * (size_t)((S > 0 ? S : 1) * E));
+    float *picked = (float *)arena(S_PICKED, sizeof(float) * (size_t)((S + A > 0 ? S + A : 1) * E));
     if (!x || !picked) return -1;
     int rc = 0;
     if (emb->q.weight) {
@@ -1361,9 +1418,10 @@ int helexa_forward(const hx_model *m, int64_t T, const int64_t *ids, const float
         rc = decoder_team(m, T, x, positions, inv_freq, slots, B, query_start_loc, block_tables, table_stride, seq_lens);
     else
         rc = decoder(m, T, x, positions, inv_freq, slots, B, query_start_loc, block_tables, table_stride, seq_lens);
-    if (rc || S == 0) return rc;
+    if (rc || S + A == 0) return rc;
     for (int64_t s = 0; s < S; s++) rms_norm(x + rows[s] * E, m->final_norm, E, m->eps, picked + s * E);
-    if (head->q.weight) return linear(&head->q, picked, S, E, logits);
-    dense_head(picked, S, E, head->dense, head->rows, logits);
+    for (int64_t a = 0; a < A; a++) rms_norm(x + arg_rows[a] * E, m->final_norm, E, m->eps, picked + (S + a) * E);
+    if (S > 0 && head_cols(head, picked, S, E, 0, head->rows, logits)) return -1;
+    if (A > 0) return head_argmax(head, picked + S * E, A, E, arg_cols, arg_block, tokens);
     return 0;
 }
