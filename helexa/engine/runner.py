@@ -26,9 +26,9 @@ from helexa.model.sampling.bitmask import allocate_bitmask
 
 @dataclass(slots=True)  # built per sequence per step: not frozen (a frozen __init__ costs ~3x)
 class SampleGroup:
-    """One sequence's sampling rows in a step: logits rows `row .. row + len(draft)`. Row `row` follows the
-    sequence's last known token; row `row + j` follows draft token `j` (a speculative draft, verified this
-    step: `draft` is () for a plain decode or a prefill's last chunk)."""
+    """One sequence's sampling rows in a step: rows `row .. row + len(draft)` of the step's samples. Row `row`
+    follows the sequence's last known token; row `row + j` follows draft token `j` (a speculative draft,
+    verified this step: `draft` is () for a plain decode or a prefill's last chunk)."""
 
     seq: Sequence
     row: int
@@ -46,11 +46,14 @@ class StepInputs:
     input_ids: torch.Tensor  # (T,) int64
     positions: torch.Tensor  # (T,) int64
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # (S,) int64 — rows of the flattened batch that sample
-    groups: list[SampleGroup]  # the sequences that sample, in row order (their rows add up to S)
+    logits_indices: torch.Tensor  # (S,) int64 — rows of the flattened batch sampled from their logits
+    groups: list[SampleGroup]  # the sequences that sample (their rows add up to S + A)
     num_decode_tokens: int  # tokens of sequences past their prompt (draft tokens included)
     num_prefill_tokens: int
     num_decode_seqs: int = 0  # sequences past their prompt
+    # (A,) int64 — rows of the flattened batch whose token is their logits' argmax and who need nothing else of
+    # them (`takes_argmax`): the fused CPU step returns their tokens, never their logits. Samples' rows S .. S + A.
+    argmax_indices: torch.Tensor | None = None
 
     @property
     def num_draft_tokens(self) -> int:
@@ -89,6 +92,12 @@ class ModelRunner:
         self._kv_caches = loaded.pool.kv_caches()
         self.graphs: DecodeGraphs | None = None  # `use_cuda_graphs`: decode steps replayed from CUDA graphs
 
+    @property
+    def argmax_in_step(self) -> bool:
+        """Whether the forward itself takes the tokens of rows that want only their argmax (`takes_argmax`): on
+        the fused CPU step (no tensor parallelism, no CUDA graphs), whose head then never stores their logits."""
+        return self.group is None and self.graphs is None and getattr(self.model, "native_step", None) is not None
+
     def use_cuda_graphs(self, max_num_seqs: int, max_model_len: int, capture: Capture = cuda_capture) -> None:
         """Replay decode-only steps from CUDA graphs (`helexa.engine.cuda_graphs`), captured per batch-size
         bucket on first use, over tables as wide as `max_model_len`; other steps stay eager. Not under
@@ -112,20 +121,28 @@ class ModelRunner:
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,
         step_no: int = 0,
-    ) -> torch.Tensor:
-        """The model over one step's inputs on the pool: (S, V) float32 logits. Tensor-parallel: the
-        inputs go to the workers in one broadcast first, and every rank runs its shard. A decode step
-        replays its bucket's CUDA graph when `use_cuda_graphs` is on (the same bits as eagerly)."""
+        argmax_indices: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model over one step's inputs on the pool: (S, V) float32 logits of rows `logits_indices`, and
+        the tokens (A,) int64 of rows `argmax_indices` (None when not given), which only the fused CPU step
+        takes (`argmax_in_step`: their argmax over the tokenizer's columns, their logits never stored).
+        Tensor-parallel: the inputs go to the workers in one broadcast first, and every rank runs its shard.
+        A decode step replays its bucket's CUDA graph when `use_cuda_graphs` is on (the same bits as eagerly)."""
+        if argmax_indices is not None:
+            return self.model.forward_rows(
+                input_ids, positions, attn, self._kv_caches, logits_indices, argmax_indices,
+                self.sample_vocab_size, reuse_logits=True,
+            )  # fmt: skip
         if self.graphs is not None:
             logits = self.graphs.run(input_ids, positions, attn, logits_indices)
             if logits is not None:
-                return logits
+                return logits, None
         if self.group is None:
-            return self._eager_forward(input_ids, positions, attn, logits_indices)
+            return self._eager_forward(input_ids, positions, attn, logits_indices), None
         return self.group.run(
             lambda: self.model(input_ids, positions, attn, self._kv_caches, logits_indices),
             input_ids, positions, attn, logits_indices, step_no,
-        )  # fmt: skip
+        ), None  # fmt: skip
 
     def _eager_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, logits_indices: torch.Tensor
@@ -177,17 +194,24 @@ class ModelRunner:
         rows = list(itertools.accumulate(n for _, n in batch))
         packed = to_device(ids + positions + [r - 1 for r in rows], self.device)
         t = len(ids)
-        logits = self._forward(packed[:t], packed[t : 2 * t], attn, packed[2 * t :])
-        logits.argmax(dim=-1).tolist()  # (B,): the one host transfer a step ends with
+        if self.argmax_in_step:  # greedy rows, as the step takes them
+            _, tokens = self._forward(packed[:t], packed[t : 2 * t], attn, packed[:0], argmax_indices=packed[2 * t :])
+        else:
+            tokens = self._forward(packed[:t], packed[t : 2 * t], attn, packed[2 * t :])[0].argmax(dim=-1)
+        assert tokens is not None
+        tokens.tolist()  # (B,): the one host transfer a step ends with
         return time.perf_counter() - start
 
     def prepare(self, chunks: list[ScheduledChunk[Sequence]], attn: AttentionMetadata) -> StepInputs:
         """The flattened varlen batch of the chunks, over `attn` (the KV owner's tables for them, in chunk order)."""
         ids: list[int] = []
         positions: list[int] = []
-        sample_rows: list[int] = []
+        sample_rows: list[int] = []  # rows sampled from their logits
+        argmax_rows: list[int] = []  # rows that take their argmax in the step (samples after sample_rows')
+        argmax_groups: list[tuple[SampleGroup, int]] = []  # and their groups, with their index in argmax_rows
         groups: list[SampleGroup] = []
         num_decode = num_prefill = num_decode_seqs = 0
+        in_step = self.argmax_in_step
         for chunk in chunks:
             seq, draft = chunk.seq, chunk.draft
             start = seq.num_computed
@@ -195,24 +219,33 @@ class ModelRunner:
             ids.extend(draft)  # (a draft follows the last known token: num_new = 1 + len(draft))
             positions.extend(range(start, start + chunk.num_new))
             if chunk.samples:
-                groups.append(SampleGroup(seq, len(sample_rows), draft))
-                sample_rows.extend(range(len(ids) - 1 - len(draft), len(ids)))
+                step_rows = range(len(ids) - 1 - len(draft), len(ids))
+                if in_step and seq.params.takes_argmax:
+                    argmax_groups.append((group := SampleGroup(seq, 0, draft), len(argmax_rows)))
+                    argmax_rows.extend(step_rows)
+                else:
+                    group = SampleGroup(seq, len(sample_rows), draft)
+                    sample_rows.extend(step_rows)
+                groups.append(group)
             if seq.in_prefill:
                 num_prefill += chunk.num_new
             else:
                 num_decode += chunk.num_new
                 num_decode_seqs += 1
-        packed = to_device(ids + positions + sample_rows, self.device)  # (2T + S,): one transfer
-        num_tokens = len(ids)
+        for group, first in argmax_groups:  # their samples follow the sampled rows'
+            group.row = len(sample_rows) + first
+        packed = to_device(ids + positions + sample_rows + argmax_rows, self.device)  # (2T + S + A,): one transfer
+        num_tokens, num_sampled = len(ids), 2 * len(ids) + len(sample_rows)
         return StepInputs(
             input_ids=packed[:num_tokens],
             positions=packed[num_tokens : 2 * num_tokens],
             attn=attn,
-            logits_indices=packed[2 * num_tokens :],
+            logits_indices=packed[2 * num_tokens : num_sampled],
             groups=groups,
             num_decode_tokens=num_decode,
             num_prefill_tokens=num_prefill,
             num_decode_seqs=num_decode_seqs,
+            argmax_indices=packed[num_sampled:] if argmax_rows else None,
         )
 
     @torch.inference_mode()
@@ -231,12 +264,17 @@ class ModelRunner:
         parallelism a `TensorParallelFault` naming the rank). `step_no`: the engine step, for the
         workers' fault injection (0: not an engine step).
         """
-        logits = self._forward(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices, step_no)
+        logits, tokens = self._forward(  # tokens (A,): the argmax rows', taken in the step
+            inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices, step_no, inputs.argmax_indices
+        )
         if not inputs.groups:
             return None
         if self.sample_vocab_size is not None and self.sample_vocab_size < logits.shape[1]:
             logits = logits[:, : self.sample_vocab_size]  # (S, V_tokenizer)
-        rows = [_Row(g.seq, g.draft[:j], gi) for gi, g in enumerate(inputs.groups) for j in range(g.num_rows)]
+        s = logits.shape[0]  # the groups whose rows are sampled from logits come first, in order
+        rows = [
+            _Row(g.seq, g.draft[:j], gi) for gi, g in enumerate(inputs.groups) if g.row < s for j in range(g.num_rows)
+        ]
         bitmask = None  # structured output: the tokens each row may sample (the sampler masks after logprobs)
         if any(g.seq.constraint is not None for g in inputs.groups):
             width = max(logits.shape[1], *(g.seq.constraint.vocab_size for g in inputs.groups if g.seq.constraint))
@@ -250,7 +288,12 @@ class ModelRunner:
             for gi, g in enumerate(inputs.groups)
             if g.draft and g.seq.generator is not None and not g.seq.params.is_greedy
         }
-        samples, failures = self._sample_rows(logits, rows, bitmask)
+        samples, failures = self._sample_rows(logits, rows, bitmask) if rows else (SampleResult([], [], []), {})
+        if tokens is not None:
+            none = [None] * tokens.shape[0]
+            samples = SampleResult(
+                samples.token_ids + tokens.tolist(), [*samples.logprobs, *none], [*samples.top_logprobs, *none]
+            )
         emitted = [0 if gi in failures else _emitted(g, samples) for gi, g in enumerate(inputs.groups)]
         for gi, (generator, state) in rewind.items():
             _advance(generator, state, emitted[gi])

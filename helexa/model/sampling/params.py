@@ -122,5 +122,15 @@ class SamplingParams:
         return self.ignore_eos and not self.stop and not self.stop_token_ids
 
     @property
+    def takes_argmax(self) -> bool:  # its token is the raw logits' argmax, and nothing else of them is wanted
+        return (
+            self.is_greedy
+            and self.logprobs is None
+            and not self.uses_penalties
+            and not self.logit_bias
+            and self.grammar is None
+        )
+
+    @property
     def uses_filters(self) -> bool:  # any of top-k, top-p or min-p is active
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
