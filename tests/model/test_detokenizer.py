@@ -11,7 +11,7 @@ import tokenizers
 from tokenizers import decoders
 
 from helexa.model.text import byte_pieces as byte_pieces_module
-from helexa.model.text.byte_pieces import byte_pieces
+from helexa.model.text.byte_pieces import BytePieces, byte_pieces
 from helexa.model.text.detokenizer import IncrementalDetokenizer
 from helexa.model.text.tokenizer import Tokenizer
 from tests.support.models import build_tiny_tokenizer_dir, corpus
@@ -99,7 +99,7 @@ class _CountingTokenizer:
         self.backend = self
         self.sizes: list[int] = []
 
-    def byte_pieces(self, skip_special_tokens: bool = True) -> tuple[bytes, ...] | None:
+    def byte_pieces(self, skip_special_tokens: bool = True) -> BytePieces | None:
         return self._tok.byte_pieces(skip_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -131,6 +131,26 @@ def test_byte_pieces_only_for_a_byte_level_decoder(tokenizer_dir: Path) -> None:
     assert byte_pieces(backend, True, _special(backend)) is not None
     backend.decoder = decoders.Metaspace()
     assert byte_pieces(backend, True, _special(backend)) is None
+
+
+def test_the_table_holds_each_tokens_bytes(tokenizer_dir: Path) -> None:
+    """Token i's bytes are its own, the special tokens' empty when skipped (the last token's too, the table's
+    end); a negative index counts from the end, a slice gives a run of pieces, and an id outside is an
+    IndexError naming it."""
+    backend = tokenizers.Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    special = _special(backend)
+    skipped, kept = byte_pieces(backend, True, special), byte_pieces(backend, False, special)
+    assert skipped is not None and kept is not None
+    size = backend.get_vocab_size(with_added_tokens=True)
+    assert len(skipped) == len(kept) == size and special
+    for i in range(size):
+        want = byte_pieces_module._piece(backend.id_to_token(i))
+        assert kept[i] == want and skipped[i] == (b"" if i in special else want), i
+    assert kept[-1] == kept[size - 1] and list(kept[3:7]) == [kept[i] for i in range(3, 7)]
+    assert list(kept) == [kept[i] for i in range(size)]
+    for bad in (size, -size - 1):
+        with pytest.raises(IndexError, match=f"token id {bad} is outside"):
+            kept[bad]
 
 
 def test_byte_pieces_are_proven_against_the_tokenizer(tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

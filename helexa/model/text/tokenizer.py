@@ -21,7 +21,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, processors
 
-from helexa.model.text.byte_pieces import byte_pieces
+from helexa.model.text.byte_pieces import BytePieces, byte_pieces
 from helexa.model.text.chat_template import PROBE_CONVERSATION, ChatTemplate, ChatTemplateError
 
 __all__ = ["Tokenizer", "TooManyTokens", "bos_eos_processor"]
@@ -59,7 +59,7 @@ class Tokenizer:
             if not 0 <= token_id < self.vocab_size:
                 raise ValueError(f"EOS token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         self.chat_templates: dict[str, ChatTemplate] = dict(chat_templates or {})
-        self._pieces: dict[bool, tuple[bytes, ...] | None] = {}  # `byte_pieces`, by skip_special_tokens
+        self._pieces: dict[bool, BytePieces | None] = {}  # `byte_pieces`, by skip_special_tokens
         self._pieces_lock = threading.Lock()
 
     @classmethod
@@ -147,7 +147,7 @@ class Tokenizer:
         `n * max_token_bytes` bytes always needs more than `n` tokens."""
         return max(len(token.encode("utf-8")) for token in self.backend.get_vocab(with_added_tokens=True))
 
-    def byte_pieces(self, skip_special_tokens: bool = True) -> tuple[bytes, ...] | None:
+    def byte_pieces(self, skip_special_tokens: bool = True) -> BytePieces | None:
         """Every token's bytes when this is a byte-level tokenizer (see `helexa.model.text.byte_pieces`: their
         concatenation decodes as `decode` does), else None. Made and proven once per setting (~0.1 s for a
         49k vocabulary), then shared."""
