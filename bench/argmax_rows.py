@@ -13,6 +13,12 @@ step's reused buffer and the sampler takes their argmax, as before the change. B
 Each mode runs in a fresh process of its own (its peak RSS, VmHWM, is that engine's alone), the modes
 alternating round by round (`--rounds`); speeds are each mode's best round, memory its first round's.
 
+A serving run's steps differ between the modes (speculative decoding sizes its drafts from the step times it
+measures), so the step itself is also timed alone (`--step-repeats`, 0 to skip): the model's forward over one
+step of S sequences x R rows each (decode rows at a 100-token context, R > 1: a verified draft), through the
+step's argmax rows, and through its logits plus `native.argmax_rows` (what the sampler ran for greedy rows),
+alternating call by call from the same pool state in this process, at 1 and `--threads` threads; the median.
+
     python bench/argmax_rows.py                      # the default model (135m), 2 rounds
     python bench/argmax_rows.py --models 135m,1b     # and the 1B-shaped random GGUF (bench/random_gguf.py)
     python bench/argmax_rows.py --quick              # 1 round, 16 new tokens, 1 and 8 streams
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +48,7 @@ from machine import cpu_name, memory_mib  # noqa: E402
 
 RESULTS = BENCH / "results"
 MODES = ("in step", "sampled")
+STEP_SHAPES = ((1, 1), (1, 6), (16, 1), (8, 6), (16, 4))  # (sequences, rows each) of the timed step
 
 
 def measure(plan: dict[str, Any]) -> dict[str, Any]:
@@ -78,6 +86,55 @@ def measure(plan: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def time_steps(model_dir: str, thread_counts: list[int], repeats: int) -> list[dict[str, Any]]:
+    """The forward of one step, argmax rows against logits + `native.argmax_rows`, per `STEP_SHAPES` and thread
+    count: median ms of each over `repeats` calls, alternating, each from the same pool state."""
+    import torch
+
+    from helexa.model.loader import load_model
+
+    model = load_model(model_dir, dtype="float32", attention_backend="torch")
+    out = []
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        for seqs, rows_each in STEP_SHAPES:
+            ms = _time_step(model, seqs, rows_each, repeats)
+            out.append({"threads": threads, "seqs": seqs, "rows": rows_each, **ms})
+            print(f"  step {seqs} x {rows_each} rows, {threads} thread(s): {ms['in step']:.2f} / "
+                  f"{ms['sampled']:.2f} ms", flush=True)  # fmt: skip
+    return out
+
+
+def _time_step(model: Any, seqs: int, rows_each: int, repeats: int) -> dict[str, float]:
+    """Median ms of each mode's forward of `seqs` sequences x `rows_each` rows after a 100-token context; the
+    modes' tokens checked equal."""
+    from helexa.model.quant import native
+    from tests.support.models import PagedCache
+
+    cache = PagedCache(model.config, num_blocks=seqs * 8 + 1, block_size=16)
+    cache.step({s: [(7 * s + 3 * i) % 5000 + 10 for i in range(100)] for s in range(seqs)})
+    step = cache.step({s: [11 + j for j in range(rows_each)] for s in range(seqs)}, all_logits=True)
+    pool = [t for pair in cache.kv_caches for t in pair]
+    saved = [t.clone() for t in pool]
+    rows, vocab = step.logits_indices, model.config.vocab_size
+    args = (step.input_ids, step.positions, step.attn, cache.kv_caches)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    tokens: dict[str, list[int]] = {}
+    for r in range(repeats):
+        for mode in MODES if r % 2 == 0 else MODES[::-1]:
+            for t, v in zip(pool, saved):  # the same step from the same pool state each time
+                t.copy_(v)
+            start = time.perf_counter()
+            if mode == "in step":
+                tokens[mode] = model.forward_rows(*args, rows[:0], rows, vocab, reuse_logits=True)[1].tolist()
+            else:  # the logits, then the sampler's argmax of them
+                tokens[mode] = native.argmax_rows(model.forward_rows(*args, rows, reuse_logits=True)[0]).tolist()
+            times[mode].append(time.perf_counter() - start)
+    if tokens["in step"] != tokens["sampled"]:
+        raise SystemExit(f"the modes' tokens differ at {seqs} x {rows_each} rows")
+    return {m: statistics.median(t) * 1e3 for m, t in times.items()}
+
+
 def run_mode(plan: dict[str, Any], tmp: Path) -> dict[str, Any]:
     """`measure` in a fresh process of its own; its result, or `error`."""
     plan_path, result_path = tmp / "plan.json", tmp / "result.json"
@@ -90,8 +147,14 @@ def run_mode(plan: dict[str, Any], tmp: Path) -> dict[str, Any]:
     return json.loads(result_path.read_text())
 
 
-def report(runs: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.Namespace, path_taken: str) -> str:
-    """The markdown table of every model's runs: {model: {mode: [round results]}}."""
+def report(
+    runs: dict[str, dict[str, list[dict[str, Any]]]],
+    args: argparse.Namespace,
+    path_taken: str,
+    steps: dict[str, list[dict[str, Any]]] | None = None,
+) -> str:
+    """The markdown tables of every model's runs ({model: {mode: [round results]}}) and timed steps
+    ({model: `time_steps`' rows})."""
     streams = [int(s) for s in args.streams.split(",")]
     lines = [
         "# Greedy rows' argmax in the fused CPU step, against their logits sampled after it",
@@ -132,6 +195,17 @@ def report(runs: dict[str, dict[str, list[dict[str, Any]]]], args: argparse.Name
             f" {peak['sampled'] - loaded['sampled']:.1f} | |"
         )
         lines += ["", f"Same token ids in every round of both modes: {'yes' if same else '**no**'}.", ""]
+        if steps and steps.get(model):
+            lines += [
+                f"The step alone (median of {args.step_repeats} calls each, alternating; the same tokens):",
+                "",
+                "| threads | sequences x rows | in step (ms) | logits + argmax (ms) | ratio |",
+                "|---:|---|---:|---:|---:|",
+            ]
+            for row in steps[model]:
+                a, b = row["in step"], row["sampled"]
+                lines.append(f"| {row['threads']} | {row['seqs']} x {row['rows']} | {a:.2f} | {b:.2f} | {b / a:.2f}x |")
+            lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -173,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--step-repeats", type=int, default=30, help="calls of each mode per timed step (0: none)")
     parser.add_argument("--quick", action="store_true", help="1 round, 16 new tokens, 1 and 8 streams")
     parser.add_argument("--out", type=Path, default=RESULTS / "argmax_rows")
     args = parser.parse_args(argv)
@@ -181,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.child[1]).write_text(json.dumps(measure(plan)))
         return 0
     if args.quick:
-        args.rounds, args.new_tokens, args.streams = 1, 16, "1,8"
+        args.rounds, args.new_tokens, args.streams, args.step_repeats = 1, 16, "1,8", min(args.step_repeats, 4)
     from peers import convert_for_helexa, load_tokenizer, model_gguf, stream_prompts
 
     from helexa.model.quant import native
@@ -190,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer()
     chat = stream_prompts(tokenizer, max(streams))
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    steps: dict[str, list[dict[str, Any]]] = {}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
@@ -204,10 +280,12 @@ def main(argv: list[str] | None = None) -> int:
                     plan = {"mode": mode, "model_dir": model_dir, "chat": chat, "streams": streams,
                             "new_tokens": args.new_tokens, "threads": args.threads}  # fmt: skip
                     runs[model][mode].append(run_mode(plan, Path(tmp)))
+            if args.step_repeats > 0:
+                steps[model] = time_steps(model_dir, sorted({1, args.threads}), args.step_repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    text = report(runs, args, native.kernel_path())
+    text = report(runs, args, native.kernel_path(), steps)
     args.out.with_suffix(".md").write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps(runs))
+    args.out.with_suffix(".json").write_text(json.dumps({"runs": runs, "steps": steps}))
     plot(runs, args, args.out.with_suffix(".png"))
     print(text)
     print(f"wrote {args.out.with_suffix('.md')}, .png, .json")
