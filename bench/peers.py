@@ -251,6 +251,11 @@ def measure_helexa(plan: dict[str, Any], model_dir: str, engine_args: dict[str, 
     t0 = time.perf_counter()
     llm = LLM(model_dir, **args)
     result["memory_loaded"] = memory_mib()
+    phases = result["memory_phases"] = []  # (phase, memory after it): where the peak was reached
+
+    def after(phase: str) -> None:
+        phases.append((phase, memory_mib()))
+
     print(f"  loaded in {time.perf_counter() - t0:.1f}s ({llm.engine.dtype}, {args})", flush=True)
     chat, new_tokens = plan["chat"], plan["new_tokens"]
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -268,6 +273,7 @@ def measure_helexa(plan: dict[str, Any], model_dir: str, engine_args: dict[str, 
         # its own token, so decode steps = tokens - these.
         result["decode_accepted"][str(n)] = ((spec.accepted_tokens if spec is not None else 0) - accepted) / tokens
         print(f"  helexa {n:>2} streams x {new_tokens}: {result['decode'][str(n)]:.1f} tok/s", flush=True)
+        after(f"decode {n}")
 
     def one_stream(prompt: Sequence[int]) -> tuple[int, float, float]:
         accepted = spec.accepted_tokens if spec is not None else 0
@@ -277,6 +283,7 @@ def measure_helexa(plan: dict[str, Any], model_dir: str, engine_args: dict[str, 
         return tokens, out.timings.total - out.timings.ttft, drafted / max(1, tokens)
 
     result["roofline"] = paired_segments(plan["roofline_segments"], chat, one_stream)
+    after("roofline")
     for length, prompts in plan["prefill"].items():
         ttfts = []
         for p in prompts:
@@ -285,6 +292,7 @@ def measure_helexa(plan: dict[str, Any], model_dir: str, engine_args: dict[str, 
         ttft = statistics.median(ttfts)
         result["prefill"][length], result["prefill_ttft_ms"][length] = int(length) / ttft, ttft * 1e3
         print(f"  helexa prefill {length} tokens: {int(length) / ttft:.0f} tok/s", flush=True)
+        after(f"prefill {length}")
     if plan["long"]:
         prompt, new = plan["long"]["prompt"], plan["long"]["new_tokens"]
         accepted = spec.accepted_tokens if spec is not None else 0
@@ -297,6 +305,7 @@ def measure_helexa(plan: dict[str, Any], model_dir: str, engine_args: dict[str, 
         )
         result["long_prefill"] = len(prompt) / out.timings.ttft
         print(f"  helexa decode at {len(prompt)} context: {result['long_decode']:.1f} tok/s", flush=True)
+        after("long")
     budget = llm.engine.budget
     result["kv_bytes"] = budget.bytes_per_block * budget.num_blocks
     result["kv_dtype"] = str(llm.engine.pool.dtype).removeprefix("torch.")
