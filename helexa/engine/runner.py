@@ -235,17 +235,17 @@ class ModelRunner:
         for group, first in argmax_groups:  # their samples follow the sampled rows'
             group.row = len(sample_rows) + first
         packed = to_device(ids + positions + sample_rows + argmax_rows, self.device)  # (2T + S + A,): one transfer
-        num_tokens, num_sampled = len(ids), 2 * len(ids) + len(sample_rows)
+        num_tokens, sampled_end = len(ids), 2 * len(ids) + len(sample_rows)
         return StepInputs(
             input_ids=packed[:num_tokens],
             positions=packed[num_tokens : 2 * num_tokens],
             attn=attn,
-            logits_indices=packed[2 * num_tokens : num_sampled],
+            logits_indices=packed[2 * num_tokens : sampled_end],
             groups=groups,
             num_decode_tokens=num_decode,
             num_prefill_tokens=num_prefill,
             num_decode_seqs=num_decode_seqs,
-            argmax_indices=packed[num_sampled:] if argmax_rows else None,
+            argmax_indices=packed[sampled_end:] if argmax_rows else None,
         )
 
     @torch.inference_mode()
