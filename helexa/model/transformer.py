@@ -349,12 +349,13 @@ class CausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, rope, attn, kv_cache)
         assert residual is not None  # ModelConfig guarantees at least one layer
         # Only the rows that are sampled need the final norm and the vocab projection.
+        if not argmax.numel():  # the common case (every forward on a GPU): no concatenation, one launch fewer
+            rows = self.model.norm(hidden[logits_indices] + residual[logits_indices])  # (S, E)
+            return self.logits(rows), argmax.new_empty(0, dtype=torch.int64)
         every = torch.cat((logits_indices, argmax.to(logits_indices.device)))  # (S + A,)
         rows = self.model.norm(hidden[every] + residual[every])  # (S + A, E)
         logits = self.logits(rows)  # (S + A, V)
         s = logits_indices.shape[0]
-        if not argmax.numel():
-            return logits, argmax.new_empty(0, dtype=torch.int64)
         if logits.shape[1] == 0:
             raise ValueError("argmax rows are rank 0's: this tensor-parallel rank holds no logits")
         return logits[:s], logits[s:, :cols].argmax(dim=-1)  # (S, V), (A,)

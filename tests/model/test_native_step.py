@@ -811,3 +811,24 @@ def test_argmax_rows_outside_the_step_or_columns_outside_the_head_write_nothing(
         with pytest.raises(ValueError, match=message):
             quantized.forward_rows(inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, none, rows, cols)
         assert all(torch.equal(a, b) for a, b in zip(pool, [t for pair in cache.kv_caches for t in pair]))
+
+
+def test_argmax_rows_on_the_torch_layers_are_the_argmax_of_their_logits(
+    quantized, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the fused step (the torch layers), argmax rows get the argmax of the logits those layers compute
+    for them, over the first `argmax_cols` columns, and the logits rows are those `forward` gives for the same
+    rows in the same order (torch's matmul may sum differently for another row count)."""
+    monkeypatch.setattr(quantized, "native_step", None)
+    cache = PagedCache(quantized.config, num_blocks=16, block_size=4)
+    inputs = cache.step({0: [5, 9, 17, 3, 44], 1: [60, 2]}, all_logits=True)
+    restore = _rerun(cache)
+    sampled, argmax = torch.tensor([6, 1]), torch.tensor([0, 3, 6])
+    every = quantized(inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, torch.cat((sampled, argmax)))
+    for cols in (quantized.config.vocab_size, 17):
+        restore()
+        logits, tokens = quantized.forward_rows(
+            inputs.input_ids, inputs.positions, inputs.attn, cache.kv_caches, sampled, argmax, cols
+        )
+        assert torch.equal(logits, every[:2])
+        assert torch.equal(tokens, every[2:, :cols].argmax(dim=-1))
