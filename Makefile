@@ -68,8 +68,10 @@ UNTIMED_TESTS := $(ENGINE_LONG) tests/model $(KERNEL_TESTS) tests/admission test
 # check themselves. Last, one at a time and on every thread: the tests marked `alone` (pyproject.toml), which
 # measure latencies and stalls (beside another test, a soak's /health p99 was 1.02 s against its bound of 1.0).
 WORKERS ?= auto
+# --max-worker-restart 0: a worker that dies fails the run at once, naming the test it was running (a replaced
+# worker was seen to leave the run waiting on it for good).
 ON_WORKERS := $(TEST_ENV) OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadfile \
-	-m "not alone"
+	--max-worker-restart 0 -m "not alone"
 
 # mypy (a minute, one core) runs beside the first run; its report is printed after it, and either failing fails.
 test: ruff browser
