@@ -23,19 +23,16 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from helexa import cbuild
 from helexa.model.quant import hugepages, isa
 from helexa.model.quant.weight import QuantizedWeight
-from helexa.model.weights.pull import helexa_home
 
 __all__ = [
     "argmax_rows",
@@ -72,40 +69,18 @@ _COLUMNS = 16  # output columns per tile of the weight layout (csrc/wq_gemm.c's 
 _TILE_ROWS = 1024  # rows tiled at a time (a multiple of _COLUMNS): bounds tiling's temporary memory
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
 def build(path: isa.KernelPath, compiler: str | None = None, csrc: Path = CSRC) -> Path:
     """The compiled library of one instruction-set path, compiling it if this source and these flags
-    have not been built yet. Compiling needs no CPU support for the path (running it does);
-    `RuntimeError` with the compiler's message when it fails. `csrc`: where the sources are (another
-    tree's, for a benchmark against them; built with this module's flags)."""
-    compiler = compiler or _compiler()
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or $CC)")
+    have not been built yet (`helexa.cbuild`). Compiling needs no CPU support for the path (running it
+    does); `RuntimeError` with the compiler's message when it fails. `csrc`: where the sources are
+    (another tree's, for a benchmark against them; built with this module's flags)."""
     flags = [*_FLAGS, *path.compile_flags]
     sources = [csrc / name for name in _SOURCES]
-    source = b"".join(p.read_bytes() for p in [*sources, *sorted(csrc.glob("*.h"))])
-    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    out_dir = helexa_home() / "build"
-    target = out_dir / f"wq_gemm-{path.name}-{key}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run(
-            [compiler, *flags, "-o", str(built), *map(str, sources), *_LIBS],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
-        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
-    _log.info("quant: built the CPU kernel %s", target)
-    return target
+    library = cbuild.compile_library(
+        f"wq_gemm-{path.name}", sources, flags, _LIBS, headers=sorted(csrc.glob("*.h")), compiler_path=compiler
+    )
+    _log.debug("quant: the CPU kernel %s", library)
+    return library
 
 
 @functools.cache
@@ -168,7 +143,7 @@ def _resolve(kernel: str, want: str) -> tuple[ctypes.CDLL | None, str, str]:
     paths, why = isa.candidates(want)
     if not paths:
         return None, "", why
-    if _compiler() is None:
+    if cbuild.compiler() is None:
         return None, "", "no C compiler (cc or $CC) to build it"
     for path in paths:
         lib, why = _load(path.name)
