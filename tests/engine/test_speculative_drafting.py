@@ -1,8 +1,11 @@
-"""Drafting for speculative decoding, in pure Python: prompt lookup against a brute-force reference, the
-sessions' bounded and salted memory, the adaptive draft length, and how the scheduler budgets drafts."""
+"""Drafting for speculative decoding: prompt lookup against a brute-force reference (its compiled tables and
+its Python dicts, and each against the other on long growing lists), the sessions' bounded and salted
+memory, the adaptive draft length, and how the scheduler budgets drafts."""
 
 from __future__ import annotations
 
+import random
+import tracemalloc
 from dataclasses import dataclass
 
 import pytest
@@ -11,7 +14,15 @@ from hypothesis import strategies as st
 
 from helexa.admission.rates import RateTracker
 from helexa.engine.scheduler import schedule
-from helexa.engine.speculative import Drafter, DraftState, NgramIndex, SessionOutputs
+from helexa.engine.speculative import Drafter, DraftState, NgramIndex, SessionOutputs, ngram
+
+
+@pytest.fixture(params=[False, True], ids=["dicts", "compiled"])
+def native(request: pytest.FixtureRequest) -> bool:
+    """Each test runs on both kinds of tables (the compiled ones skip, with the reason, where they cannot build)."""
+    if request.param and not ngram.compiled_tables():
+        pytest.skip(f"the compiled n-gram tables are unavailable here: {ngram.native_unavailable_reason()}")
+    return request.param
 
 
 def _reference(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[int, ...]:
@@ -30,35 +41,94 @@ def _reference(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[int, 
     return ()
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["dicts", "compiled"])
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 4), min_size=0, max_size=120), st.integers(1, 3), st.integers(0, 2), st.integers(0, 9))
-def test_prompt_lookup_matches_the_brute_force_reference_as_the_list_grows(tokens, min_n, extra, k) -> None:
-    index = NgramIndex(min_n, min_n + extra)
+def test_prompt_lookup_matches_the_brute_force_reference_as_the_list_grows(native, tokens, min_n, extra, k) -> None:
+    if native and not ngram.compiled_tables():
+        pytest.skip(f"the compiled n-gram tables are unavailable here: {ngram.native_unavailable_reason()}")
+    index = NgramIndex(min_n, min_n + extra, native=native)
+    assert index.native is native
     for end in range(len(tokens) + 1):  # the same list, one token longer each call (incremental indexing)
         assert index.propose(tokens[:end], k) == _reference(tokens[:end], k, min_n, min_n + extra)
 
 
-def test_prompt_lookup_prefers_the_longest_match_and_the_latest_occurrence() -> None:
-    index = NgramIndex(1, 3)
+def test_prompt_lookup_prefers_the_longest_match_and_the_latest_occurrence(native: bool) -> None:
+    index = NgramIndex(1, 3, native=native)
     tokens = [5, 1, 2, 3, 9, 9, 2, 3, 7, 7, 1, 2, 3]
     assert index.propose(tokens, 4) == (9, 9, 2, 3)  # "1 2 3" matched at 1..3 (length 3), not "2 3" at 6..7
-    index = NgramIndex(2, 2)
+    index = NgramIndex(2, 2, native=native)
     assert index.propose([1, 2, 8, 1, 2, 9, 1, 2], 2) == (9, 1)  # the latest of two occurrences
-    assert NgramIndex(2, 3).propose([4, 1, 2, 3, 1, 2, 3], 7) == (1, 2, 3, 1, 2, 3, 1)  # a repeating text
-    assert NgramIndex(2, 4).propose([1, 2, 3], 5) == ()
-    assert NgramIndex(2, 4).propose([1, 2, 3, 1, 2], 0) == ()
+    assert NgramIndex(2, 3, native=native).propose([4, 1, 2, 3, 1, 2, 3], 7) == (1, 2, 3, 1, 2, 3, 1)  # repeating
+    assert NgramIndex(2, 4, native=native).propose([1, 2, 3], 5) == ()
+    assert NgramIndex(2, 4, native=native).propose([1, 2, 3, 1, 2], 0) == ()
 
 
-def test_a_list_that_shrank_is_indexed_afresh() -> None:
-    index = NgramIndex(2, 2)
+def test_a_list_that_shrank_is_indexed_afresh(native: bool) -> None:
+    index = NgramIndex(2, 2, native=native)
     assert index.propose([1, 2, 3, 1, 2], 3) == (3, 1, 2)
     assert index.propose([7, 8, 9], 3) == ()  # another (shorter) list: nothing of the first one is proposed
+    assert len(index) == 3
     with pytest.raises(ValueError):
-        NgramIndex(3, 2)
+        NgramIndex(3, 2, native=native)
+
+
+def test_a_token_id_outside_int32_is_refused_and_changes_nothing(native: bool) -> None:
+    index = NgramIndex(2, 2, native=native)
+    assert index.propose([1, 2, 3, 1, 2], 3) == (3, 1, 2)
+    with pytest.raises(OverflowError):
+        index.propose([1, 2, 3, 1, 2, 2**31, 1, 2], 3)
+    assert len(index) == 5
+    assert index.propose([1, 2, 3, 1, 2, 3, 1, 2], 3) == (3, 1, 2)
+
+
+@pytest.mark.parametrize("vocab", [3, 50, 40_000])
+def test_compiled_and_dict_tables_agree_on_long_growing_lists(vocab: int) -> None:
+    """Thousands of tokens, grown by steps of 1 to 9 tokens (a decode step with an accepted draft) or by a
+    whole prompt: the tables grow many times, a small vocabulary makes every n-gram recur (the slots of equal
+    keys are found by comparing tokens), a large one makes most n-grams new. Each step, both kinds propose the
+    same draft, and a continuation from another list's tail agrees too."""
+    if not ngram.compiled_tables():
+        pytest.skip(f"the compiled n-gram tables are unavailable here: {ngram.native_unavailable_reason()}")
+    rng = random.Random(vocab)
+    text = [rng.randrange(vocab) for _ in range(1500)]
+    for _ in range(60):  # stretches copied from earlier in the text, as an agent echoing what it read
+        at, to = rng.randrange(len(text) - 40), rng.randrange(len(text))
+        text[to:to] = text[at : at + rng.randrange(5, 40)]
+    compiled, dicts = NgramIndex(2, 5, native=True), NgramIndex(2, 5, native=False)
+    end = 700  # a prompt, then decode steps
+    while end <= len(text):
+        tokens, k = text[:end], rng.randrange(1, 10)
+        assert compiled.propose(tokens, k) == dicts.propose(tokens, k)
+        tail = [rng.randrange(vocab) for _ in range(rng.randrange(1, 7))]
+        shorter = tokens[: rng.randrange(1, end + 1)]  # `text` shorter than what is indexed: nothing past it
+        assert compiled.continuation(shorter, tail, k) == dicts.continuation(shorter, tail, k)
+        end += rng.randrange(1, 10)
+    assert len(compiled) == len(dicts)
+
+
+def test_the_compiled_index_holds_a_long_prompt_in_a_few_dozen_bytes_a_token() -> None:
+    """The module doc's figure: a copy of the tokens and three tables at most half full, 28-52 bytes a token
+    (the dicts' tables hold ~400)."""
+    if not ngram.compiled_tables():
+        pytest.skip(f"the compiled n-gram tables are unavailable here: {ngram.native_unavailable_reason()}")
+    rng = random.Random(0)
+    tokens = [rng.randrange(49152) for _ in range(8192)] * 2  # the index is sized by positions
+    tracemalloc.start()
+    try:
+        index = NgramIndex(2, 4, native=True)
+        index.extend(tokens)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(index) == len(tokens)
+    assert 28 * len(tokens) <= held <= 56 * len(tokens)
+    assert index.propose(tokens[:8192] + tokens[:3], 4) == tuple(tokens[3:7])  # the second half: its first copy
 
 
 def test_session_outputs_draft_within_one_salted_session_only() -> None:
     store = SessionOutputs(min_n=2, max_n=3)
+    assert store.propose("tenant-a", "agent-1", [10, 11], 3) == ()
     store.record("tenant-a", "agent-1", [10, 11, 12, 13, 14])
     assert store.propose("tenant-a", "agent-1", [99, 11, 12], 3) == (13, 14)  # never past the output's end
     assert store.propose("tenant-b", "agent-1", [99, 11, 12], 3) == ()  # another tenant: nothing

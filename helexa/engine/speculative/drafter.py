@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from helexa.engine.speculative.ngram import NgramIndex
+from helexa.engine.speculative.ngram import NgramIndex, compiled_tables
 from helexa.engine.speculative.sessions import SessionOutputs
 
 __all__ = ["DraftState", "Drafter", "SpecStats", "SPECULATIVE_MODES"]
@@ -120,6 +120,7 @@ class Drafter:
         self.min_n, self.max_n = min_n, max_n
         self.sessions = SessionOutputs(min_n=min_n, max_n=max_n) if mode == "suffix" else None
         self.stats = SpecStats()
+        compiled_tables()  # the prompt-lookup tables built or loaded now, not in a request's first step
 
     def new_state(self) -> DraftState:
         return DraftState(self.min_n, self.max_n, self.num_speculative_tokens)
