@@ -113,7 +113,7 @@ class _Core:
     other end and drops the bytes unparsed (the server's process does that work when serving). Calls go out
     with id 0 (no reply) but `shutdown`, whose reply is the last frame."""
 
-    _ENDS: list = []  # ends kept open until this process exits: the core's reader thread ends the process on EOF
+    _ENDS: list = []  # ends kept open until this process exits: a baseline tree's core reader ended it on EOF
 
     def __init__(self, engine: object) -> None:
         import socket

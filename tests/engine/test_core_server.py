@@ -4,6 +4,7 @@ and a request that ends, by its limit or aborted mid-stream, leaves nothing behi
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -13,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from helexa.engine import Engine
-from helexa.engine.core import process as core_process
 from helexa.engine.core.process import CoreServer
 from helexa.engine.core.wire import ChannelClosed, read_frame, to_plain, write_frame
 from helexa.model.sampling import SamplingParams
@@ -58,16 +58,19 @@ def _finished(event: object) -> bool:
     return reason is not None
 
 
-def test_requests_that_end_or_are_aborted_leave_nothing_in_the_core(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(core_process, "_exit_soon", lambda engine: None)  # the channel's end must not end pytest
-    engine = Engine(tiny_engine_config(tiny_model_dir, num_blocks=256, max_num_seqs=4))
+def _serving(engine: Engine) -> tuple[CoreServer, threading.Thread, socket.socket, socket.socket]:
+    """`engine` started and served by a `CoreServer` on a thread: (the server, its thread, its end, the peer's)."""
     engine.start()
     near, far = socket.socketpair()
     server = CoreServer(engine, near)
     serving = threading.Thread(target=server.serve, daemon=True)
     serving.start()
+    return server, serving, near, far
+
+
+def test_requests_that_end_or_are_aborted_leave_nothing_in_the_core(tiny_model_dir: Path) -> None:
+    engine = Engine(tiny_engine_config(tiny_model_dir, num_blocks=256, max_num_seqs=4))
+    server, serving, near, far = _serving(engine)
     peer = _Peer(far)
     try:
         short = to_plain(SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
@@ -94,3 +97,28 @@ def test_requests_that_end_or_are_aborted_leave_nothing_in_the_core(
         far.close()
         near.close()
         engine.shutdown()
+
+
+def test_an_embedded_core_whose_channel_ends_stops_serving_and_leaves_its_process_alone(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `CoreServer` embedded in another process (this test's, a benchmark's) has no `on_channel_end`: when the
+    server's end closes without a shutdown, `serve` returns and nothing exits the process. (Its reader once
+    looked the core process's exit up at the channel's end: a test's sockets closed as it ended could kill the
+    pytest worker after the test had put its stand-in back.)"""
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)  # an exit is recorded here, not taken
+    engine = Engine(tiny_engine_config(tiny_model_dir, num_blocks=64, max_num_seqs=2))
+    _, serving, near, far = _serving(engine)
+    try:
+        peer = _Peer(far)
+        peer.call(1, "snapshot")
+        peer.wait(lambda: 1 in peer.replies)
+        far.shutdown(socket.SHUT_RDWR)  # the server is gone, no shutdown asked (and the peer's reader wakes)
+        far.close()
+        serving.join(timeout=30)
+        assert not serving.is_alive()  # serve returned; this process goes on
+    finally:
+        near.close()
+        engine.shutdown()
+    assert exits == []

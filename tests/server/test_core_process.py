@@ -198,7 +198,7 @@ def test_no_core_outlives_its_server(tiny_model_dir: Path, sig: signal.Signals) 
 
 @pytest.mark.parametrize("answered", [True, False])
 def test_the_channel_s_end_is_news_only_before_shutdown_is_answered(
-    answered: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    answered: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The server closes the channel once the core has answered `shutdown`, while the core is still exiting:
     that end of stream is expected (no warning). Before the answer it means the server is gone: a
@@ -208,9 +208,8 @@ def test_the_channel_s_end_is_news_only_before_shutdown_is_answered(
     from helexa.engine.core import process
 
     exits: list[object] = []
-    monkeypatch.setattr(process, "_exit_soon", exits.append)
     ours, theirs = socket.socketpair()
-    core = process.CoreServer(mock.MagicMock(), ours)
+    core = process.CoreServer(mock.MagicMock(), ours, on_channel_end=exits.append)
     try:
         core._replied_shutdown = answered
         theirs.close()

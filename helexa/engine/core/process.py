@@ -11,6 +11,7 @@ the engine and exits. Ctrl-C in the terminal reaches the server only; the server
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -57,8 +58,14 @@ class CoreServer:
     admission decides at once) except `flush_prefix_cache` and `shutdown`, which wait for the loop.
     """
 
-    def __init__(self, engine: Engine, sock: socket.socket) -> None:
+    def __init__(
+        self, engine: Engine, sock: socket.socket, on_channel_end: Callable[[Engine], None] | None = None
+    ) -> None:
+        """`on_channel_end(engine)` runs on the reader thread once the channel ends: the core process passes
+        `_exit_soon` (stop the engine, exit the process). A server embedded in another process (a test, a
+        benchmark) leaves it None: the channel's end then stops `serve`'s loop and never ends the process."""
         self.engine, self.sock = engine, sock
+        self._on_channel_end = on_channel_end
         self._write_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._handles: dict[str, RequestHandle] = {}  # not yet ended, by request id
@@ -105,7 +112,11 @@ class CoreServer:
                 logger.debug("engine core: the channel closed after shutdown (%s)", exc)
             else:
                 logger.warning("engine core: the server is gone (%s); stopping", exc)
-            _exit_soon(self.engine)
+            if self._on_channel_end is not None:
+                self._on_channel_end(self.engine)
+            else:
+                with contextlib.suppress(RuntimeError):  # the loop was closed already
+                    self._loop.call_soon_threadsafe(self._loop.stop)
 
     def _answer(self, call_id: int, method: str, args: list[Any]) -> None:
         try:
@@ -267,5 +278,5 @@ def main(argv: list[str] | None = None) -> int:
         "load_seconds": time.perf_counter() - started,
     }
     write_frame(sock, ("ready", info))
-    CoreServer(engine, sock).serve()
+    CoreServer(engine, sock, on_channel_end=_exit_soon).serve()
     return 0
