@@ -1,10 +1,11 @@
-"""helexa's C sources compiled on the machine that runs them, once, into `$HELEXA_HOME/build/`.
+"""helexa's C sources compiled on the machine that runs them, once per source, compiler and flags.
 
-    path = compile_library("ngram", [CSRC / "ngram.c"], ["-O2", "-fPIC", "-shared"])
+    path = compile_library("ngram", [CSRC / "ngram.c"], ["-O2", "-fPIC", "-shared"], out_dir=home / "build")
     lib = ctypes.CDLL(str(path))
 
-The library's file name carries a hash of its sources, the compiler and the flags, so a changed source
-(or flag) builds a new library and an unchanged one is never rebuilt. A build writes into a temporary
+Callers put their libraries in `$HELEXA_HOME/build/` (`helexa.model.weights.pull.helexa_home`). The
+library's file name carries a hash of its sources, the compiler and the flags, so a changed source (or
+flag) builds a new library and an unchanged one is never rebuilt. A build writes into a temporary
 directory beside the target and renames it into place, so processes building the same library at once
 (test workers, a server and its engine core) each end with a complete file.
 """
@@ -19,8 +20,6 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-
-from helexa.model.weights.pull import helexa_home
 
 __all__ = ["compile_library", "compiler"]
 
@@ -38,18 +37,18 @@ def compile_library(
     flags: Sequence[str],
     libs: Sequence[str] = (),
     *,
+    out_dir: Path,
     headers: Sequence[Path] = (),
     compiler_path: str | None = None,
 ) -> Path:
-    """The shared library `<stem>-<hash>.so` built from `sources` with `flags` (and linked with `libs`),
-    compiling it unless this exact build exists already. `headers` count towards the hash (a changed
+    """The shared library `out_dir/<stem>-<hash>.so` built from `sources` with `flags` (and linked with
+    `libs`), compiling it unless this exact build exists already. `headers` count towards the hash (a changed
     header rebuilds). `RuntimeError` without a compiler or with the compiler's message when it fails."""
     cc = compiler_path or compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc or $CC)")
     text = b"".join(p.read_bytes() for p in [*sources, *headers])
     key = hashlib.sha256(text + " ".join([cc, *flags, *libs]).encode()).hexdigest()[:16]
-    out_dir = helexa_home() / "build"
     target = out_dir / f"{stem}-{key}.so"
     if target.exists():
         return target

@@ -13,7 +13,7 @@ Rules:
 2. No upward import. Layers, bottom to top (each line may import the lines above it, and its own unit):
 
        helexa._version      the version string alone
-       helexa.values        plain checks and parsers (beside it: heap, lazy)
+       helexa.values        plain checks and parsers (beside it: heap, lazy, cbuild)
        helexa.config        the configuration tree (built on values)
        helexa.kvprotocol    what admission and the KV owner say to each other (plain Python)
        helexa.kernels       Triton kernels and their references
@@ -49,7 +49,7 @@ PACKAGE = REPO / "helexa"
 
 LAYERS: list[tuple[str, ...]] = [
     ("helexa._version",),
-    ("helexa.values", "helexa.heap", "helexa.lazy"),
+    ("helexa.values", "helexa.heap", "helexa.lazy", "helexa.cbuild"),
     ("helexa.config",),
     ("helexa.kvprotocol",),
     ("helexa.kernels",),

@@ -40,9 +40,11 @@ _MIN_SLOTS = 16  # a table's first size (a power of two)
 def _native() -> tuple[ctypes.CDLL | None, str]:
     """(the compiled tables' library, "") or (None, why not): built once per process (see the module doc)."""
     from helexa import cbuild  # noqa: PLC0415 — only the first index of a process builds or loads it
+    from helexa.model.weights.pull import helexa_home  # noqa: PLC0415
 
     try:
-        lib = ctypes.CDLL(str(cbuild.compile_library("ngram", [_CSRC / "ngram.c"], _FLAGS)))
+        library = cbuild.compile_library("ngram", [_CSRC / "ngram.c"], _FLAGS, out_dir=helexa_home() / "build")
+        lib = ctypes.CDLL(str(library))
     except (OSError, RuntimeError) as exc:
         _log.warning("speculative: prompt lookup keeps its index in Python dicts (no compiled tables: %s)", exc)
         return None, str(exc)

@@ -33,6 +33,7 @@ import torch
 from helexa import cbuild
 from helexa.model.quant import hugepages, isa
 from helexa.model.quant.weight import QuantizedWeight
+from helexa.model.weights.pull import helexa_home
 
 __all__ = [
     "argmax_rows",
@@ -77,7 +78,13 @@ def build(path: isa.KernelPath, compiler: str | None = None, csrc: Path = CSRC) 
     flags = [*_FLAGS, *path.compile_flags]
     sources = [csrc / name for name in _SOURCES]
     library = cbuild.compile_library(
-        f"wq_gemm-{path.name}", sources, flags, _LIBS, headers=sorted(csrc.glob("*.h")), compiler_path=compiler
+        f"wq_gemm-{path.name}",
+        sources,
+        flags,
+        _LIBS,
+        out_dir=helexa_home() / "build",
+        headers=sorted(csrc.glob("*.h")),
+        compiler_path=compiler,
     )
     _log.debug("quant: the CPU kernel %s", library)
     return library
