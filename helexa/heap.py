@@ -61,7 +61,7 @@ __all__ = [
 
 LARGE_BLOCK_BYTES = 2 << 20  # `return_large_blocks`: from this size a block is mapped, and unmapped at free
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc malloc.h)
-HEAP_SLACK_BYTES = 4 << 20  # `HeapLevel`: resident growth that sends the heap's free pages back
+HEAP_SLACK_BYTES = 2 << 20  # `HeapLevel`: resident growth that sends the heap's free pages back
 HEAP_TRIM_INTERVAL_SECS = 0.25  # `HeapLevel`: at most one trim in this long
 
 
@@ -166,11 +166,14 @@ class HeapLevel:
     that grew the resident set 20 MiB over its level after load, nearly all of it free heap (malloc_trim
     took 11.1 of a 16-stream run's 11.8 MiB back). `check`, called once per step, reads the resident set
     (`resident_bytes`, ~1.5 us) and when it has grown `slack` bytes over its lowest level since the last
-    trim, runs `release_free_pages` (milliseconds), so
-    free heap never holds more than about `slack` resident for long. At most one trim runs per `interval`
-    seconds: a step whose own working set in the heap is larger than `slack` would otherwise trim, and
-    fault the pages back in, every step (measured at a 2 MiB slack on the default model: 268 trims where
-    4 MiB made 15). It frees nothing in use, and where /proc or malloc_trim is missing it does nothing.
+    trim, runs `release_free_pages` (milliseconds), so free heap never holds more than about `slack`
+    resident for long. At most one trim runs per `interval` seconds: a step whose own working set in the
+    heap is larger than `slack` would otherwise trim, and fault the pages back in, every step. On 2026-12-03
+    a 2 MiB slack made 268 trims where 4 MiB made 15 (the steps' heap working set was 2-4 MiB). Since the
+    steps keep their buffers, through the peers benchmark's runs on the default model 2 MiB made 6-13 trims
+    where 4 MiB made 2-3, and the peak RSS's median over four runs each went from 551.6 to 547.1 MiB (0.5
+    and 1.5 lower in the two alternating pairs). It frees nothing in use, and where /proc or malloc_trim is
+    missing it does nothing.
     """
 
     def __init__(self, slack: int = HEAP_SLACK_BYTES, interval: float = HEAP_TRIM_INTERVAL_SECS) -> None:
