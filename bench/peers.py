@@ -310,6 +310,8 @@ def measure_helexa(plan: dict[str, Any], model_dir: str, engine_args: dict[str, 
     result["kv_bytes"] = budget.bytes_per_block * budget.num_blocks
     result["kv_dtype"] = str(llm.engine.pool.dtype).removeprefix("torch.")
     result["kernel_path"] = native.kernel_path()
+    heap = llm.engine.heap  # what handing freed heap back cost: how often, and how much it took off
+    result["heap_trims"], result["heap_released_mib"] = heap.trims, heap.released / 2**20
     result["memory_end"] = memory_mib()
     llm.close()
     return result
