@@ -86,17 +86,9 @@ def step_seconds(ids: list[int], length: int, native: bool, steps: int) -> tuple
 
 def session_store_bytes(ids: list[int], native: bool, sessions_count: int) -> tuple[int, int]:
     """(bytes the session store holds at its default bounds, tokens kept)."""
-    original = ngram.NgramIndex
-
-    def made(min_n: int, max_n: int) -> NgramIndex:
-        return original(min_n, max_n, native=native)
-
-    import helexa.engine.speculative.sessions as sessions
-
-    sessions.NgramIndex = made  # type: ignore[assignment, misc]
     tracemalloc.start()
     try:
-        store = SessionOutputs()
+        store = SessionOutputs(native=native)
         for s in range(sessions_count):
             for turn in range(4):
                 at = ((s * 4 + turn) * 4000) % (len(ids) - 4000)
@@ -106,7 +98,6 @@ def session_store_bytes(ids: list[int], native: bool, sessions_count: int) -> tu
         return tracemalloc.get_traced_memory()[0], store.num_tokens
     finally:
         tracemalloc.stop()
-        sessions.NgramIndex = original  # type: ignore[misc]
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> str:

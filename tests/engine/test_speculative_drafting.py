@@ -126,8 +126,8 @@ def test_the_compiled_index_holds_a_long_prompt_in_a_few_dozen_bytes_a_token() -
     assert index.propose(tokens[:8192] + tokens[:3], 4) == tuple(tokens[3:7])  # the second half: its first copy
 
 
-def test_session_outputs_draft_within_one_salted_session_only() -> None:
-    store = SessionOutputs(min_n=2, max_n=3)
+def test_session_outputs_draft_within_one_salted_session_only(native: bool) -> None:
+    store = SessionOutputs(min_n=2, max_n=3, native=native)
     assert store.propose("tenant-a", "agent-1", [10, 11], 3) == ()
     store.record("tenant-a", "agent-1", [10, 11, 12, 13, 14])
     assert store.propose("tenant-a", "agent-1", [99, 11, 12], 3) == (13, 14)  # never past the output's end
@@ -138,8 +138,8 @@ def test_session_outputs_draft_within_one_salted_session_only() -> None:
     assert store.propose("tenant-a", "agent-1", [11, 12], 3) == (20,)
 
 
-def test_session_outputs_are_bounded_per_session_and_in_all() -> None:
-    store = SessionOutputs(min_n=2, max_n=2, max_session_tokens=8, max_tokens=12)
+def test_session_outputs_are_bounded_per_session_and_in_all(native: bool) -> None:
+    store = SessionOutputs(min_n=2, max_n=2, max_session_tokens=8, max_tokens=12, native=native)
     store.record(None, "s1", [1, 2, 3, 4])
     store.record(None, "s1", [5, 6, 7, 8])  # 10 tokens with separators: the oldest output goes
     assert store.num_tokens <= 8

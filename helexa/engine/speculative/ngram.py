@@ -84,16 +84,14 @@ class _CompiledTables:
 
     def add(self, tokens: Sequence[int], copy: array, start: int, end: int) -> None:
         """Index the n-grams followed by a token at `start <= i < end` (`copy` holds the first `end` tokens)."""
-        base = copy.buffer_info()[0]
         cap = self._layout[2]
-        if 2 * end > cap:  # grow first, re-indexing what came before `start` into the larger tables
+        if 2 * end > cap:  # larger tables, indexed afresh from the first token
             while 2 * end > cap:
                 cap *= 2
             self._tables = [array("i", [-1]) * cap for _ in self._tables]
             self._addresses[:] = array("Q", [t.buffer_info()[0] for t in self._tables])
-            self._layout[2] = cap
-            self._lib.helexa_ngram_extend(self._at, base, 0, start)
-        self._lib.helexa_ngram_extend(self._at, base, start, end)
+            self._layout[2], start = cap, 0
+        self._lib.helexa_ngram_extend(self._at, copy.buffer_info()[0], start, end)
 
     def find(self, copy: array, tail: array, end: int) -> int:
         """The position after the latest indexed occurrence of `tail`'s longest suffix (see NgramIndex),

@@ -41,9 +41,16 @@ class SessionOutputs:
     used first)."""
 
     def __init__(
-        self, *, min_n: int = 2, max_n: int = 4, max_session_tokens: int = 16_384, max_tokens: int = 1 << 18
+        self,
+        *,
+        min_n: int = 2,
+        max_n: int = 4,
+        max_session_tokens: int = 16_384,
+        max_tokens: int = 1 << 18,
+        native: bool | None = None,
     ) -> None:
-        self.min_n, self.max_n = min_n, max_n
+        """`native`: which tables the sessions' indexes keep (`NgramIndex`'s argument)."""
+        self.min_n, self.max_n, self.native = min_n, max_n, native
         self.max_session_tokens = check_int(max_session_tokens, "max_session_tokens", 2)
         self.max_tokens = check_int(max_tokens, "max_tokens", 1)
         self._sessions: OrderedDict[SessionKey, _Session] = OrderedDict()
@@ -86,7 +93,7 @@ class SessionOutputs:
             return ()
         self._sessions.move_to_end((salt, session))
         if s.index is None:
-            s.index = NgramIndex(self.min_n, self.max_n)
+            s.index = NgramIndex(self.min_n, self.max_n, native=self.native)
         s.index.extend(s.tokens)
         draft = s.index.continuation(s.tokens, tail, k)
         return draft[: draft.index(_SEPARATOR)] if _SEPARATOR in draft else draft
