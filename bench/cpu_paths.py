@@ -161,7 +161,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_path = args.model or resolve_model(DEFAULT_MODEL)
     head = (
-        f"CPU: {cpu_name()}; {args.threads} threads; kernel path chosen: {native.kernel_path()} "
+        f"CPU: {cpu_name()}; {args.threads} threads; kernel path chosen: {native.describe_path()} "
         f"(paths this CPU runs: {', '.join(p.name for p in isa.candidates('auto')[0])}); model {model_path.name}"
     )
     print(head, flush=True)

@@ -590,7 +590,7 @@ def report(runs: list[ModelRun], args: argparse.Namespace) -> str:
     lines = [
         f"# helexa vs llama.cpp — {time.strftime('%Y-%m-%d %H:%M')}, CPU, {args.threads} threads",
         "",
-        f"CPU: {cpu_name()}; helexa kernel path: {native.kernel_path()}; llama.cpp: llama-cpp-python's sources "
+        f"CPU: {cpu_name()}; helexa kernel path: {native.describe_path()}; llama.cpp: llama-cpp-python's sources "
         f"built natively for this CPU (GGML_NATIVE=ON, bench/setup_llama_cpp.sh; extra buffer types "
         f"{'off: this CPU has AMX, whose buffer type segfaulted on an AMX Xeon' if cpu_has_amx() else 'on'}); "
         f"measured read bandwidth {args.read_bandwidth / 1e9:.1f} GB/s "

@@ -434,7 +434,7 @@ def _finish(model: CausalLM, device: torch.device, quantization: str, mixed: lis
     quantized = quantized_modules(model)
     if quantized and device.type == "cpu":
         why = native.unavailable_reason()
-        log.info(f"model: cpu kernels {native.kernel_path()}{f' ({why})' if why else ''}")
+        log.info(f"model: cpu kernels {f'torch ({why})' if why else native.describe_path()}")
         model.native_step, why_not = native_step_for(model)
         log.info(f"model: fused CPU step {'on' if model.native_step else f'off ({why_not})'}")
     if mixed or skipped:

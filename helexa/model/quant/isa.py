@@ -13,7 +13,10 @@ it (never an illegal instruction: a library whose instructions the CPU lacks is 
   GEMM of 16 rows or more (prefill, large batches) takes each whole tile of 16 rows by AMX (one
   `tdpbsud`/`tdpbssd` per 16 rows x 16 columns x 32 k), the rest as `avx512_vnni`. Linux must grant the
   process the tile state (`arch_prctl`, Linux 5.16+); where it does not, the path is refused with the
-  reason and the next one runs.
+  reason and the next one runs. Before a process uses it, a child process checks it against
+  `avx512_vnni` on this CPU (`helexa.model.quant.pathcheck`): the same bits on random GEMMs, and, unless
+  `HELEXA_CPU_KERNELS` names it, less time on a prefill-sized one; a path that fails is passed over
+  with the reason (a fault ends the child, not the engine).
 
 `candidates()` lists the paths the CPU reports (`/proc/cpuinfo` flags, which Linux clears for state
 the OS does not save), best first, or the one `HELEXA_CPU_KERNELS` names (`auto`, the default, or a
@@ -45,6 +48,9 @@ class KernelPath:
     name: str
     compile_flags: tuple[str, ...]
     cpu_flags: frozenset[str]
+    # the path this one must match bit for bit on this CPU (and, chosen automatically, beat on a prefill GEMM)
+    # before a process uses it: `helexa.model.quant.pathcheck`
+    checked_against: str | None = None
 
 
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
@@ -58,7 +64,9 @@ PATHS: dict[str, KernelPath] = {
     for p in (
         KernelPath("avx2", _AVX2, frozenset({"avx2", "fma", "f16c"})),
         KernelPath("avx512_vnni", _AVX2 + _AVX512, _VNNI_FLAGS),
-        KernelPath("avx512_amx", _AVX2 + _AVX512 + _AMX, _VNNI_FLAGS | {"amx_tile", "amx_int8"}),
+        KernelPath(
+            "avx512_amx", _AVX2 + _AVX512 + _AMX, _VNNI_FLAGS | {"amx_tile", "amx_int8"}, checked_against="avx512_vnni"
+        ),
     )
 }
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from helexa import cbuild
-from helexa.model.quant import hugepages, isa
+from helexa.model.quant import hugepages, isa, pathcheck
 from helexa.model.quant.weight import QuantizedWeight
 from helexa.model.weights.pull import helexa_home
 
@@ -44,11 +44,13 @@ __all__ = [
     "available",
     "build",
     "dequantize_rows",
+    "describe_path",
     "int4_gemm",
     "int8_gemm",
     "kernel_path",
     "library",
     "load_path",
+    "passed_over",
     "quantize_activations",
     "supports",
     "tile_int4",
@@ -91,17 +93,22 @@ def build(path: isa.KernelPath, compiler: str | None = None, csrc: Path = CSRC) 
 
 
 @functools.cache
-def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
+def _load(name: str, timed: bool) -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library of path `name`, "") or (None, why not). Only called for a path the CPU runs."""
-    return load_path(isa.PATHS[name])
+    return load_path(isa.PATHS[name], timed=timed)
 
 
-def load_path(path: isa.KernelPath, csrc: Path = CSRC) -> tuple[ctypes.CDLL | None, str]:
+def load_path(path: isa.KernelPath, csrc: Path = CSRC, *, timed: bool = False) -> tuple[ctypes.CDLL | None, str]:
     """(path's library, built from `csrc` and loaded with its functions' signatures set, "") or (None, why
     not). An AMX path asks Linux for the tile state first and is refused, with the reason, where Linux says
-    no. Run it only on a CPU that reports `path.cpu_flags` (`isa.missing`)."""
+    no. A path with `checked_against` is refused, with the reason, unless `pathcheck.check` (a child
+    process) finds it gives that path's bits on this CPU and, with `timed` (a path chosen automatically;
+    not a benchmark's or a test's own choice), is faster; no GEMM of it runs in this process before that.
+    Run it only on a CPU that reports `path.cpu_flags` (`isa.missing`)."""
     try:
-        lib = ctypes.CDLL(str(build(path, csrc=csrc)))
+        built = build(path, csrc=csrc)
+        reference = build(isa.PATHS[path.checked_against], csrc=csrc) if path.checked_against else None
+        lib = ctypes.CDLL(str(built))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"building it failed: {exc}"
     # Every library answers: 0 an AMX build now granted the tile state, 1 a build without AMX, -errno refused.
@@ -112,6 +119,19 @@ def load_path(path: isa.KernelPath, csrc: Path = CSRC) -> tuple[ctypes.CDLL | No
         if rc == -errno.ENOSPC:  # Linux checks every thread's sigaltstack against AMX's larger signal frame
             why += ": a thread's alternate signal stack is too small for AMX's signal frame"
         return None, f"Linux did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM: {why})"
+    if reference is not None:
+        found = pathcheck.check(built, reference, timed=timed)
+        if not found.passed:
+            return None, found.why
+        if found.candidate_ms is not None:
+            _log.info(
+                "quant: the CPU kernel path %s checked against %s: the same bits; %.2f ms against %.2f ms on a "
+                "prefill GEMM",
+                path.name,
+                path.checked_against,
+                found.candidate_ms,
+                found.reference_ms,
+            )
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.helexa_int4_gemm.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, p]
     lib.helexa_int8_gemm.argtypes = [p, i64, i64, p, p, i64, i64, i64, p]
@@ -144,7 +164,9 @@ def _library() -> tuple[ctypes.CDLL | None, str, str]:
 @functools.cache
 def _resolve(kernel: str, want: str) -> tuple[ctypes.CDLL | None, str, str]:
     """`_library()` for these values of HELEXA_CPU_QUANT_KERNEL and HELEXA_CPU_KERNELS: the first of
-    `isa.candidates(want)` that builds."""
+    `isa.candidates(want)` that builds (and passes its check: timed only when chosen automatically; a path
+    named by HELEXA_CPU_KERNELS must give the same bits, not win). Each path passed over is logged and
+    kept in `_passed_over`."""
     if kernel == "torch":
         return None, "", "HELEXA_CPU_QUANT_KERNEL=torch"
     paths, why = isa.candidates(want)
@@ -153,11 +175,29 @@ def _resolve(kernel: str, want: str) -> tuple[ctypes.CDLL | None, str, str]:
     if cbuild.compiler() is None:
         return None, "", "no C compiler (cc or $CC) to build it"
     for path in paths:
-        lib, why = _load(path.name)
+        lib, why = _load(path.name, want == "auto")
         if lib is not None:
             return lib, path.name, ""
-        _log.warning("quant: the CPU kernel path %s is unavailable: %s", path.name, why)
+        _passed_over[path.name] = why
+        _log.warning("quant: the CPU kernel path %s is passed over: %s", path.name, why)
     return None, "", why
+
+
+_passed_over: dict[str, str] = {}  # path name -> why `_resolve` passed it over, in this process
+
+
+def passed_over() -> dict[str, str]:
+    """The paths this CPU reports that this process passed over (their build, the OS or their check
+    refused them), each with the reason: what a benchmark prints beside `kernel_path()`."""
+    _library()
+    return dict(_passed_over)
+
+
+def describe_path() -> str:
+    """`kernel_path()` with each path passed over and why, for a log line or a benchmark's table
+    ("avx512_vnni (avx512_amx passed over: slower here than ...)")."""
+    notes = "; ".join(f"{name} passed over: {why}" for name, why in passed_over().items())
+    return f"{kernel_path()}{f' ({notes})' if notes else ''}"
 
 
 def kernel_path() -> str:
