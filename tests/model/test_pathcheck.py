@@ -17,9 +17,16 @@ from helexa.model.quant import isa, native, pathcheck
 _STAND_IN = r"""
 #include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <time.h>
+#include <unistd.h>
 
 int helexa_amx_enable(void) {
+#ifdef CHATTY
+    printf("a library that prints, then ends its process\n");
+    fflush(stdout);
+    _exit(0);
+#endif
 #ifdef REFUSED
     return -1; /* -EPERM */
 #else
@@ -108,6 +115,11 @@ def test_a_path_that_faults_ends_the_child_not_this_process(stand_in) -> None:
 def test_a_path_refused_the_tile_state_is_refused(stand_in) -> None:
     found = pathcheck.check(stand_in("REFUSED"), stand_in(), timed=False)
     assert found.why == "Linux refused the AMX tile state (errno 1)"
+
+
+def test_a_child_that_ends_without_a_verdict_is_a_refusal_not_an_error(stand_in) -> None:
+    found = pathcheck.check(stand_in("CHATTY"), stand_in(), timed=False)
+    assert found.why == "its check process printed no verdict: 'a library that prints, then ends its process'"
 
 
 def test_timed_the_slower_path_is_refused_and_the_faster_passes(stand_in) -> None:

@@ -85,7 +85,11 @@ def check(
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         return PathCheck(f"its check process exited with status {done.returncode}{_tail(done.stderr)}")
-    found = json.loads(lines[-1])
+    try:
+        found = json.loads(lines[-1])
+        found["error"]
+    except (ValueError, TypeError, KeyError):
+        return PathCheck(f"its check process printed no verdict: {lines[-1][-300:]!r}")
     if found["error"]:
         return PathCheck(found["error"])
     a, b = found.get("candidate_ms"), found.get("reference_ms")
