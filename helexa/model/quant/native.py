@@ -158,7 +158,12 @@ def load_path(path: isa.KernelPath, csrc: Path = CSRC, *, timed: bool = False) -
 
 def _library() -> tuple[ctypes.CDLL | None, str, str]:
     """(the loaded library, its path's name, "") or (None, "", why not), for the environment now."""
-    return _resolve(os.environ.get("HELEXA_CPU_QUANT_KERNEL", "auto"), os.environ.get(isa.ENV, "auto"))
+    return _resolve(*_settings())
+
+
+def _settings() -> tuple[str, str]:
+    """The values of HELEXA_CPU_QUANT_KERNEL and HELEXA_CPU_KERNELS now ("auto" when unset)."""
+    return os.environ.get("HELEXA_CPU_QUANT_KERNEL", "auto"), os.environ.get(isa.ENV, "auto")
 
 
 @functools.cache
@@ -166,7 +171,7 @@ def _resolve(kernel: str, want: str) -> tuple[ctypes.CDLL | None, str, str]:
     """`_library()` for these values of HELEXA_CPU_QUANT_KERNEL and HELEXA_CPU_KERNELS: the first of
     `isa.candidates(want)` that builds (and passes its check: timed only when chosen automatically; a path
     named by HELEXA_CPU_KERNELS must give the same bits, not win). Each path passed over is logged and
-    kept in `_passed_over`."""
+    kept in `_passed_over[(kernel, want)]`."""
     if kernel == "torch":
         return None, "", "HELEXA_CPU_QUANT_KERNEL=torch"
     paths, why = isa.candidates(want)
@@ -174,23 +179,25 @@ def _resolve(kernel: str, want: str) -> tuple[ctypes.CDLL | None, str, str]:
         return None, "", why
     if cbuild.compiler() is None:
         return None, "", "no C compiler (cc or $CC) to build it"
+    passed = _passed_over.setdefault((kernel, want), {})
     for path in paths:
         lib, why = _load(path.name, want == "auto")
         if lib is not None:
             return lib, path.name, ""
-        _passed_over[path.name] = why
+        passed[path.name] = why
         _log.warning("quant: the CPU kernel path %s is passed over: %s", path.name, why)
     return None, "", why
 
 
-_passed_over: dict[str, str] = {}  # path name -> why `_resolve` passed it over, in this process
+# (HELEXA_CPU_QUANT_KERNEL, HELEXA_CPU_KERNELS) -> {path name: why `_resolve` passed it over for those values}
+_passed_over: dict[tuple[str, str], dict[str, str]] = {}
 
 
 def passed_over() -> dict[str, str]:
-    """The paths this CPU reports that this process passed over (their build, the OS or their check
-    refused them), each with the reason: what a benchmark prints beside `kernel_path()`."""
+    """The paths this CPU reports that this process passed over for the environment now (their build, the OS
+    or their check refused them), each with the reason: what a benchmark prints beside `kernel_path()`."""
     _library()
-    return dict(_passed_over)
+    return dict(_passed_over.get(_settings(), {}))
 
 
 def describe_path() -> str:
