@@ -20,10 +20,22 @@ class Subscriber:
         self.sock.setsockopt(zmq.RCVHWM, 0)  # keep everything until the test reads it
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SUBSCRIBE, topic)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)  # before connect: no event missed
+        self._joined = False
         self.sock.connect(endpoint)
         self.replay_endpoint = replay_endpoint
         self.live: dict[int, bytes] = {}  # seq -> payload, as received on the live stream
         self.topics: set[bytes] = set()
+
+    def wait_joined(self, timeout: float = 10.0) -> None:
+        """Wait until the SUB socket's connection to the publisher has finished its handshake, after which its
+        subscription is on the wire. A PUB drops what it sends before the subscription reached it (ZMQ's slow
+        joiner), so a test that needs the live stream from a given batch on waits here before that batch is made."""
+        if not self._joined:
+            if not self._monitor.poll(int(timeout * 1000)):
+                raise AssertionError(f"the subscriber did not connect within {timeout}s")
+            self._monitor.recv_multipart()
+            self._joined = True
 
     def receive(self, until_seq: int, timeout: float = 10.0) -> None:
         """Read the live stream until a message with sequence number >= `until_seq` arrived."""
@@ -62,6 +74,8 @@ class Subscriber:
             dealer.close()
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self._monitor.close(linger=0)
         self.sock.close()
 
 

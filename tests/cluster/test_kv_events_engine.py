@@ -124,6 +124,7 @@ def test_the_wire_carries_vllms_positional_layout(tiny_model_dir) -> None:
     assert engine.kv_events is not None
     sub = Subscriber(engine.kv_events.publisher.endpoint, engine.kv_events.publisher.replay_endpoint)
     try:
+        sub.wait_joined()  # this test reads the run's last batch live
         prompt = list(range(10, 31))  # 5 full blocks of 4 and one token more
         _run(engine, [(prompt, SamplingParams(max_tokens=3, temperature=0.0), None, None)], {})
         last = _settle(engine)
